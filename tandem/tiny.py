@@ -1,0 +1,112 @@
+"""Tiny checkpoints built locally: a Qwen2-architecture causal LM, a character tokenizer, a scalar-head model.
+
+Nothing here touches a hub. The models are random-weight but real Hugging Face checkpoints saved with
+``save_pretrained``, so every engine and the learner load them by path exactly as they would a 7B model.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+)
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIALS = [PAD, BOS, EOS, UNK]
+# Characters of every shipped toy task and the chat template: digits, lowercase, a little punctuation.
+ALPHABET = list(string.digits + string.ascii_lowercase + " :=+-*?,.!'\n")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _byte_level(ch: str) -> str:
+    """GPT-2/Qwen2 byte-level spelling of a one-byte character (space is 'Ġ', newline is 'Ċ')."""
+    (b,) = ch.encode()
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sum(1 for x in range(b) if x not in printable))
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer without merges (one token per character), made with `tokenizers`.
+
+    It has the same pipeline as Qwen2's own tokenizer (byte-level pre-tokenisation, BPE), so transformers'
+    ``Qwen2Tokenizer`` reloads it faithfully by path, as it would a real Qwen2 checkpoint's.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({_byte_level(ch): len(SPECIALS) + i for i, ch in enumerate(ALPHABET)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(
+    vocab_size: int,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_pos: int = 512,
+) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=True,
+        pad_token_id=SPECIALS.index(PAD),
+        bos_token_id=SPECIALS.index(BOS),
+        eos_token_id=SPECIALS.index(EOS),
+        torch_dtype="float32",
+    )
+
+
+def make_tiny(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> dict[str, Path]:
+    """Build and save ``actor/`` (causal LM) and ``critic/`` (scalar head; doubles as a reward model).
+
+    Returns the paths. Idempotent in content: the same seed gives the same weights.
+    """
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    cfg = tiny_config(len(tokenizer), hidden=hidden, layers=layers)
+    torch.manual_seed(seed)
+    actor = Qwen2ForCausalLM(cfg)
+    torch.manual_seed(seed + 1)
+    critic_cfg = Qwen2Config.from_dict(
+        {**cfg.to_dict(), "num_labels": 1, "id2label": {0: "score"}, "label2id": {"score": 0}}
+    )
+    critic = Qwen2ForSequenceClassification(critic_cfg)
+    paths = {"actor": out / "actor", "critic": out / "critic"}
+    for name, model in (("actor", actor), ("critic", critic)):
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    return paths
