@@ -6,6 +6,7 @@ wandb disabled and no Redis it does nothing. Keys are namespaced (``reward/mean`
 Run-level Redis keys every process shares (all prefixed by the run id):
 - ``{run}:ready:{proc}``  JSON set once the process is ready (pid, and the HTTP port for servers);
 - ``{run}:stats:{proc}``  hash of the latest metric values (JSON numbers), read by launch.py's console;
+- ``{run}:history:{proc}`` list of every logged row (JSON, with ``step`` and ``time``), for the summary and plots;
 - ``{run}:stop``          set by launch.py to ask every process to finish cleanly.
 """
 
@@ -22,6 +23,7 @@ import redis
 from tandem.config import Config
 
 log = logging.getLogger(__name__)
+HISTORY_LEN = 100_000
 
 
 def ready_key(run: str, proc: str) -> str:
@@ -30,6 +32,10 @@ def ready_key(run: str, proc: str) -> str:
 
 def stats_key(run: str, proc: str) -> str:
     return f"{run}:stats:{proc}"
+
+
+def history_key(run: str, proc: str) -> str:
+    return f"{run}:history:{proc}"
 
 
 def stop_key(run: str) -> str:
@@ -87,8 +93,14 @@ class Telemetry:
             payload = {k: json.dumps(float(v)) for k, v in metrics.items() if isinstance(v, (int, float))}
             if step is not None:
                 payload["step"] = json.dumps(step)
+            row = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+            row.update(step=step, time=time.time())
             try:
-                self.client.hset(stats_key(self.run, self.proc), mapping=payload)
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hset(stats_key(self.run, self.proc), mapping=payload)
+                pipe.rpush(history_key(self.run, self.proc), json.dumps(row))
+                pipe.ltrim(history_key(self.run, self.proc), -HISTORY_LEN, -1)
+                pipe.execute()
             except redis.RedisError as e:  # the console view is best-effort; training goes on
                 log.warning("could not mirror metrics to redis: %s", e)
 

@@ -1,0 +1,132 @@
+"""Tiny checkpoints, toy tasks, reward plug-ins and the prompt dataset."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from tandem.config import RewardConfig, RewardFunction
+from tandem.data import DatasetError, load_prompts, write_prompts
+from tandem.rewards import RewardFunctions, load_callable
+from tandem.tasks import echo, make_records, reverse
+
+
+def test_tiny_checkpoint_reloads_by_path_offline(tiny_ckpt: dict[str, Path]) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt["actor"], local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"], local_files_only=True)
+    ids = tok("rev 1 2\n=")["input_ids"]
+    assert tok.decode(ids) == "rev 1 2\n="  # one token per character, spaces and newlines kept
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None
+    logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), model.config.vocab_size)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat == "user: hi\nassistant: "
+
+
+def test_tiny_critic_has_scalar_head(tiny_ckpt: dict[str, Path]) -> None:
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_ckpt["critic"], local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt["critic"], local_files_only=True)
+    out = critic(torch.tensor([tok("say a:")["input_ids"]]))
+    assert out.logits.shape == (1, 1)
+
+
+def test_tiny_is_deterministic_in_seed(tmp_path: Path) -> None:
+    from tandem.tiny import make_tiny
+
+    a = AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / "a", seed=3)["actor"])
+    b = AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / "b", seed=3)["actor"])
+    c = AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / "c", seed=4)["actor"])
+    wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
+    assert torch.equal(wa, wb)
+    assert not torch.equal(wa, wc)
+
+
+def test_echo_reward_by_hand() -> None:
+    rec = {"letter": "b"}
+    assert echo.reward("say b:", "bbbbbbbb", rec) == 1.0
+    assert echo.reward("say b:", "bbbbxxxx", rec) == 0.5  # 4 of 8
+    assert echo.reward("say b:", "bb", rec) == 0.25  # short: 2 of 8
+    assert echo.reward("say b:", "bbbbbbbbbbbb", rec) == 1.0  # only the first 8 count
+
+
+@pytest.mark.parametrize("completion", ["", None, 123, "\x00\xff", "b" * 10_000])
+@pytest.mark.parametrize("record", [{}, {"letter": 5}, {"letter": "bb"}, None, {"answer": None}])
+def test_rewards_never_raise_on_malformed_input(completion, record) -> None:
+    assert echo.reward("p", completion, record) == 0.0
+    out = reverse.reward("p", completion, record)
+    assert set(out) == {"exact", "digits", "format"}
+    assert all(v == 0.0 for v in out.values())
+
+
+def test_reverse_reward_by_hand() -> None:
+    rec = {"answer": "1704"}
+    assert reverse.reward("rev 4071=", "1704", rec) == {"exact": 1.0, "digits": 1.0, "format": 1.0}
+    assert reverse.reward("rev 4071=", "1700", rec) == {"exact": 0.0, "digits": 0.75, "format": 1.0}
+    assert reverse.reward("rev 4071=", "17", rec) == {"exact": 0.0, "digits": 0.5, "format": 0.0}
+
+
+def test_task_records_are_deterministic_and_consistent() -> None:
+    a, b = make_records("reverse", 50, seed=1), make_records("reverse", 50, seed=1)
+    assert a == b
+    for r in a:
+        digits = r["prompt"][len("rev ") : -1]
+        assert r["answer"] == digits[::-1]
+    for r in make_records("echo", 20, seed=2):
+        assert r["prompt"] == f"say {r['letter']}:" and r["answer"] == r["letter"] * echo.TARGET_LEN
+
+
+def test_random_policy_scores_near_the_floor_on_echo(tiny_ckpt: dict[str, Path]) -> None:
+    """The demo claims the reward rises from near its floor: check the floor with the real tokenizer."""
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt["actor"])
+    rng = random.Random(0)
+    vocab = [tok.decode([i]) for i in range(len(tok)) if i not in tok.all_special_ids]
+    scores = [
+        echo.reward("", "".join(rng.choice(vocab) for _ in range(8)), {"letter": "a"}) for _ in range(2000)
+    ]
+    assert sum(scores) / len(scores) < 0.05
+
+
+def test_reward_functions_weight_name_and_isolate_failures() -> None:
+    cfg = RewardConfig(
+        functions=[
+            RewardFunction(path="tandem.tasks.echo:reward", weight=2.0),
+            RewardFunction(path="tandem.tasks.reverse:reward", weight=1.0),
+            RewardFunction(path="json:loads", weight=1.0),  # raises TypeError on these args: scored 0
+        ]
+    )
+    rf = RewardFunctions(cfg)
+    total, parts = rf.score("say a:", "aaaa", {"letter": "a", "answer": "aaaa"})
+    assert parts["reward"] == 0.5
+    assert parts["reward/exact"] == 1.0 and parts["reward/digits"] == 1.0 and parts["reward/format"] == 0.0
+    assert parts["loads"] == 0.0
+    assert total == pytest.approx(2.0 * 0.5 + 1.0 + 1.0 + 0.0)
+    assert rf.errors == 1
+
+
+def test_load_callable_errors_name_the_path() -> None:
+    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
+        load_callable("no_such_mod:f")
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        load_callable("tandem.tasks.echo:nope")
+
+
+def test_prompt_dataset_round_trip_and_errors(tmp_path: Path) -> None:
+    recs = make_records("echo", 5)
+    p = write_prompts(tmp_path / "p.jsonl", recs)
+    assert [r["prompt"] for r in load_prompts(p)] == [r["prompt"] for r in recs]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:2: not valid JSON"):
+        load_prompts(bad)
+    bad.write_text(json.dumps({"text": "no prompt field"}) + "\n")
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:1: field 'prompt'"):
+        load_prompts(bad)
+    with pytest.raises(DatasetError, match="not found"):
+        load_prompts(tmp_path / "missing.jsonl")
