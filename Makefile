@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install demo test test-fast lint format bench engines-env clean
+.PHONY: install assets demo test test-fast lint format bench engines-env clean
 
 install: $(STAMP)
 
@@ -32,7 +32,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m tandem.prebuild; \
 	touch $(STAMP)
 
-demo: $(STAMP)
+ASSETS := assets/tiny/actor/config.json assets/echo.jsonl
+
+assets/tiny/actor/config.json: | $(STAMP)
+	$(PY) -m tandem make-tiny assets/tiny
+
+assets/echo.jsonl: | $(STAMP)
+	$(PY) -m tandem make-data echo assets/echo.jsonl --n 2000
+
+demo: $(STAMP) $(ASSETS)
 	$(PY) launch.py configs/tiny.yaml
 
 test: $(STAMP)
@@ -49,6 +57,11 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/buffer.py && $(PY) bench/weightsync.py && $(PY) bench/rollout.py && $(PY) bench/learner.py && $(PY) bench/overlap.py
+
+assets: $(ASSETS)
+
+engines-env:
+	bash scripts/engines-env.sh all
 
 clean:
 	rm -rf runs .pytest_cache

@@ -423,9 +423,11 @@ def shutdown(cfg: Config, children: list[Child], client: redis.Redis | None, gra
 
 def summarize(cfg: Config, client: redis.Redis, run_dir: Path) -> dict[str, float]:
     """Reward curve summary from the learner's history, a PNG plot, and where everything lives."""
-    rows = [json.loads(r) for r in client.lrange(history_key(cfg.run.name, "learner"), 0, -1)]
+    for proc in ["learner"] + [f"server-{i}" for i in range(cfg.rollout.num_servers)]:
+        raw = client.lrange(history_key(cfg.run.name, proc), 0, -1)
+        (run_dir / f"{proc}_history.jsonl").write_text("".join(r.decode() + "\n" for r in raw))
+    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward/mean" in r]
-    (run_dir / "learner_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if not rows:
         print("[launch] no learner steps were logged")
         return {}
@@ -492,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, overrides)
         else:
             ap.error("a config file (or --resume RUN_DIR) is required")
-        check_inputs(cfg)
+        if not args.dry_run:
+            check_inputs(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
