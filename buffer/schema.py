@@ -8,6 +8,7 @@ that names the field. The buffer moves entries that fail here to the dead-letter
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,7 @@ def _pack_array(a: np.ndarray) -> list[Any]:
 
 
 _ALLOWED_DTYPES = {"int32": "<i4", "float32": "<f4"}
+_WIRE_DTYPES = {name: np.dtype(wire) for name, wire in _ALLOWED_DTYPES.items()}
 
 
 def _unpack_array(name: str, packed: Any, dtype: str, max_len: int) -> np.ndarray:
@@ -115,11 +117,20 @@ def _unpack_array(name: str, packed: Any, dtype: str, max_len: int) -> np.ndarra
         raise SchemaError(
             name, f"{len(raw) if isinstance(raw, bytes) else type(raw).__name__} bytes for shape {shape}"
         )
-    return np.frombuffer(raw, dtype=np.dtype(dt)).astype(dtype)
+    # A copy: arrays over the message bytes would be read-only.
+    return np.frombuffer(raw, dtype=_WIRE_DTYPES[dtype]).astype(dtype)
+
+
+def _packb(record: dict[str, Any], free_form: str) -> bytes:
+    """msgpack a record; only the free-form map (``meta`` / ``record``) can hold unpackable values."""
+    try:
+        return msgpack.packb(record, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise SchemaError(free_form, f"cannot be encoded ({type(e).__name__}: {e})") from None
 
 
 def encode_trajectory(t: Trajectory) -> bytes:
-    return msgpack.packb(
+    return _packb(
         {
             "v": SCHEMA_VERSION,
             "traj_id": t.traj_id,
@@ -136,7 +147,7 @@ def encode_trajectory(t: Trajectory) -> bytes:
             "created_at": float(t.created_at),
             "meta": t.meta,
         },
-        use_bin_type=True,
+        "meta",
     )
 
 
@@ -175,7 +186,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
     for name, arr in (("behav_logp", behav), ("token_versions", versions)):
         if len(arr) != n:
             raise SchemaError(name, f"length {len(arr)} != len(response_tokens) {n}")
-    if not np.all(np.isfinite(behav)) or np.any(behav > 1e-4):
+    if n and not (behav.min() > -np.inf and behav.max() <= 1e-4):  # NaN fails both comparisons
         raise SchemaError("behav_logp", "log-probabilities must be finite and <= 0")
     if n and versions.min() < 0:
         raise SchemaError("token_versions", "versions must be >= 0")
@@ -184,10 +195,10 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
         raise SchemaError("finish_reason", f"{finish!r} not one of {FINISH_REASONS}")
     parts = _get(d, "reward_parts", dict)
     if not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         for k, v in parts.items()
     ):
-        raise SchemaError("reward_parts", "expected a map of str to number")
+        raise SchemaError("reward_parts", "expected a map of str to finite number")
     reward = float(_get(d, "reward", (int, float)))
     if not np.isfinite(reward):
         raise SchemaError("reward", f"{reward} is not finite")
@@ -209,7 +220,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
 
 
 def encode_prompt(p: PromptRecord) -> bytes:
-    return msgpack.packb(
+    return _packb(
         {
             "v": SCHEMA_VERSION,
             "prompt_id": p.prompt_id,
@@ -217,11 +228,12 @@ def encode_prompt(p: PromptRecord) -> bytes:
             "tokens": _pack_array(p.tokens),
             "record": p.record,
         },
-        use_bin_type=True,
+        "record",
     )
 
 
 def decode_prompt(data: bytes, max_tokens: int = MAX_TOKENS) -> PromptRecord:
+    """Bytes to a validated PromptRecord, or SchemaError naming the first bad field."""
     d = _unpack_map(data, "prompt")
     tokens = _unpack_array("tokens", _get(d, "tokens", list), "int32", max_tokens)
     if len(tokens) == 0:

@@ -1,13 +1,95 @@
-"""STUB — to be implemented (issue 3). The signatures below are the contract other components code against."""
+"""The replay buffer: Redis Streams carrying prompts to the rollout servers and trajectories to the learner.
+
+Owns every data-path key of a run (DESIGN §1, §3, §7)::
+
+    {run}:traj           trajectories, consumer group "learner"     {run}:traj:dead     malformed entries
+    {run}:traj:stale     entries refused as too stale               {run}:prompts       prompts, group "rollout"
+    {run}:prompts:dead   malformed prompts                          {run}:counts        dead/stale counters (hash)
+    {run}:version        the learner's policy version               {run}:admitted      admitted trajectories
+    {run}:version:changed   pub/sub channel announcing each new version
+
+Delivery is at-least-once, acknowledged only once the effect is durable: a trajectory after the optimizer
+step that used it, a prompt when its trajectories are appended. Choices, and why:
+
+- ``ack`` is XACK + XDEL, so a stream holds exactly its unconsumed entries (undelivered + pending). XLEN is
+  then the exact queue depth on any Redis >= 6.2 (the group ``lag`` field needs 7.0), and capacity is
+  checked against it: ``put`` waits for room (backpressure) and never trims unconsumed data.
+- ``put`` is one Lua script: capacity check, every XADD, and optionally the acks of the prompts the
+  trajectories answer. One prompt's group stays contiguous, racing producers cannot overshoot ``maxlen``,
+  and a server that dies cannot leave a prompt unacknowledged after its group was appended (which would
+  generate the group twice).
+- Reading order: this consumer's own pending entries (re-delivered after a restart under the same name),
+  then entries idle longer than ``claim_idle_ms`` on other consumers (XAUTOCLAIM: those consumers died),
+  then new ones. ``claim_idle_ms`` must therefore exceed the longest take-to-ack interval (one learner step).
+- Entries that fail :mod:`buffer.schema` go to ``:dead``; entries staler than ``max_staleness`` go to
+  ``{run}:traj:stale``, a separate stream because they are valid data and the two counts mean different
+  things. Both are acknowledged in the same transaction that moves them, counted exactly in
+  ``{run}:counts``, and capped (approximately) at ``DEAD_MAXLEN`` entries: they are for inspection.
+- Admission (AReaL's staleness manager, moved into Redis so K servers share one counter): a Lua script
+  INCRBYs ``{run}:admitted`` only if ``admitted + n <= (v + max_staleness + 1) * batch_size``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import redis
 
-from buffer.schema import PromptRecord, Trajectory
+from buffer.schema import (
+    PromptRecord,
+    SchemaError,
+    Trajectory,
+    decode_prompt,
+    decode_trajectory,
+    encode_prompt,
+    encode_trajectory,
+)
+
+if TYPE_CHECKING:
+    from tandem.config import Config
+
+log = logging.getLogger(__name__)
+
+FIELD = b"d"  # the one field of a stream entry: the encoded record
+DEAD_MAXLEN = 10_000  # entries kept in each dead-letter / stale stream (approximate MAXLEN)
+DEAD_PAYLOAD_BYTES = 64 << 10  # payload prefix kept with a dead letter
+BLOCK_CAP_MS = 1_000  # longest single XREADGROUP BLOCK, so claims and deadlines are re-checked
+ADMISSION_POLL_S = 0.5  # wait_admission re-checks this often even without a version message
+
+R = TypeVar("R")  # the record type of a stream
+T = TypeVar("T")
+_Raw = tuple[str, dict[bytes, bytes], bool]  # (id, fields, redelivered) as read, before decoding
+
+# KEYS[1] stream to append to, KEYS[2] stream whose entries to acknowledge.
+# ARGV: maxlen (0: unbounded), group of KEYS[2], number of ids to ack, the ids, then the payloads.
+_PUT_LUA = """
+local nack = tonumber(ARGV[3])
+local first = 4 + nack
+local maxlen = tonumber(ARGV[1])
+if maxlen > 0 and redis.call('XLEN', KEYS[1]) + (#ARGV - first + 1) > maxlen then return false end
+local ids = {}
+for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
+if nack > 0 then
+  redis.call('XACK', KEYS[2], ARGV[2], unpack(ARGV, 4, 3 + nack))
+  redis.call('XDEL', KEYS[2], unpack(ARGV, 4, 3 + nack))
+end
+return ids
+"""
+
+# KEYS[1] admitted, KEYS[2] version; ARGV: n, batch_size, max_staleness. Returns {ok, admitted, bound}.
+_ADMIT_LUA = """
+local v = tonumber(redis.call('GET', KEYS[2]) or '0')
+local bound = (v + tonumber(ARGV[3]) + 1) * tonumber(ARGV[2])
+local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
+local n = tonumber(ARGV[1])
+if admitted + n > bound then return {0, admitted, bound} end
+return {1, redis.call('INCRBY', KEYS[1], n), bound}
+"""
 
 
 @dataclass
@@ -16,17 +98,273 @@ class Taken:
 
     id: str
     traj: Trajectory
+    # Delivered before: own pending after a restart, or claimed from a dead consumer.
+    redelivered: bool = False
 
 
 @dataclass
 class TakenPrompt:
+    """A prompt taken by a rollout server; ack it with the trajectories that answer it (``put(ack_prompts=)``)."""
+
     id: str
     prompt: PromptRecord
+    redelivered: bool = False
+
+
+@dataclass
+class _Reject:
+    id: str
+    payload: bytes
+    reason: str
+    kind: str  # "dead" | "stale": the suffix of the stream it moves to and its counter
+
+
+def _str(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _successor(entry_id: str) -> str:
+    ms, seq = entry_id.split("-")
+    return f"{ms}-{int(seq) + 1}"
+
+
+class _GroupStream(Generic[R]):
+    """One stream read through one consumer group: append with capacity, take, ack-and-delete, dead letters.
+
+    Not thread-safe for ``take`` (it tracks what this consumer has handed out); use one per thread.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        key: str,
+        group: str,
+        consumer: str,
+        *,
+        decode: Callable[[bytes], R],
+        claim_idle_ms: int,
+        max_bytes: int,
+        counts_key: str,
+        block_cap_ms: int,
+    ) -> None:
+        self.client, self.key, self.group, self.consumer = client, key, group, consumer
+        self.decode, self.claim_idle_ms, self.max_bytes = decode, claim_idle_ms, max_bytes
+        self.counts_key, self.block_cap_ms = counts_key, block_cap_ms
+        self._put = client.register_script(_PUT_LUA)
+        self._group_ready = False
+        self._outstanding: set[str] = set()  # handed out by this instance, not yet acked
+        self._recovered = False  # own pending entries (left by an earlier life of this consumer) re-read
+        self._pel_cursor = "0"
+        self._claim_cursor = "0-0"
+        self._next_claim = 0.0
+        self._claim_every_s = max(0.05, min(1.0, claim_idle_ms / 2000))
+
+    # -------------------------------------------------------------------------------------- writing
+
+    def append(
+        self,
+        payloads: Sequence[bytes],
+        *,
+        maxlen: int,
+        timeout_s: float,
+        ack: tuple[_GroupStream[Any], Sequence[str]] | None = None,
+    ) -> list[str]:
+        """XADD all payloads contiguously (and ack ``ack``'s ids in the same step) once they fit in maxlen."""
+        if maxlen and len(payloads) > maxlen:
+            raise ValueError(f"{self.key}: {len(payloads)} entries can never fit in maxlen {maxlen}")
+        ack_stream, ack_ids = ack if ack else (self, ())
+        argv = [maxlen, ack_stream.group, len(ack_ids), *ack_ids, *payloads]
+        deadline = time.monotonic() + timeout_s
+        pause = 0.01
+        while True:
+            ids = self._put(keys=[self.key, ack_stream.key], args=argv)
+            if ids is not None:
+                ack_stream._outstanding.difference_update(ack_ids)
+                return [_str(i) for i in ids]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{self.key} stayed full ({self.client.xlen(self.key)} unconsumed of maxlen {maxlen}) for "
+                    f"{timeout_s:g}s while appending {len(payloads)} entries: is the learner consuming?"
+                )
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 0.2)
+
+    def ack(self, ids: Sequence[str]) -> None:
+        if not ids:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.key, self.group, *ids)
+        pipe.xdel(self.key, *ids)
+        pipe.execute()
+        self._outstanding.difference_update(ids)
+
+    # -------------------------------------------------------------------------------------- reading
+
+    def take(
+        self, n: int, timeout_s: float, screen: Callable[[R], str | None] | None = None
+    ) -> list[tuple[str, R, bool]]:
+        """Up to n valid records as (id, record, redelivered); fewer only when timeout_s runs out.
+
+        ``screen`` returns a reason to refuse a record as stale (moved to ``:stale``), or None to accept it.
+        """
+        deadline = time.monotonic() + timeout_s
+        out: list[tuple[str, R, bool]] = []
+        while len(out) < n:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            block_ms = min(remaining_ms, self.block_cap_ms) if remaining_ms >= 1 else None
+            accepted = self._screen(self._with_group(self._fetch, n - len(out), block_ms), screen)
+            # Outstanding at once, so a re-scan of our pending list later in this call skips them.
+            self._outstanding.update(i for i, _, _ in accepted)
+            out.extend(accepted)
+            if time.monotonic() >= deadline:
+                break
+        return out
+
+    def _with_group(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn, creating the group first (idempotently) and again if the stream vanished (NOGROUP)."""
+        if not self._group_ready:
+            self.ensure_group()
+        try:
+            return fn(*args)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self.ensure_group()
+            return fn(*args)
+
+    def ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._group_ready = True
+
+    def _fetch(self, k: int, block_ms: int | None) -> list[_Raw]:
+        if not self._recovered:
+            own = self._read_own_pending(k)
+            if own:
+                return own
+            self._recovered = True
+        claimed = self._claim(k)
+        if claimed:
+            return claimed
+        got = self.client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=k, block=block_ms)
+        return [(_str(i), f, False) for _, entries in got for i, f in entries]
+
+    def _read_own_pending(self, k: int) -> list[_Raw]:
+        """The next page of this consumer's pending entries (XREADGROUP from an id re-delivers them)."""
+        while True:
+            got = self.client.xreadgroup(self.group, self.consumer, {self.key: self._pel_cursor}, count=k)
+            entries = [(_str(i), f) for _, es in got for i, f in es]
+            if not entries:
+                self._pel_cursor = "0"
+                return []
+            self._pel_cursor = entries[-1][0]
+            fresh = [(i, f, True) for i, f in entries if i not in self._outstanding]
+            if fresh:
+                return fresh
+
+    def _claim(self, k: int) -> list[_Raw]:
+        """Entries pending longer than claim_idle_ms, whoever holds them (a holder that idle has died)."""
+        now = time.monotonic()
+        if now < self._next_claim:
+            return []
+        cursor, entries = self.client.xautoclaim(
+            self.key, self.group, self.consumer, self.claim_idle_ms, self._claim_cursor, count=k
+        )[:2]
+        self._claim_cursor = _str(cursor)
+        if self._claim_cursor == "0-0":
+            self._next_claim = now + self._claim_every_s
+        if any(i is None for i, _ in entries):
+            # Redis 6.2 hides the ids of claimed entries that were deleted; they are now in our own pending
+            # list, where the next scan finds them (empty) and dead-letters them.
+            self._recovered = False
+        claimed = [
+            (_str(i), f, True) for i, f in entries if i is not None and _str(i) not in self._outstanding
+        ]
+        if claimed:
+            log.warning("%s: claimed %d entries idle > %d ms", self.key, len(claimed), self.claim_idle_ms)
+        return claimed
+
+    def _screen(
+        self, entries: list[_Raw], screen: Callable[[R], str | None] | None
+    ) -> list[tuple[str, R, bool]]:
+        """Decode entries; move the malformed and the refused out of the stream."""
+        accepted: list[tuple[str, R, bool]] = []
+        rejects: list[_Reject] = []
+        for entry_id, fields, redelivered in entries:
+            fields = fields or {}  # Redis 7 answers nil for a pending entry deleted from the stream
+            payload = fields.get(FIELD, b"")
+            try:
+                record = self.decode(self._payload(fields))
+            except SchemaError as e:
+                rejects.append(_Reject(entry_id, payload, str(e), "dead"))
+                continue
+            reason = screen(record) if screen else None
+            if reason:
+                rejects.append(_Reject(entry_id, payload, reason, "stale"))
+            else:
+                accepted.append((entry_id, record, redelivered))
+        if rejects:
+            self._move(rejects)
+        return accepted
+
+    def _payload(self, fields: dict[bytes, bytes]) -> bytes:
+        if not fields:
+            raise SchemaError("entry", "deleted from the stream before it was acknowledged")
+        if FIELD not in fields:
+            raise SchemaError("entry", f"no {FIELD!r} field (fields: {sorted(fields)[:5]})")
+        payload = fields[FIELD]
+        if len(payload) > self.max_bytes:
+            raise SchemaError("entry", f"{len(payload)} bytes exceeds the limit of {self.max_bytes}")
+        return payload
+
+    def _move(self, rejects: list[_Reject]) -> None:
+        """Dead-letter (or stale-letter) entries, ack and delete them, and count them: one transaction."""
+        pipe = self.client.pipeline(transaction=True)
+        for r in rejects:
+            log.warning("%s: %s entry %s: %s", self.key, r.kind, r.id, r.reason)
+            fields = {
+                "reason": r.reason,
+                "id": r.id,
+                "size": len(r.payload),
+                "data": r.payload[:DEAD_PAYLOAD_BYTES],
+            }
+            pipe.xadd(f"{self.key}:{r.kind}", fields, maxlen=DEAD_MAXLEN, approximate=True)
+            pipe.hincrby(self.counts_key, f"{self.key}:{r.kind}", 1)
+        ids = [r.id for r in rejects]
+        pipe.xack(self.key, self.group, *ids)
+        pipe.xdel(self.key, *ids)
+        pipe.execute()
+
+    # ---------------------------------------------------------------------------------------- state
+
+    def length(self) -> int:
+        """Unconsumed entries (undelivered + pending), exact because ack deletes."""
+        return int(self.client.xlen(self.key))
+
+    def pending(self) -> int:
+        return int(self._with_group(self.client.xpending, self.key, self.group)["pending"])
+
+    def trim(self) -> int:
+        """XTRIM MINID up to the oldest entry the group still needs (pending, or the first undelivered)."""
+        info = self._with_group(self.client.xinfo_groups, self.key)
+        group = next(g for g in info if _str(g["name"]) == self.group)
+        keep_from = _successor(_str(group["last-delivered-id"]))
+        pending = self.client.xpending(self.key, self.group)
+        if pending["pending"]:
+            keep_from = min(keep_from, _str(pending["min"]), key=lambda i: tuple(map(int, i.split("-"))))
+        return int(self.client.xtrim(self.key, minid=keep_from, approximate=False))
 
 
 class ReplayBuffer:
     """Redis Streams buffer of one run: trajectories ({run}:traj, group "learner"), prompts ({run}:prompts,
-    group "rollout"), the learner version ({run}:version) and admission ({run}:admitted)."""
+    group "rollout"), the learner version ({run}:version) and admission ({run}:admitted).
+
+    One instance per consumer (process or thread); the client must use ``decode_responses=False``.
+    """
 
     def __init__(
         self,
@@ -39,29 +377,211 @@ class ReplayBuffer:
         put_timeout_s: float = 300.0,
         max_traj_bytes: int = 64 << 20,
     ) -> None:
-        raise NotImplementedError
+        kwargs = client.connection_pool.connection_kwargs
+        if kwargs.get("decode_responses"):
+            raise ValueError("ReplayBuffer needs a client with decode_responses=False (payloads are binary)")
+        socket_timeout = kwargs.get("socket_timeout")
+        # A blocking read must return before the socket gives up on it.
+        block_cap_ms = min(BLOCK_CAP_MS, int(socket_timeout * 500)) if socket_timeout else BLOCK_CAP_MS
+        self.client, self.run, self.consumer = client, run, consumer
+        self.maxlen, self.put_timeout_s, self.max_traj_bytes = maxlen, put_timeout_s, max_traj_bytes
+        common = dict(
+            claim_idle_ms=claim_idle_ms,
+            max_bytes=max_traj_bytes,
+            counts_key=f"{run}:counts",
+            block_cap_ms=max(1, block_cap_ms),
+        )
+        self._traj: _GroupStream[Trajectory] = _GroupStream(
+            client, f"{run}:traj", "learner", consumer, decode=decode_trajectory, **common
+        )
+        self._prompts: _GroupStream[PromptRecord] = _GroupStream(
+            client, f"{run}:prompts", "rollout", consumer, decode=decode_prompt, **common
+        )
+        self._version_key, self._admitted_key = f"{run}:version", f"{run}:admitted"
+        self._version_channel = f"{run}:version:changed"
+        self._admit = client.register_script(_ADMIT_LUA)
+        self._staleness: Counter[int] = Counter()  # of trajectories taken since the last metrics()
+        self._put_count = self._take_count = 0
+        self._metrics_at = time.monotonic()
 
-    # trajectories (rollout -> learner)
-    def put(self, trajs: Sequence[Trajectory]) -> list[str]: ...
+    @classmethod
+    def from_config(cls, client: redis.Redis, cfg: Config, consumer: str) -> ReplayBuffer:
+        r = cfg.redis
+        return cls(
+            client,
+            cfg.run.name,
+            consumer=consumer,
+            maxlen=r.stream_maxlen,
+            claim_idle_ms=r.claim_idle_ms,
+            put_timeout_s=r.put_timeout_s,
+            max_traj_bytes=r.max_traj_bytes,
+        )
+
+    # ---------------------------------------------------------------------- trajectories (rollout -> learner)
+
+    def put(self, trajs: Sequence[Trajectory], *, ack_prompts: Sequence[str] = ()) -> list[str]:
+        """Append trajectories contiguously, waiting up to put_timeout_s for room (then TimeoutError).
+
+        ``ack_prompts``: ids of the prompts these trajectories answer, acknowledged in the same atomic step.
+        """
+        payloads = [encode_trajectory(t) for t in trajs]
+        for t, p in zip(trajs, payloads, strict=True):
+            if len(p) > self.max_traj_bytes:
+                raise ValueError(
+                    f"trajectory {t.traj_id}: {len(p)} bytes exceeds max_traj_bytes {self.max_traj_bytes}"
+                )
+        ids = self._traj.append(
+            payloads, maxlen=self.maxlen, timeout_s=self.put_timeout_s, ack=(self._prompts, ack_prompts)
+        )
+        self._put_count += len(ids)
+        return ids
+
     def take(self, n: int, timeout_s: float, *, max_staleness: int | None = None) -> list[Taken]:
-        """Up to n (blocks until n arrive or timeout). With max_staleness, drops (acks + counts) entries whose
-        staleness at the current learner version exceeds it. Claims entries idle > claim_idle_ms first."""
-        ...
+        """Up to n (blocks until n arrive or timeout). With max_staleness, moves entries whose staleness at
+        the current learner version exceeds it to {run}:traj:stale (acked and counted). Own pending entries
+        come first, then entries idle > claim_idle_ms on other consumers, then new ones."""
+        v = self.get_version()
 
-    def ack(self, ids: Sequence[str]) -> None: ...
-    def trim(self) -> int: ...
+        def screen(t: Trajectory) -> str | None:
+            s = t.staleness(v)
+            if max_staleness is not None and s > max_staleness:
+                return f"staleness {s} > max_staleness {max_staleness} at version {v}"
+            self._staleness[s] += 1  # accepted: exactly the entries take returns
+            return None
 
-    # prompts (dataset -> rollout)
-    def put_prompts(self, prompts: Sequence[PromptRecord]) -> list[str]: ...
-    def take_prompts(self, n: int, timeout_s: float) -> list[TakenPrompt]: ...
-    def ack_prompts(self, ids: Sequence[str]) -> None: ...
+        got = self._traj.take(n, timeout_s, screen)
+        self._take_count += len(got)
+        return [Taken(i, t, r) for i, t, r in got]
 
-    # versions and admission (DESIGN §3)
-    def set_version(self, v: int) -> None: ...
-    def get_version(self) -> int: ...
-    def admit(self, n: int, *, batch_size: int, max_staleness: int) -> bool: ...
+    def ack(self, ids: Sequence[str]) -> None:
+        """Acknowledge (and delete) trajectories whose optimizer step is done. Idempotent."""
+        self._traj.ack(ids)
+
+    def trim(self) -> int:
+        """Compact both streams: drop entries before the oldest one a group still needs. Returns how many."""
+        return self._traj.trim() + self._prompts.trim()
+
+    def trajectories_pending(self) -> int:
+        """Trajectories not yet acknowledged (undelivered + taken-but-unacked)."""
+        return self._traj.length()
+
+    # ------------------------------------------------------------------------------ prompts (dataset -> rollout)
+
+    def put_prompts(self, prompts: Sequence[PromptRecord]) -> list[str]:
+        """Queue prompts (unbounded: launch.py keeps the depth with prompts_pending())."""
+        return self._prompts.append(
+            [encode_prompt(p) for p in prompts], maxlen=0, timeout_s=self.put_timeout_s
+        )
+
+    def take_prompts(self, n: int, timeout_s: float) -> list[TakenPrompt]:
+        return [TakenPrompt(i, p, r) for i, p, r in self._prompts.take(n, timeout_s)]
+
+    def ack_prompts(self, ids: Sequence[str]) -> None:
+        """Acknowledge prompts whose trajectories are appended (``put(ack_prompts=)`` does it atomically)."""
+        self._prompts.ack(ids)
+
+    def prompts_pending(self) -> int:
+        """Prompts not yet acknowledged (undelivered + being generated)."""
+        return self._prompts.length()
+
+    # ---------------------------------------------------------------------------- versions and admission (§3)
+
+    def set_version(self, v: int) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self._version_key, int(v))
+        pipe.publish(self._version_channel, int(v))
+        pipe.execute()
+
+    def get_version(self) -> int:
+        """The learner's policy version (optimizer steps); 0 until the learner sets one."""
+        v = self.client.get(self._version_key)
+        return int(v) if v is not None else 0
+
+    def admit(self, n: int, *, batch_size: int, max_staleness: int) -> bool:
+        """Atomically admit a group of n trajectories if ``admitted + n <= (v + max_staleness + 1) * batch_size``."""
+        if n < 1 or n > (max_staleness + 1) * batch_size:
+            # A group larger than one staleness window could only start once the learner had trained on
+            # data that this very group is part of: it would wait forever.
+            raise ValueError(
+                f"admit: group of {n} must be in 1..(max_staleness + 1) * batch_size = "
+                f"{(max_staleness + 1) * batch_size}"
+            )
+        ok, _, _ = self._admit(
+            keys=[self._admitted_key, self._version_key], args=[n, batch_size, max_staleness]
+        )
+        return bool(ok)
+
+    def release(self, n: int) -> None:
+        """Give back admission for n trajectories that will never be appended (a server abandoning work)."""
+        self.client.decrby(self._admitted_key, n)
+
     def wait_admission(
-        self, n: int, *, batch_size: int, max_staleness: int, timeout_s: float, should_stop=None
-    ) -> bool: ...
+        self,
+        n: int,
+        *,
+        batch_size: int,
+        max_staleness: int,
+        timeout_s: float,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Block until admitted (True), or until timeout_s passes or should_stop() is true (False).
 
-    def metrics(self) -> dict[str, float]: ...
+        Wakes on each version announcement and re-checks every ADMISSION_POLL_S regardless.
+        """
+        if self.admit(n, batch_size=batch_size, max_staleness=max_staleness):
+            return True
+        deadline = time.monotonic() + timeout_s
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self._version_channel)
+        try:
+            while True:
+                if self.admit(n, batch_size=batch_size, max_staleness=max_staleness):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (should_stop is not None and should_stop()):
+                    return False
+                pubsub.get_message(timeout=min(remaining, ADMISSION_POLL_S))
+        finally:
+            pubsub.close()
+
+    # ------------------------------------------------------------------------------------------- metrics
+
+    def metrics(self) -> dict[str, float]:
+        """Buffer depth, dead/stale counts (run-wide) and this instance's rates and staleness since the last call."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(self._traj.key)
+        pipe.xlen(self._prompts.key)
+        pipe.hgetall(f"{self.run}:counts")
+        pipe.get(self._admitted_key)
+        traj_len, prompts_len, counts, admitted = pipe.execute()
+        counts = {_str(k): int(v) for k, v in counts.items()}
+        pending = self._traj.pending()
+        now = time.monotonic()
+        elapsed = max(now - self._metrics_at, 1e-9)
+        out = {
+            "buffer/length": float(traj_len),
+            "buffer/pending": float(pending),
+            "buffer/undelivered": float(traj_len - pending),
+            "buffer/dead": float(counts.get(f"{self._traj.key}:dead", 0)),
+            "buffer/stale_rejected": float(counts.get(f"{self._traj.key}:stale", 0)),
+            "buffer/prompts": float(prompts_len),
+            "buffer/prompts_dead": float(counts.get(f"{self._prompts.key}:dead", 0)),
+            "buffer/admitted": float(int(admitted or 0)),
+            "buffer/put_per_s": self._put_count / elapsed,
+            "buffer/take_per_s": self._take_count / elapsed,
+            **self._staleness_metrics(),
+        }
+        self._put_count = self._take_count = 0
+        self._staleness.clear()
+        self._metrics_at = now
+        return out
+
+    def _staleness_metrics(self) -> dict[str, float]:
+        total = sum(self._staleness.values())
+        out = {
+            "staleness/count": float(total),
+            "staleness/mean": sum(s * c for s, c in self._staleness.items()) / total if total else 0.0,
+            "staleness/max": float(max(self._staleness, default=0)),
+        }
+        out.update({f"staleness/hist_{s}": float(c) for s, c in sorted(self._staleness.items())})
+        return out
