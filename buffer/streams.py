@@ -146,8 +146,10 @@ class _GroupStream(Generic[R]):
         max_bytes: int,
         counts_key: str,
         block_cap_ms: int,
+        refund_key: str | None = None,
     ) -> None:
         self.client, self.key, self.group, self.consumer = client, key, group, consumer
+        self.refund_key = refund_key
         self.decode, self.claim_idle_ms, self.max_bytes = decode, claim_idle_ms, max_bytes
         self.counts_key, self.block_cap_ms = counts_key, block_cap_ms
         self._put = client.register_script(_PUT_LUA)
@@ -337,6 +339,10 @@ class _GroupStream(Generic[R]):
         ids = [r.id for r in rejects]
         pipe.xack(self.key, self.group, *ids)
         pipe.xdel(self.key, *ids)
+        if self.refund_key is not None:
+            # A refused trajectory used an admission slot but will never be trained on: give the slot back
+            # so the servers generate a replacement instead of the learner starving (e.g. after a restart).
+            pipe.decrby(self.refund_key, len(rejects))
         pipe.execute()
 
     # ---------------------------------------------------------------------------------------- state
@@ -392,7 +398,13 @@ class ReplayBuffer:
             block_cap_ms=max(1, block_cap_ms),
         )
         self._traj: _GroupStream[Trajectory] = _GroupStream(
-            client, f"{run}:traj", "learner", consumer, decode=decode_trajectory, **common
+            client,
+            f"{run}:traj",
+            "learner",
+            consumer,
+            decode=decode_trajectory,
+            refund_key=f"{run}:admitted",
+            **common,
         )
         self._prompts: _GroupStream[PromptRecord] = _GroupStream(
             client, f"{run}:prompts", "rollout", consumer, decode=decode_prompt, **common

@@ -476,3 +476,14 @@ def test_wait_admission_gives_up_on_timeout_or_stop(redis_client: redis.Redis, r
     assert time.monotonic() - start < 3
     buf.release(4)
     assert buf.admit(4, batch_size=4, max_staleness=0)
+
+
+def test_refused_trajectories_give_their_admission_back(redis_client: redis.Redis, run_id: str):
+    """A stale trajectory used an admission slot but will never be trained on: the slot is returned."""
+    buf = buffer(redis_client, run_id)
+    assert buf.admit(4, batch_size=4, max_staleness=0)
+    assert not buf.admit(1, batch_size=4, max_staleness=0)  # the window of version 0 is full
+    buf.set_version(2)
+    buf.put([traj(v, version=v) for v in (2, 0, 0, 2)])  # two with staleness 2 > 0
+    assert len(buf.take(2, timeout_s=2, max_staleness=0)) == 2
+    assert int(redis_client.get(f"{run_id}:admitted")) == 4 - 2
