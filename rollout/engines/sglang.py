@@ -1,0 +1,384 @@
+"""The SGLang engine adapter: a managed ``sglang.launch_server`` (SGLang 0.5.23) driven over HTTP.
+
+Why a subprocess and not an in-process ``sglang.Engine``: see ``rollout/engines/_http.py``. (``Engine`` also
+has no pause/continue methods in 0.5.23; those live on the HTTP server.)
+
+Generation: ``POST /generate`` with ``input_ids`` and ``return_logprob``; tokens and logprobs come from
+``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples), versions from
+``meta_info.weight_versions`` spans (or ``weight_version``). Each of the ``n`` samples of a prompt is its
+own batch entry (the prompt repeated, the radix cache shares its KV), so the reply order is ours and a seed
+can differ per sample. ``--sampling-defaults openai`` keeps the checkpoint's ``generation_config.json``
+from changing the sampling distribution behind the learner's back.
+
+**Logprob semantics.** SGLang returns ``log_softmax(logits / temperature)``: temperature applied, top-p /
+top-k *not* applied (``srt/layers/sampler.py``). With truncation the sampled distribution is the truncated,
+renormalised one, so the returned number is *lower* than the true behaviour logprob by ``log`` of the kept
+mass, and ``behav_logp`` would bias the importance weight ``exp(prox_logp - behav_logp)`` upward. The
+adapter therefore refuses ``top_p < 1`` or ``top_k > 0`` at startup and per call with a clear error, unless
+``rollout.sglang.allow_truncated_sampling`` accepts the bias knowingly. (0.5.23 also has an experimental
+``return_sampling_mask`` that reports the truncated-distribution logprob; unverified without a GPU, unused.)
+
+Weight updates (DESIGN §5-6):
+- ``update.path`` set (shm transport): ``/pause_generation {mode}`` → ``/update_weights_from_disk
+  {model_path, weight_version, flush_cache}`` → ``/continue_generation``.
+- ``update.path`` None (dist transport): the learner's ``weightsync.engines.EnginePublisher`` has run
+  ``/pause_generation`` → ``/begin_weight_update`` → ``/update_weights_from_distributed`` per bucket →
+  ``/end_weight_update`` → ``/flush_cache`` → ``/continue_generation`` against this server; we confirm the
+  version through ``/model_info`` and record it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout.engines._http import (
+    Api,
+    EngineClient,
+    EngineHTTPError,
+    ManagedServer,
+    engine_port,
+    engine_url,
+    expand_version_spans,
+    payload_fields,
+    replay_tokens,
+    to_json,
+)
+from rollout.engines.base import BetweenSteps, Completion, FinishReason, OnToken, SamplingParams
+from tandem.config import Config
+from weightsync.base import Update, WeightSyncError
+
+SGLANG_VERSION = "0.5.23"
+LABEL = f"SGLang {SGLANG_VERSION}"
+
+
+# ------------------------------------------------------------------------------------- typed payloads
+
+
+@dataclass(frozen=True)
+class SamplingBody:
+    """``sglang.api.v1.api_types.SamplingParams`` (unknown keys are rejected there)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None  # None: SGLang's default (disabled)
+    min_p: float
+    repetition_penalty: float
+    stop: list[str]
+    stop_token_ids: list[int]
+    sampling_seed: int | None
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    """``sglang.api.v1.api_types.GenerateRequest`` / ``io_struct.GenerateReqInput`` (the fields we send)."""
+
+    input_ids: list[list[int]]
+    sampling_params: list[dict[str, Any]]
+    return_logprob: bool
+
+
+@dataclass(frozen=True)
+class PauseBody:
+    mode: str  # abort | retract | in_place
+
+
+@dataclass(frozen=True)
+class ContinueBody:
+    torch_empty_cache: bool
+
+
+@dataclass(frozen=True)
+class DiskUpdateBody:
+    """``io_struct.UpdateWeightFromDiskReqInput``."""
+
+    model_path: str
+    weight_version: str
+    flush_cache: bool
+    abort_all_requests: bool
+
+
+@dataclass(frozen=True)
+class WeightVersionBody:
+    new_version: str
+    abort_all_requests: bool
+
+
+IO = "sglang.srt.managers.io_struct"
+HTTP = "sglang.srt.entrypoints.http_server"
+
+# Every route, request field, flag and literal this adapter (and the SGLang half of weightsync/engines.py)
+# uses; tests/test_engines_contract.py checks each row against the SGLang 0.5.23 source.
+SGLANG_API: tuple[Api, ...] = (
+    Api("route", HTTP, "POST /generate"),
+    Api("fields", "sglang.api.v1.api_types", "GenerateRequest", payload_fields(GenerateBody)),
+    Api("fields", IO, "GenerateReqInput", payload_fields(GenerateBody)),
+    Api("fields", "sglang.api.v1.api_types", "SamplingParams", payload_fields(SamplingBody)),
+    Api("route", HTTP, "GET /health"),
+    Api("route", HTTP, "GET /model_info"),
+    Api("route", HTTP, "POST /pause_generation"),
+    Api("fields", IO, "PauseGenerationReqInput", payload_fields(PauseBody)),
+    Api("literal", IO, "PauseGenerationReqInput.mode", ("abort", "retract", "in_place")),
+    Api("route", HTTP, "POST /continue_generation"),
+    Api("fields", IO, "ContinueGenerationReqInput", payload_fields(ContinueBody)),
+    Api("route", HTTP, "POST /update_weights_from_disk"),
+    Api("fields", IO, "UpdateWeightFromDiskReqInput", payload_fields(DiskUpdateBody)),
+    Api("route", HTTP, "POST /update_weight_version"),
+    Api("fields", IO, "UpdateWeightVersionReqInput", payload_fields(WeightVersionBody)),
+    Api("route", HTTP, "POST /flush_cache"),
+    # Keys of the /generate reply's meta_info that we read.
+    Api("name", "sglang.srt.managers.tokenizer_manager", "output_token_logprobs"),
+    Api("function", "sglang.srt.utils.weight_versions", "add_weight_versions_to_meta_info"),
+    # weightsync/engines.py: the distributed update group.
+    Api("route", HTTP, "POST /init_weights_update_group"),
+    Api(
+        "fields",
+        IO,
+        "InitWeightsUpdateGroupReqInput",
+        ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+    ),
+    Api("route", HTTP, "POST /destroy_weights_update_group"),
+    Api("fields", IO, "DestroyWeightsUpdateGroupReqInput", ("group_name",)),
+    Api("route", HTTP, "POST /begin_weight_update"),
+    Api("route", HTTP, "POST /end_weight_update"),
+    Api("route", HTTP, "POST /update_weights_from_distributed"),
+    Api(
+        "fields",
+        IO,
+        "UpdateWeightsFromDistributedReqInput",
+        ("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"),
+    ),
+    # Our copy of the trainer-side rendezvous must match the engine side's (PrefixStore(group_name, store)).
+    Api(
+        "function",
+        "sglang.srt.utils.common",
+        "init_custom_process_group",
+        ("backend", "init_method", "timeout", "world_size", "rank", "group_name"),
+    ),
+    # `sglang.launch_server` flags (ServerArgs fields, declared across arg_groups/fields/*.py).
+    Api(
+        "fields",
+        "sglang.srt.arg_groups.fields",
+        "*",
+        (
+            "model_path",
+            "host",
+            "port",
+            "tp_size",
+            "mem_fraction_static",
+            "random_seed",
+            "weight_version",
+            "sampling_defaults",
+            "dtype",
+            "trust_remote_code",
+            "api_key",
+        ),
+    ),
+    Api("name", "sglang.launch_server", "__main__"),
+)
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def check_sampling(top_p: float, top_k: int, allow_truncated: bool, where: str) -> None:
+    """Refuse truncated sampling, whose logprobs SGLang reports without the truncation (module docstring)."""
+    if (top_p < 1.0 or top_k > 0) and not allow_truncated:
+        raise ValueError(
+            f"{where}: top_p={top_p}, top_k={top_k} with the sglang engine: SGLang {SGLANG_VERSION} returns "
+            "logprobs with temperature but without top-p/top-k, so behav_logp would be biased. Use top_p=1 "
+            "and top_k=0, or set rollout.sglang.allow_truncated_sampling=true to accept the bias."
+        )
+
+
+def launch_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]:
+    s = cfg.rollout.sglang
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(s.tp_size),
+        "--mem-fraction-static", str(s.mem_fraction_static),
+        "--random-seed", str(cfg.run.seed),
+        "--weight-version", "0",
+        "--sampling-defaults", "openai",
+    ]  # fmt: skip
+    if cfg.model.dtype != "auto":
+        argv += ["--dtype", cfg.model.dtype]
+    if cfg.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if s.api_key:
+        argv += ["--api-key", s.api_key]
+    return argv + list(s.extra_args)
+
+
+def generate_body(prompts: list[list[int]], sampling: SamplingParams) -> GenerateBody:
+    n = sampling.n
+    params = []
+    for k in range(len(prompts) * n):
+        params.append(
+            to_json(
+                SamplingBody(
+                    max_new_tokens=sampling.max_new_tokens,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k or None,
+                    min_p=0.0,
+                    repetition_penalty=1.0,
+                    stop=list(sampling.stop),
+                    stop_token_ids=list(sampling.stop_token_ids),
+                    sampling_seed=None if sampling.seed is None else sampling.seed + k,
+                )
+            )
+        )
+    return GenerateBody(
+        input_ids=[p for p in prompts for _ in range(n)], sampling_params=params, return_logprob=True
+    )
+
+
+def parse_generate(body: Any, n_prompts: int, n: int, where: str) -> list[list[Completion]]:
+    """The /generate reply (a list, one dict per batch entry, in order) → per prompt, ``n`` completions."""
+    if not isinstance(body, list) or len(body) != n_prompts * n:
+        raise EngineHTTPError(f"{where}: expected {n_prompts * n} results, got {str(body)[:200]}")
+    out: list[list[Completion]] = [[] for _ in range(n_prompts)]
+    for k, item in enumerate(body):
+        meta = item["meta_info"]
+        triples = meta.get("output_token_logprobs")
+        if triples is None:
+            raise EngineHTTPError(f"{where}: result {k} has no meta_info.output_token_logprobs")
+        ids = [int(t[1]) for t in triples]
+        lps = [float(t[0]) for t in triples]
+        if "output_ids" in item and [int(t) for t in item["output_ids"]] != ids:
+            raise EngineHTTPError(f"{where}: result {k}: output_ids and output_token_logprobs disagree")
+        fr = meta.get("finish_reason")
+        reason = _FINISH.get(fr["type"]) if isinstance(fr, dict) else None
+        if reason is None:
+            raise EngineHTTPError(f"{where}: result {k} finished with {fr!r}")
+        spans = meta.get("weight_versions") or [
+            {"version": meta["weight_version"], "start": 0, "end": len(ids)}
+        ]
+        versions = expand_version_spans(spans, len(ids), where=where)
+        out[k // n].append(Completion(ids, lps, reason, versions))
+    return out
+
+
+class SGLangEngine:
+    """The Engine Protocol over a managed ``sglang.launch_server`` (or a running one at ``sglang.url``)."""
+
+    def __init__(self, cfg: Config, model_path: str, *, server_id: int, device: str | None) -> None:
+        s = cfg.rollout.sglang
+        check_sampling(cfg.rollout.top_p, cfg.rollout.top_k, s.allow_truncated_sampling, "rollout config")
+        self.cfg = cfg
+        self.server_id = server_id
+        self._version = 0
+        self._pause_mode = s.pause_mode
+        self.server: ManagedServer | None = None
+        if s.url is None:
+            port = engine_port(s.port, server_id, s.host)
+            url = engine_url(s.host, port)
+            env = {}
+            if device is not None and device.startswith("cuda:") and s.tp_size == 1:
+                env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+            log = Path(cfg.run.output_dir) / f"sglang-server{server_id}.log"
+            argv = launch_argv(cfg, model_path, s.host, port)
+            self.server = ManagedServer(
+                f"sglang.launch_server (server {server_id})", argv, env=env, log_path=log
+            )
+        else:
+            url = s.url
+        self.client = EngineClient(url, LABEL, timeout=s.request_timeout_s, api_key=s.api_key)
+        try:
+            if self.server is not None:
+                self.server.wait_healthy(self.client, "/health", s.startup_timeout_s)
+            else:  # an external server: label its current weights 0 like a managed one
+                self.client.post("/update_weight_version", to_json(WeightVersionBody("0", False)))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The engine control URL the learner's EnginePublisher drives (register it in Redis)."""
+        return self.client.base_url
+
+    def world_size(self) -> int:
+        """Ranks this server adds to the distributed update group (one per TP rank; SGLang asserts dp=1)."""
+        return self.cfg.rollout.sglang.tp_size
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        between_steps: BetweenSteps | None = None,
+        on_token: OnToken | None = None,
+    ) -> list[list[Completion]]:
+        """One HTTP call for the whole batch; the engine schedules it. Thread-safe (httpx pools connections).
+
+        The engine's decode steps are out of our reach, so ``between_steps`` runs once before the call (a
+        pending update then applies first) and ``on_token`` replays the tokens after it.
+        """
+        if not prompts:
+            return []
+        if between_steps is not None:
+            between_steps()
+        check_sampling(
+            sampling.top_p, sampling.top_k, self.cfg.rollout.sglang.allow_truncated_sampling, "generate"
+        )
+        body = self.client.post("/generate", to_json(generate_body(prompts, sampling)))
+        out = parse_generate(body, len(prompts), sampling.n, f"{LABEL} {self.url} /generate")
+        if on_token is not None:
+            replay_tokens(out, on_token)
+        return out
+
+    def update_weights(self, update: Update) -> None:
+        if update.path is None:
+            self._await_pushed_version(update.version)
+            return
+        ctx = f"weight version {update.version}"
+        self.pause()
+        self.client.post(
+            "/update_weights_from_disk",
+            to_json(
+                DiskUpdateBody(update.path, str(update.version), flush_cache=True, abort_all_requests=False)
+            ),
+            timeout=self.cfg.rollout.sglang.update_timeout_s,
+            context=ctx,
+        )
+        self._version = update.version
+        self.resume()
+
+    def _await_pushed_version(self, version: int) -> None:
+        """dist: the learner pushed the weights itself; wait until the engine reports ``version``."""
+        timeout = self.cfg.rollout.sglang.update_timeout_s
+        deadline = time.monotonic() + timeout
+        held = None
+        while time.monotonic() < deadline:
+            held = str(self.client.get("/model_info")["weight_version"])
+            if held.isdigit() and int(held) >= version:
+                self._version = int(held)
+                return
+            time.sleep(0.2)
+        raise WeightSyncError(
+            f"{LABEL} server {self.url}: GET /model_info still reports weight_version {held!r}, not {version}, "
+            f"after {timeout:.0f} s; is the learner's EnginePublisher feeding it?"
+        )
+
+    def pause(self) -> None:
+        self.client.post("/pause_generation", to_json(PauseBody(self._pause_mode)))
+
+    def resume(self) -> None:
+        self.client.post("/continue_generation", to_json(ContinueBody(torch_empty_cache=True)))
+
+    def close(self) -> None:
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()

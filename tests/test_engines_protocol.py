@@ -1,0 +1,372 @@
+"""The vLLM/SGLang adapters and the learner's EnginePublisher against a local replay of the engines' protocol.
+
+No GPU engine runs in these tests. ``tests/engine_replay_server.py`` replays the documented vLLM 0.33.0 and
+SGLang 0.5.23 routes and rules; what is checked is our side: request order, payloads, pause modes, version
+stamping and error handling. The weight data plane is a real gloo broadcast between this process and the
+replay servers (SGLang's own ``backend: gloo`` option; for vLLM, gloo stands in for PyNccl, which needs a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rollout.engines._http import EngineHTTPError, ManagedServer
+from rollout.engines.base import SamplingParams
+from rollout.engines.sglang import SGLangEngine
+from rollout.engines.vllm import VLLMEngine
+from tandem.config import Config, load_config
+from weightsync.base import Update, WeightSyncError, latest_version
+from weightsync.engines import (
+    EngineEndpoint,
+    EnginePublisher,
+    EngineVersionSubscriber,
+    TorchGroup,
+    register_engine,
+)
+
+REPLAY = Path(__file__).with_name("engine_replay_server.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_replay(kind: str, tmp: Path) -> tuple[ManagedServer, str]:
+    port_file = tmp / f"{kind}.port"
+    argv = [sys.executable, str(REPLAY), "--kind", kind, "--port-file", str(port_file)]
+    env = {"PYTHONPATH": str(ROOT)}
+    server = ManagedServer(f"{kind} replay", argv, env=env, log_path=tmp / f"{kind}.log")
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if time.monotonic() > deadline or server.proc.poll() is not None:
+            server.stop()
+            raise RuntimeError(f"{kind} replay server did not start:\n{server.log_tail()}")
+        time.sleep(0.1)
+    url = f"http://127.0.0.1:{port_file.read_text()}"
+    from rollout.engines._http import EngineClient
+
+    client = EngineClient(url, f"{kind} replay", timeout=5)
+    server.wait_healthy(client, "/health", 60)
+    client.close()
+    return server, url
+
+
+@pytest.fixture(scope="module")
+def replays(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("replay")
+    servers = {kind: start_replay(kind, tmp) for kind in ("vllm", "sglang")}
+    yield {kind: url for kind, (_, url) in servers.items()}
+    for server, _ in servers.values():
+        server.stop(grace_s=5)
+
+
+@pytest.fixture
+def urls(replays: dict[str, str]) -> dict[str, str]:
+    for url in replays.values():
+        httpx.post(f"{url}/_reset", timeout=5).raise_for_status()
+    return replays
+
+
+def make_cfg(tmp_path: Path, **rollout: object) -> Config:
+    raw = {
+        "run": {"output_dir": str(tmp_path)},
+        "model": {"actor": "/models/none"},
+        "data": {"prompts": "/data/none.jsonl"},
+        "reward": {"functions": [{"path": "tandem.tasks.reverse:reward"}]},
+        "rollout": rollout,
+        "weightsync": {"timeout_s": 20, "bucket_mb": 1},
+    }
+    return load_config(None, raw=raw)
+
+
+def log(url: str) -> list[dict]:
+    return httpx.get(f"{url}/_log", timeout=5).json()
+
+
+def routes(url: str) -> list[str]:
+    return [e["route"] for e in log(url)]
+
+
+def fault(url: str, route: str, **kw: object) -> None:
+    httpx.post(f"{url}/_fault", json={"route": route, **kw}, timeout=5).raise_for_status()
+
+
+def disk_update(version: int, path: str) -> Update:
+    return Update(version=version, manifest=[], _iter=lambda: iter(()), path=path)
+
+
+# ------------------------------------------------------------------------------------------ vLLM
+
+
+def test_vllm_generate_payload_and_parse(urls, tmp_path):
+    cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"]})
+    engine = VLLMEngine(cfg, "/models/none", server_id=0, device=None)
+    calls, streamed = [], []
+    out = engine.generate(
+        [[1, 2, 3], [9]],
+        SamplingParams(n=2, max_new_tokens=4, temperature=0.7, top_p=0.9),
+        between_steps=lambda: calls.append(1),
+        on_token=lambda row, tok, lp: streamed.append((row, tok, lp)),
+    )
+    assert calls == [1]
+    assert [r for r, _, _ in streamed] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    body = log(urls["vllm"])[-1]["body"]
+    assert body["prompt"] == [[1, 2, 3], [9]]
+    assert (body["logprobs"], body["return_token_ids"], body["return_weight_versions"]) == (0, True, True)
+    assert (body["n"], body["max_tokens"], body["temperature"], body["top_p"]) == (2, 4, 0.7, 0.9)
+    assert body["repetition_penalty"] == 1.0 and "seed" not in body
+    assert [len(o) for o in out] == [2, 2]
+    c = out[1][1]
+    assert c.token_ids == [(9 + 7 + k + 1) % 97 for k in range(4)]
+    assert c.logprobs == [-0.25] * 4 and c.finish_reason == "length" and c.versions == [0] * 4
+    # The initial weights were labelled "0" at startup, so versions parse as policy versions.
+    assert routes(urls["vllm"])[0] == "/update_weight_version"
+    engine.close()
+
+
+def test_vllm_reload_from_disk_sequence(urls, tmp_path):
+    cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"], "pause_mode": "keep"})
+    engine = VLLMEngine(cfg, "/models/none", server_id=0, device=None)
+    engine.update_weights(disk_update(3, "/dev/shm/run/v3"))
+    entries = log(urls["vllm"])[1:]
+    assert [e["route"] for e in entries] == [
+        "/pause",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert entries[0]["query"] == {"mode": "keep"}
+    assert entries[1]["body"]["method"] == "reload_weights"
+    assert entries[1]["body"]["kwargs"] == {"weights_path": "/dev/shm/run/v3"}
+    assert entries[2]["query"] == {"reset_running_requests": "true"}
+    assert entries[3]["body"] == {"new_version": "3"}
+    assert engine.version == 3
+    assert engine.generate([[5]], SamplingParams(max_new_tokens=2))[0][0].versions == [3, 3]
+    engine.close()
+
+
+def test_vllm_errors_name_server_route_and_version(urls, tmp_path):
+    cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"], "request_timeout_s": 1.0})
+    engine = VLLMEngine(cfg, "/models/none", server_id=0, device=None)
+    fault(urls["vllm"], "/collective_rpc", status=500)
+    with pytest.raises(EngineHTTPError) as err:
+        engine.update_weights(disk_update(4, "/x"))
+    msg = str(err.value)
+    assert "vLLM 0.33.0" in msg and urls["vllm"] in msg and "/collective_rpc" in msg and "500" in msg
+    assert "weight version 4" in msg and engine.version == 0
+    fault(urls["vllm"], "/v1/completions", delay=2.5)
+    with pytest.raises(EngineHTTPError, match=r"/v1/completions.*no answer within 1 s"):
+        engine.generate([[1]], SamplingParams())
+    # Generation while paused in abort mode is refused by vLLM with 503, and reported as such.
+    httpx.post(f"{urls['vllm']}/pause", params={"mode": "abort"}, timeout=5)
+    with pytest.raises(EngineHTTPError, match="HTTP 503"):
+        engine.generate([[1]], SamplingParams())
+    engine.close()
+
+
+# ------------------------------------------------------------------------------------------ SGLang
+
+
+def test_sglang_generate_payload_and_parse(urls, tmp_path):
+    cfg = make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"]})
+    engine = SGLangEngine(cfg, "/models/none", server_id=0, device=None)
+    out = engine.generate([[4, 5], [6]], SamplingParams(n=2, max_new_tokens=3, seed=10))
+    body = log(urls["sglang"])[-1]["body"]
+    assert body["input_ids"] == [[4, 5], [4, 5], [6], [6]]
+    assert body["return_logprob"] is True
+    assert [sp["sampling_seed"] for sp in body["sampling_params"]] == [10, 11, 12, 13]
+    assert "top_k" not in body["sampling_params"][0]  # disabled: SGLang's own default
+    assert out[1][0].token_ids == [(6 + 7 * 12 + k + 1) % 97 for k in range(3)]
+    assert out[0][1].logprobs == [-0.5] * 3 and out[0][1].versions == [0] * 3
+    engine.close()
+
+
+def test_sglang_refuses_truncated_sampling(urls, tmp_path):
+    with pytest.raises(ValueError, match=r"top_p=0\.9.*allow_truncated_sampling"):
+        SGLangEngine(
+            make_cfg(tmp_path, engine="sglang", top_p=0.9, sglang={"url": urls["sglang"]}),
+            "m",
+            server_id=0,
+            device=None,
+        )
+    engine = SGLangEngine(
+        make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"]}), "m", server_id=0, device=None
+    )
+    with pytest.raises(ValueError, match="top_k=5"):
+        engine.generate([[1]], SamplingParams(top_k=5))
+    assert "/generate" not in routes(urls["sglang"])
+    engine.close()
+
+
+def test_sglang_reload_from_disk_sequence(urls, tmp_path):
+    cfg = make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"], "pause_mode": "retract"})
+    engine = SGLangEngine(cfg, "/models/none", server_id=0, device=None)
+    engine.update_weights(disk_update(2, "/dev/shm/run/v2"))
+    entries = log(urls["sglang"])[1:]
+    assert [e["route"] for e in entries] == [
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
+    assert entries[0]["body"] == {"mode": "retract"}
+    assert entries[1]["body"] == {
+        "model_path": "/dev/shm/run/v2",
+        "weight_version": "2",
+        "flush_cache": True,
+        "abort_all_requests": False,
+    }
+    assert engine.version == 2
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0][0].versions == [2, 2]
+    engine.close()
+
+
+# ------------------------------------------------------------------------------------------ publisher
+
+
+def gloo_for_vllm(kind, address, port, world, name):
+    """Learner end of a group over gloo; for vLLM it replaces PyNccl (no GPU here), for SGLang it is real."""
+    return TorchGroup(
+        address, port, world, backend="gloo", group_name="vllm-replay" if kind == "vllm" else name, timeout=20
+    )
+
+
+def test_publisher_feeds_a_mix_of_vllm_and_sglang(urls, tmp_path, redis_client, run_id):
+    cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"]}, sglang={"url": urls["sglang"]})
+    vllm = VLLMEngine(cfg, "m", server_id=0, device=None)
+    sgl = SGLangEngine(cfg, "m", server_id=1, device=None)
+    register_engine(redis_client, run_id, EngineEndpoint(0, "vllm", vllm.url, vllm.world_size()))
+    register_engine(redis_client, run_id, EngineEndpoint(1, "sglang", sgl.url, sgl.world_size()))
+    pub = EnginePublisher(
+        cfg, redis_client, run_id, master_address="127.0.0.1", backend="gloo", open_group=gloo_for_vllm
+    )
+    sub = EngineVersionSubscriber(redis_client, run_id, server_id="0")
+    # 1 MiB buckets: "big" (exactly 1 MiB) fills one alone, so three buckets per version.
+    weights = {
+        "a.weight": torch.randn(4, 3),
+        "big": torch.randn(512, 512),
+        "c.bias": torch.arange(5, dtype=torch.bfloat16),
+    }
+    for version in (1, 2):
+        sent = {k: v * version for k, v in weights.items()}
+        pub.publish(iter(sent.items()), version)
+        update = sub.poll(timeout=1.0)
+        assert update is not None and update.version == version and update.path is None
+        vllm.update_weights(update)
+        sgl.update_weights(update)
+        assert vllm.version == sgl.version == version
+        for url in urls.values():
+            got = httpx.get(f"{url}/_weights", timeout=10).json()
+            for k, v in sent.items():
+                assert torch.equal(torch.tensor(got[k]), v.float().flatten()), (url, k)
+    assert sub.poll() is None
+
+    v_entries = [e for e in log(urls["vllm"]) if e["route"] not in ("/weight_info", "/get_world_size")]
+    assert [e["route"] for e in v_entries] == ["/update_weight_version", "/init_weight_transfer_engine"] + 2 * [
+        "/pause", "/start_weight_update", "/update_weights", "/update_weights", "/update_weights",
+        "/finish_weight_update", "/reset_prefix_cache", "/resume",
+    ]  # fmt: skip
+    init = v_entries[1]["body"]["init_info"]
+    assert (init["rank_offset"], init["world_size"], init["packed"]) == (1, 2, False)
+    assert v_entries[2]["query"] == {"mode": "keep"}
+    assert v_entries[4]["body"]["update_info"] == {
+        "names": ["a.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [[4, 3]],
+    }
+    assert v_entries[7]["body"] == {"weight_version": "1"}
+
+    s_entries = [e for e in log(urls["sglang"]) if e["route"] != "/model_info"]
+    assert [e["route"] for e in s_entries] == ["/update_weight_version", "/init_weights_update_group"] + 2 * [
+        "/pause_generation", "/begin_weight_update", "/update_weights_from_distributed",
+        "/update_weights_from_distributed", "/update_weights_from_distributed", "/end_weight_update",
+        "/update_weight_version",
+        "/flush_cache", "/continue_generation",
+    ]  # fmt: skip
+    g = s_entries[1]["body"]
+    assert (g["rank_offset"], g["world_size"], g["backend"]) == (1, 2, "gloo")
+    assert s_entries[2]["body"] == {"mode": "retract"}
+    assert s_entries[5]["body"]["names"] == ["big"]
+    third = s_entries[6]["body"]
+    assert third["names"] == ["c.bias"] and third["dtypes"] == ["bfloat16"] and third["shapes"] == [[5]]
+    assert third["flush_cache"] is False and third["group_name"] == g["group_name"]
+    assert s_entries[8]["body"] == {"new_version": "1", "abort_all_requests": False}
+    pub.close()
+    vllm.close()
+    sgl.close()
+
+
+def test_publisher_failure_names_server_and_regroups(urls, tmp_path, redis_client, run_id):
+    cfg = make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"]})
+    register_engine(redis_client, run_id, EngineEndpoint(3, "sglang", urls["sglang"], 1))
+    pub = EnginePublisher(cfg, redis_client, run_id, master_address="127.0.0.1", backend="gloo")
+    fault(urls["sglang"], "/begin_weight_update", status=500)
+    with pytest.raises(
+        WeightSyncError, match=rf"version 1 .*{urls['sglang']}.*/begin_weight_update.*HTTP 500"
+    ):
+        pub.publish(iter({"w": torch.ones(2)}.items()), 1)
+    assert pub.groups == []  # dropped; the still-registered server is re-grouped on the next publish
+    pub.publish(iter({"w": torch.ones(2)}.items()), 2)
+    assert [e["route"] for e in log(urls["sglang"])].count("/init_weights_update_group") == 2
+    assert latest_version(redis_client, run_id) == 2
+    pub.close()
+
+
+def test_publisher_without_servers_fails_clearly(tmp_path, redis_client, run_id):
+    pub = EnginePublisher(
+        make_cfg(tmp_path), redis_client, run_id, master_address="127.0.0.1", backend="gloo"
+    )
+    with pytest.raises(
+        WeightSyncError, match=rf"no vLLM/SGLang server registered under {run_id}:engines:servers"
+    ):
+        pub.publish(iter(()), 1)
+
+
+# ------------------------------------------------------------------------------------------ subprocess
+
+
+def test_managed_server_dies_with_its_parent(tmp_path):
+    """A managed engine (here `sleep`) is SIGTERMed when the rollout server is SIGKILLed (PR_SET_PDEATHSIG)."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from rollout.engines._http import ManagedServer; "
+            f"s = ManagedServer('sleeper', ['sleep', '60'], env={{}}, log_path={str(tmp_path / 'x.log')!r}); "
+            f"open({str(pid_file)!r}, 'w').write(str(s.proc.pid)); time.sleep(60)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "parent did not start the managed server"
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "managed server outlived its parent"
+        time.sleep(0.05)
+
+
+def test_managed_server_reports_early_exit(tmp_path):
+    from rollout.engines._http import EngineClient
+
+    server = ManagedServer(
+        "broken engine",
+        [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+        env={},
+        log_path=tmp_path / "b.log",
+    )
+    client = EngineClient("http://127.0.0.1:9", "test", timeout=1)
+    with pytest.raises(EngineHTTPError, match=r"(?s)broken engine exited with code 3 .*boom"):
+        server.wait_healthy(client, "/health", timeout=30)
+    server.stop()
