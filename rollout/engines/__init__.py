@@ -1,0 +1,37 @@
+"""Inference engines behind one Protocol (DESIGN §6); :func:`make_engine` picks one from the config."""
+
+from __future__ import annotations
+
+import importlib
+
+from rollout.engines.base import Completion, Engine, SamplingParams
+from tandem.config import Config
+
+# The GPU engines import vllm / sglang, which live in their own environments: load them only when chosen.
+_ENGINES = {
+    "hf": "rollout.engines.hf:HFEngine",
+    "vllm": "rollout.engines.vllm:VLLMEngine",
+    "sglang": "rollout.engines.sglang:SGLangEngine",
+}
+
+
+def make_engine(cfg: Config, model_path: str, *, server_id: int = 0, device: str | None = None) -> Engine:
+    """The engine named by ``cfg.rollout.engine``, loaded from ``model_path`` onto ``device``.
+
+    ``device`` None follows ``cfg.run.device`` (auto: cuda when available).
+    """
+    module_name, _, cls_name = _ENGINES[cfg.rollout.engine].partition(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    device = device or cfg.run.device
+    if cfg.rollout.engine == "hf":
+        return cls(
+            model_path,
+            device=device,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            seed=cfg.run.seed + server_id,
+        )
+    return cls(cfg, model_path, server_id=server_id, device=device)
+
+
+__all__ = ["Completion", "Engine", "SamplingParams", "make_engine"]

@@ -1,18 +1,32 @@
 """The Engine Protocol every inference backend implements (DESIGN §6).
 
 ``generate`` takes token ids and returns, per prompt, ``n`` completions with the behaviour log-probability
-of each sampled token under the distribution actually sampled from (after temperature / top-k / top-p) and
-the policy version that produced each token.
+of each sampled token under the distribution actually sampled from (after temperature / top-k / top-p,
+renormalised) and the policy version that produced each token. Greedy decoding (temperature 0) reports
+the log-probability under the untempered distribution (``log_softmax(logits)``), as vLLM's processed
+logprobs do, since the point mass it actually samples from would say 0 for every token.
+
+Two optional hooks let the caller act during a call without knowing the engine's internals:
+- ``between_steps()`` is called at every safe point inside ``generate`` (between decode steps for ``hf``);
+  the rollout loop uses it to apply a pending weight update mid-sequence (PipelineRL's in-flight updates),
+  so later tokens carry the new version. Engines without such points may call it once per call or never;
+  the loop also applies updates between calls.
+- ``on_token(row, token_id, logprob)`` is called for each sampled token as it is produced (``row`` indexes
+  the flattened ``prompt × n`` list); the HTTP API streams from it. Engines that cannot stream may call it
+  for every token once generation has finished.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from weightsync.base import Update
 
 FinishReason = Literal["stop", "length", "abort"]
+BetweenSteps = Callable[[], None]
+OnToken = Callable[[int, int, float], None]
 
 
 @dataclass
@@ -29,18 +43,31 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    token_ids: list[int]
+    token_ids: list[int]  # includes the stop token (EOS or the one completing a stop string)
     logprobs: list[float]  # behaviour logprob of each token in token_ids
     finish_reason: FinishReason
     versions: list[int]  # policy version that produced each token (same length as token_ids)
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop string (excluded, as OpenAI's API returns it) and whether one occurred."""
+    cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
 
 
 class Engine(Protocol):
     @property
     def version(self) -> int: ...
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        """For each prompt, ``sampling.n`` completions."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        between_steps: BetweenSteps | None = None,
+        on_token: OnToken | None = None,
+    ) -> list[list[Completion]]:
+        """For each prompt, ``sampling.n`` completions. Safe to call from several threads."""
         ...
 
     def update_weights(self, update: Update) -> None:

@@ -1,0 +1,184 @@
+"""Rollout-loop throughput against ``model.generate``, and the generation pause per weight update.
+
+    python bench/rollout.py [--steps 20] [--prompts-per-batch 4] [--n-samples 4] [--max-new-tokens 32]
+                            [--hidden 64] [--layers 2] [--threads 1] [--updates 10]
+
+In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per_batch × n_samples`` rows):
+  (a) ``tokens_per_s``: the full rollout loop (admission, prompt claims and trajectory writes in a real
+      Redis via EmbeddedRedis, the hf engine, reward scoring), response tokens over wall time;
+  (b) ``engine_tokens_per_s``: the hf engine's ``generate`` alone;
+  (c) ``direct_tokens_per_s``: ``model.generate`` called directly (sampling, KV cache), counting the tokens
+      up to and including EOS; ``overhead_ratio`` = direct / loop (> 1: the loop is slower);
+  (d) ``update_pause_s``: median time the generation thread spends on one weight update through the
+      real shm transport (poll, map and verify the files, copy into the model).
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# This script is named like the package it measures: keep its own folder from shadowing `rollout`.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import torch
+
+from buffer.redis_server import EmbeddedRedis
+from buffer.schema import PromptRecord
+from buffer.streams import ReplayBuffer
+from rollout.engines.base import SamplingParams
+from rollout.engines.hf import HFEngine
+from rollout.loop import RolloutLoop
+from tandem.config import load_config
+from tandem.rewards import RewardFunctions
+from tandem.tasks import make_records
+from tandem.telemetry import Telemetry
+from tandem.tiny import make_tiny
+from weightsync import make_publisher, make_subscriber
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20, help="timed batches per measurement")
+    ap.add_argument("--prompts-per-batch", type=int, default=4)
+    ap.add_argument("--n-samples", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--updates", type=int, default=10)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis_server:
+        ckpt = make_tiny(Path(tmp) / "tiny", hidden=args.hidden, layers=args.layers)["actor"]
+        rows = args.prompts_per_batch * args.n_samples
+        cfg = load_config(
+            None,
+            raw={
+                "run": {"name": "benchrollout", "device": "cpu"},
+                "redis": {"url": redis_server.url},
+                "model": {"actor": str(ckpt)},
+                "data": {"prompts": "unused.jsonl"},
+                "rollout": {
+                    "n_samples": args.n_samples,
+                    "prompts_per_batch": args.prompts_per_batch,
+                    "max_new_tokens": args.max_new_tokens,
+                    "inflight_updates": True,
+                },
+                "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+                # Admission never binds here: this measures generation, not the learner.
+                "algorithm": {"batch_size": rows, "minibatch_size": rows, "max_staleness": 10_000},
+                "learner": {"micro_batch_size": rows},
+                "weightsync": {"shm_dir": str(Path(tmp) / "shm")},
+                "logging": {"wandb_mode": "disabled"},
+            },
+        )
+        client = redis_server.client()
+        engine = HFEngine(str(ckpt), device="cpu", seed=0)
+        tok = engine.tokenizer
+        records = make_records("echo", args.prompts_per_batch * (args.steps + 2), seed=0)
+        prompts = [PromptRecord(r["id"], r["prompt"], tok(r["prompt"]).input_ids, r) for r in records]
+        buffer = ReplayBuffer.from_config(client, cfg, consumer="server-0")
+        buffer.put_prompts(prompts)
+        publisher = make_publisher(cfg, client)
+        weights = {k: v for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+        publisher.publish(weights.items(), 0)
+        subscriber = make_subscriber(cfg, client, "server-0")
+        loop = RolloutLoop(
+            cfg,
+            engine,
+            tok,
+            buffer,
+            subscriber,
+            Telemetry(cfg, "server-0", client),
+            server_id=0,
+            rewards=RewardFunctions(cfg.reward),
+        )
+
+        # The three take turns batch by batch, so load from other processes hits them alike.
+        batch = [p.tokens.tolist() for p in prompts[: args.prompts_per_batch]]
+        sampling = SamplingParams(n=args.n_samples, max_new_tokens=args.max_new_tokens, temperature=1.0)
+        direct = DirectGenerate(engine, batch, args.n_samples, args.max_new_tokens)
+        loop.step()  # warm-up (applies the version-0 weights), not timed
+        buffer.take(rows, timeout_s=30)
+        engine.generate(batch, sampling)
+        direct()
+        seconds = {"loop": 0.0, "engine": 0.0, "direct": 0.0}
+        tokens = {"engine": 0, "direct": 0}
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            assert loop.step() == args.prompts_per_batch, "the loop appended a short batch"
+            t1 = time.perf_counter()
+            tokens["engine"] += sum(len(c.token_ids) for g in engine.generate(batch, sampling) for c in g)
+            t2 = time.perf_counter()
+            tokens["direct"] += direct()
+            t3 = time.perf_counter()
+            for k, dt in zip(seconds, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                seconds[k] += dt
+        appended = buffer.take(rows * args.steps, timeout_s=30)
+        assert len(appended) == rows * args.steps
+        tokens["loop"] = sum(len(t.traj.response_tokens) for t in appended)
+
+        # (d) the pause per update: what the generation thread spends inside one apply.
+        pauses = []
+        for v in range(1, args.updates + 1):
+            publisher.publish(weights.items(), v)
+            t0 = time.perf_counter()
+            loop.apply(subscriber.poll(0.0))
+            pauses.append(time.perf_counter() - t0)
+            assert engine.version == v
+
+    figures = {
+        "tokens_per_s": tokens["loop"] / seconds["loop"],
+        "engine_tokens_per_s": tokens["engine"] / seconds["engine"],
+        "direct_tokens_per_s": tokens["direct"] / seconds["direct"],
+        "update_pause_s": statistics.median(pauses),
+    }
+    figures["overhead_ratio"] = figures["direct_tokens_per_s"] / figures["tokens_per_s"]
+    print(
+        f"rollout loop  {figures['tokens_per_s']:9.0f} tok/s  (Redis, scoring, writes included)\n"
+        f"hf engine     {figures['engine_tokens_per_s']:9.0f} tok/s\n"
+        f"model.generate{figures['direct_tokens_per_s']:9.0f} tok/s  -> overhead ratio {figures['overhead_ratio']:.2f}\n"
+        f"update pause  {figures['update_pause_s'] * 1e3:9.2f} ms (median of {len(pauses)}, shm transport)"
+    )
+    print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
+
+
+class DirectGenerate:
+    """``model.generate`` on the same left-padded rows; tokens counted up to and including EOS."""
+
+    def __init__(self, engine: HFEngine, batch: list[list[int]], n: int, max_new_tokens: int) -> None:
+        rows = [p for p in batch for _ in range(n)]
+        width = max(map(len, rows))
+        self.model, self.pad, self.width = engine.model, engine.pad_token_id, width
+        self.ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows])  # (B, P)
+        self.mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # (B, P)
+        self.eos, self.max_new_tokens = engine.eos_token_ids, max_new_tokens
+
+    @torch.inference_mode()
+    def __call__(self) -> int:
+        out = self.model.generate(
+            self.ids,
+            attention_mask=self.mask,
+            do_sample=True,
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.pad,
+        )[:, self.width :]
+        total = 0
+        for row in out.tolist():
+            ends = [i for i, t in enumerate(row) if t in self.eos]
+            total += ends[0] + 1 if ends else len(row)
+        return total
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,666 @@
+"""The rollout server's OpenAI-compatible HTTP API (FastAPI + uvicorn in a thread of the server process).
+
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming and SSE streaming,
+``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry).
+The same engine serves the rollout loop; the engine serialises the two (the hf engine per decode step).
+
+Hardening (DESIGN §7): binds to loopback by default; an optional bearer token guards ``/v1/*``; bodies
+over ``max_request_bytes`` get 413 before they are read; ``max_tokens`` is bounded by ``max_tokens_limit``
+and the model's context. Every failure is a JSON error in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, and the server keeps serving.
+
+Departures from OpenAI: ``top_logprobs`` lists only the sampled token (engines record the behaviour
+logprob of what they sampled, not alternatives); streamed choices send their ``finish_reason`` once the
+whole request has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from transformers import PreTrainedTokenizerBase
+
+from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from tandem.config import HTTPConfig
+
+log = logging.getLogger(__name__)
+
+MAX_N = 64  # choices per prompt
+MAX_PROMPTS = 64  # prompts per /v1/completions request
+
+
+class ServerMetrics:
+    """Prometheus metrics of one rollout server, in its own registry (several servers or tests never clash)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.generated_tokens = Counter(
+            "tandem_generated_tokens", "Tokens generated, by who asked.", ["source"], registry=r
+        )
+        self.requests = Counter(
+            "tandem_http_requests", "HTTP requests answered.", ["route", "status"], registry=r
+        )
+        self.rollout_groups = Counter(
+            "tandem_rollout_groups", "Prompt groups appended to the buffer.", registry=r
+        )
+        self.weight_version = Gauge(
+            "tandem_weight_version", "Policy version of the served weights.", registry=r
+        )
+        self.weight_version.set_function(lambda: engine.version)
+        self.weight_update_seconds = Histogram(
+            "tandem_weight_update_seconds",
+            "Time to apply one weight update to the engine.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30),
+            registry=r,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share. Strict: ``"5"`` is not a number and ``true`` is not an integer."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # an extension, as in vLLM and SGLang
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(
+            p["text"] for p in self.content if p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_response(
+    status: int, message: str, type: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status
+    )
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over ``limit`` bytes, by Content-Length or by counting a chunked body."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await self._reject(send)
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"request body exceeds {self.limit} bytes",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------ the app
+
+
+@dataclass
+class _Choice:
+    """One streamed choice: the tokens so far and how much of their text was sent."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    stopped: bool = False
+
+
+class API:
+    """The endpoints, bound to one engine and tokenizer."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model_name: str,
+        http: HTTPConfig,
+        metrics: ServerMetrics,
+        max_context: int | None,
+        aliases: tuple[str, ...] = (),
+    ) -> None:
+        self.engine, self.tokenizer, self.http, self.metrics = engine, tokenizer, http, metrics
+        self.model_name, self.names = model_name, {model_name, *aliases}
+        self.max_context = max_context
+        self.special_ids = set(tokenizer.all_special_ids)
+        self.created = int(time.time())
+
+    # -------------------------------------------------------------------------------------- validation
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+
+    def sampling(self, req: _Sampling, max_tokens: int | None, prompts: list[list[int]]) -> SamplingParams:
+        longest = max(map(len, prompts))
+        room = (self.max_context - longest) if self.max_context else self.http.max_tokens_limit
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {longest} tokens; this model's context is {self.max_context}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = min(room, self.http.max_tokens_limit)
+        if max_tokens > self.http.max_tokens_limit:
+            raise APIError(
+                400,
+                f"max_tokens {max_tokens} exceeds the server's limit of {self.http.max_tokens_limit}",
+                param="max_tokens",
+            )
+        if max_tokens > room:
+            raise APIError(
+                400,
+                f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds this model's context of {self.max_context}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return SamplingParams(
+            n=req.n,
+            max_new_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=req.stop_list(),
+            seed=req.seed,
+        )
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = p  # type: ignore[assignment]
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"prompt must hold 1..{MAX_PROMPTS} prompts", param="prompt")
+        out = [
+            x if isinstance(x, list) else self.tokenizer(x, add_special_tokens=False).input_ids
+            for x in prompts
+        ]
+        if not all(out):
+            raise APIError(400, "a prompt is empty", param="prompt")
+        return out
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in req.messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    # ---------------------------------------------------------------------------------------- generation
+
+    async def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        try:
+            out = await run_in_threadpool(self.engine.generate, prompts, sampling)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        self.metrics.generated_tokens.labels(source="http").inc(sum(len(c.token_ids) for g in out for c in g))
+        return out
+
+    async def stream_tokens(
+        self, prompts: list[list[int]], sampling: SamplingParams
+    ) -> AsyncIterator[tuple[int, int, float]]:
+        """Tokens ``(row, token, logprob)`` as the engine samples them; closing the iterator cancels."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, int, float] | None] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def between_steps() -> None:
+            if cancelled.is_set():
+                raise _ClientGone
+
+        def on_token(row: int, token: int, logp: float) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (row, token, logp))
+
+        future = loop.run_in_executor(
+            None,
+            lambda: self.engine.generate(prompts, sampling, between_steps=between_steps, on_token=on_token),
+        )
+        future.add_done_callback(lambda _: queue.put_nowait(None))  # runs after every queued token
+        tokens = 0
+        try:
+            while (item := await queue.get()) is not None:
+                tokens += 1
+                yield item
+            await future  # re-raise an engine error
+        finally:
+            cancelled.set()
+            self.metrics.generated_tokens.labels(source="http").inc(tokens)
+
+    def text_and_finish(self, c: Completion, stop: list[str]) -> tuple[str, str]:
+        text, hit = cut_at_stop(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), stop)
+        return text, "stop" if hit or c.finish_reason == "stop" else "length"
+
+    def token_entries(
+        self, tokens: list[int], logprobs: list[float], limit_chars: int | None = None
+    ) -> list[tuple[str, float, int]]:
+        """``(text, logprob, offset)`` per non-special token, up to ``limit_chars`` of text."""
+        out, offset = [], 0
+        for t, lp in zip(tokens, logprobs, strict=True):
+            if t in self.special_ids:
+                continue
+            if limit_chars is not None and offset >= limit_chars:
+                break
+            s = self.tokenizer.decode([t])
+            out.append((s, lp, offset))
+            offset += len(s)
+        return out
+
+    @staticmethod
+    def completion_logprobs(entries: list[tuple[str, float, int]], base: int = 0) -> dict[str, Any]:
+        return {
+            "tokens": [s for s, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{s: lp} for s, lp, _ in entries],
+            "text_offset": [base + off for _, _, off in entries],
+        }
+
+    @staticmethod
+    def chat_logprobs(entries: list[tuple[str, float, int]], top: bool) -> dict[str, Any]:
+        return {
+            "content": [
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())}] if top else [],
+                }
+                for s, lp, _ in entries
+            ]
+        }
+
+    # ------------------------------------------------------------------------------------------ endpoints
+
+    async def completions(self, req: CompletionRequest) -> Any:
+        self.check_model(req.model)
+        prompts = self.completion_prompts(req)
+        sampling = self.sampling(req, req.max_tokens, prompts)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model}
+        if req.stream:
+            return await self.sse(self.completion_chunks(head, prompts, sampling, req.logprobs is not None))
+        out = await self.generate(prompts, sampling)
+        choices = []
+        for i, c in enumerate(c for g in out for c in g):
+            text, finish = self.text_and_finish(c, sampling.stop)
+            lp = None
+            if req.logprobs is not None:
+                lp = self.completion_logprobs(self.token_entries(c.token_ids, c.logprobs, len(text)))
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+        return {**head, "choices": choices, "usage": self.usage(prompts, out, sampling.n)}
+
+    async def chat(self, req: ChatRequest) -> Any:
+        self.check_model(req.model)
+        prompt = self.chat_prompt(req)
+        sampling = self.sampling(req, req.max_completion_tokens or req.max_tokens, [prompt])
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model}
+        if req.stream:
+            head["object"] = "chat.completion.chunk"
+            return await self.sse(
+                self.chat_chunks(head, prompt, sampling, req.logprobs, bool(req.top_logprobs))
+            )
+        out = await self.generate([prompt], sampling)
+        choices = []
+        for i, c in enumerate(out[0]):
+            text, finish = self.text_and_finish(c, sampling.stop)
+            lp = None
+            if req.logprobs:
+                lp = self.chat_logprobs(
+                    self.token_entries(c.token_ids, c.logprobs, len(text)), bool(req.top_logprobs)
+                )
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                }
+            )
+        return {**head, "choices": choices, "usage": self.usage([prompt], out, sampling.n)}
+
+    @staticmethod
+    def usage(prompts: list[list[int]], out: list[list[Completion]], n: int) -> dict[str, int]:
+        prompt_tokens = sum(len(p) for p in prompts) * n
+        completion_tokens = sum(len(c.token_ids) for g in out for c in g)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    # ------------------------------------------------------------------------------------------ streaming
+
+    def finish_reason(self, ch: _Choice, max_tokens: int) -> str:
+        ended_early = ch.stopped or len(ch.tokens) < max_tokens or ch.tokens[-1] in self.special_ids
+        return "stop" if ended_early else "length"
+
+    async def completion_chunks(
+        self, head: dict[str, Any], prompts: list[list[int]], sampling: SamplingParams, logprobs: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        choices = [_Choice() for _ in range(len(prompts) * sampling.n)]
+        async for row, text, entries, ch in self._tracked(prompts, sampling, choices):
+            lp = self.completion_logprobs(entries, ch.sent_chars - len(text)) if logprobs else None
+            yield {**head, "choices": [{"index": row, "text": text, "logprobs": lp, "finish_reason": None}]}
+        for row, ch in enumerate(choices):
+            reason = self.finish_reason(ch, sampling.max_new_tokens)
+            yield {**head, "choices": [{"index": row, "text": "", "logprobs": None, "finish_reason": reason}]}
+
+    async def chat_chunks(
+        self, head: dict[str, Any], prompt: list[int], sampling: SamplingParams, logprobs: bool, top: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        choices = [_Choice() for _ in range(sampling.n)]
+        started: set[int] = set()  # choices whose first delta (which carries the role) was sent
+
+        def delta(row: int, **content: str) -> dict[str, str]:
+            first = row not in started
+            started.add(row)
+            return {"role": "assistant", **content} if first else content
+
+        async for row, text, entries, _ in self._tracked([prompt], sampling, choices):
+            lp = self.chat_logprobs(entries, top) if logprobs else None
+            choice = {"index": row, "delta": delta(row, content=text), "logprobs": lp, "finish_reason": None}
+            yield {**head, "choices": [choice]}
+        for row, ch in enumerate(choices):
+            reason = self.finish_reason(ch, sampling.max_new_tokens)
+            choice = {"index": row, "delta": delta(row), "logprobs": None, "finish_reason": reason}
+            yield {**head, "choices": [choice]}
+
+    async def _tracked(
+        self, prompts: list[list[int]], sampling: SamplingParams, choices: list[_Choice]
+    ) -> AsyncIterator[tuple[int, str, list[tuple[str, float, int]], _Choice]]:
+        """Text deltas per row. Text that could be the start of a stop string (or an incomplete character)
+        is held back until it cannot be, so no stop string ever leaks into the stream."""
+        hold = max(map(len, sampling.stop), default=1) - 1
+        async for row, token, logp in self.stream_tokens(prompts, sampling):
+            ch = choices[row]
+            if ch.stopped:
+                continue
+            ch.tokens.append(token)
+            ch.logprobs.append(logp)
+            text, ch.stopped = cut_at_stop(
+                self.tokenizer.decode(ch.tokens, skip_special_tokens=True), sampling.stop
+            )
+            safe = len(text) if ch.stopped else len(text) - hold
+            while safe > ch.sent_chars and text[safe - 1] == "\ufffd":  # an incomplete multi-byte character
+                safe -= 1
+            entries = self.token_entries(ch.tokens[ch.sent_tokens :], ch.logprobs[ch.sent_tokens :])
+            ch.sent_tokens = len(ch.tokens)
+            new = text[ch.sent_chars : max(safe, ch.sent_chars)]
+            ch.sent_chars += len(new)
+            if new or entries:
+                yield row, new, entries, ch
+        for row, ch in enumerate(choices):  # held-back text that no stop string followed
+            text, _ = cut_at_stop(self.tokenizer.decode(ch.tokens, skip_special_tokens=True), sampling.stop)
+            if len(text) > ch.sent_chars:
+                new, ch.sent_chars = text[ch.sent_chars :], len(text)
+                yield row, new, [], ch
+
+    async def sse(self, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+        """Stream chunks as server-sent events. The first chunk is awaited before the response starts, so
+        an engine that rejects the request still gets a proper 400 rather than an in-band error."""
+        try:
+            first = await anext(chunks)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+
+        async def events() -> AsyncIterator[str]:
+            yield f"data: {json.dumps(first)}\n\n"
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            except Exception as e:  # headers are sent: report in-band, as OpenAI does
+                log.exception("streaming failed")
+                error = {"message": str(e), "type": "server_error", "param": None, "code": None}
+                yield f"data: {json.dumps({'error': error})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}
+            ],
+        }
+
+
+class _ClientGone(Exception):
+    """Raised inside the engine's decode loop when a streaming client went away."""
+
+
+def create_app(
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    model_name: str,
+    http: HTTPConfig,
+    metrics: ServerMetrics,
+    max_context: int | None = None,
+    aliases: tuple[str, ...] = (),
+) -> FastAPI:
+    """The FastAPI app of one server. ``max_context`` bounds prompt + max_tokens (None: no check here)."""
+    api = API(
+        engine,
+        tokenizer,
+        model_name=model_name,
+        http=http,
+        metrics=metrics,
+        max_context=max_context,
+        aliases=aliases,
+    )
+    app = FastAPI(title="tandem rollout server", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Any:
+        if request.url.path.startswith("/v1/") and http.api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {http.api_key}".encode()):
+                response = error_response(
+                    401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
+                )
+                metrics.requests.labels(route=request.url.path, status="401").inc()
+                return response
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.requests.labels(
+            route=route.path if route is not None else "unmatched", status=str(response.status_code)
+        ).inc()
+        return response
+
+    app.add_middleware(BodyLimit, limit=http.max_request_bytes)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"] if x != "body"]
+        if err["type"] == "json_invalid":
+            return error_response(
+                400, "the request body is not valid JSON", "invalid_request_error", code="invalid_json"
+            )
+        if not loc:
+            return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+        param = ".".join(loc)
+        return error_response(400, f"{param}: {err['msg']}", "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
+
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat)
+    app.get("/v1/models")(api.models)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "version": engine.version}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class HTTPServer:
+    """uvicorn serving an app from a daemon thread of this process."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        )
+        self.server = uvicorn.Server(config)
+        self.socket = config.bind_socket()  # bound now, so port 0 resolves to the real port before start
+        self.host, self.port = host, self.socket.getsockname()[1]
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, name="http", daemon=True
+        )
+
+    def start(self, timeout_s: float = 30.0) -> HTTPServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP API on {self.host}:{self.port} did not start within {timeout_s}s")
+            time.sleep(0.02)
+        log.info("HTTP API on http://%s:%d", self.host, self.port)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        self.socket.close()

@@ -1,0 +1,292 @@
+"""The ``hf`` engine: transformers on CPU or GPU with a hand-written, batched decode loop.
+
+Owns one causal LM and its tokenizer. ``generate`` left-pads the prompts (positions count real tokens
+only), prefills once, then decodes one token per step on a ``DynamicCache``, dropping finished rows from
+the batch. Each sampled token's behaviour logprob is read from the distribution it was drawn from
+(temperature, then top-k, then top-p, renormalised), so the learner's importance weights see exactly
+what was sampled (AReaL's decoupled PPO needs ``behav_logp``, DESIGN §4).
+
+Writing the loop ourselves buys PipelineRL's in-flight weight updates: the ``between_steps`` hook runs
+between decode steps and may swap the weights in place; later tokens carry the new version. The KV cache
+of the tokens already generated stays as the old weights computed it, as in PipelineRL: recomputing it
+would cost a prefill of every running sequence per update, and the learner corrects for the mismatch
+with the importance weight like for any other stale token.
+
+One lock serialises the model between the rollout loop, the HTTP API and weight updates. It is held per
+decode step, not per call, so an HTTP request interleaves its steps with a long rollout batch instead of
+waiting for it, and an update lands between two steps of any running call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+
+from rollout.engines.base import BetweenSteps, Completion, OnToken, SamplingParams
+from weightsync.base import Update, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``auto``/None is cuda when available, else cpu."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on GPU and float32 on CPU (config ``model.dtype``)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def truncate_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p (nucleus) truncation: tokens outside get ``-inf``. Shape: (B, V) -> (B, V).
+
+    Top-p keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (the token
+    that crosses it included), so at least one token always survives.
+    """
+    if 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)  # (B, V)
+        probs = sorted_scores.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # (B, V) mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def sample_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return ``(tokens, behav_logp)``. Shapes: (B, V) -> (B,), (B,).
+
+    Greedy (temperature 0) takes the argmax and reports ``log_softmax(logits)`` at it (see module docs of
+    :mod:`rollout.engines.base`).
+    """
+    logits = logits.float()
+    if sampling.temperature == 0:
+        tokens = logits.argmax(-1)  # (B,)
+        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    scores = truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+    logprobs = scores.log_softmax(-1)  # (B, V) the renormalised distribution we sample from
+    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (B,)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    """transformers inference engine implementing :class:`rollout.engines.base.Engine`."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+        seed: int = 0,
+    ) -> None:
+        self.device = resolve_device(str(device) if device is not None else None)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            model_path, trust_remote_code=trust_remote_code
+        )
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=resolve_dtype(dtype, self.device), trust_remote_code=trust_remote_code
+        )
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.max_positions: int | None = self.model.config.max_position_embeddings
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        self.eos_token_ids = {i for i in [*eos_ids, self.tokenizer.eos_token_id] if i is not None}
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else min(self.eos_token_ids)
+        # Every name a state_dict may use, tied aliases (lm_head.weight) included.
+        self._tensors = {
+            **dict(self.model.named_parameters(remove_duplicate=False)),
+            **dict(self.model.named_buffers(remove_duplicate=False)),
+        }
+        self._lock = threading.Lock()
+        self._running = threading.Event()
+        self._running.set()
+        self._version = 0
+        self._rng = torch.Generator(device=self.device).manual_seed(seed)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------------------------------ generate
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        between_steps: BetweenSteps | None = None,
+        on_token: OnToken | None = None,
+    ) -> list[list[Completion]]:
+        self._check(prompts, sampling)
+        rows = [list(p) for p in prompts for _ in range(sampling.n)]
+        generator = self._rng
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        flat = self._decode(rows, sampling, generator, between_steps, on_token)
+        n = sampling.n
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
+        if sampling.n < 1 or sampling.max_new_tokens < 1:
+            raise ValueError(
+                f"n and max_new_tokens must be >= 1 (got {sampling.n}, {sampling.max_new_tokens})"
+            )
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
+            raise ValueError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
+        vocab = self.model.config.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+            if self.max_positions is not None and len(p) + sampling.max_new_tokens > self.max_positions:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} it "
+                    f"exceeds the model's context of {self.max_positions}"
+                )
+
+    def _decode(
+        self,
+        rows: list[list[int]],
+        sampling: SamplingParams,
+        generator: torch.Generator,
+        between_steps: BetweenSteps | None,
+        on_token: OnToken | None,
+    ) -> list[Completion]:
+        """Prefill, then one token per step; finished rows leave the batch (and the KV cache)."""
+        stop_ids = self.eos_token_ids | set(sampling.stop_token_ids)
+        out = [Completion([], [], "length", []) for _ in rows]
+        step_ids, mask = self._left_pad(rows)  # (B, P)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P): left padding does not shift positions
+        cache = DynamicCache(config=self.model.config)
+        active = list(range(len(rows)))  # row index of each batch entry
+        for step in range(sampling.max_new_tokens):
+            self._running.wait()  # pause() holds generation here, outside the lock
+            with self._lock:  # per step, so HTTP requests and weight updates interleave with long calls
+                logits = self._forward(step_ids, mask, positions, cache)  # (b, V)
+                version = self._version
+                tokens, logps = sample_tokens(logits, sampling, generator)  # (b,), (b,)
+            keep = []
+            for j, (row, token, logp) in enumerate(zip(active, tokens.tolist(), logps.tolist(), strict=True)):
+                done = self._append(out[row], token, logp, version, stop_ids, sampling.stop)
+                if on_token is not None:
+                    on_token(row, token, logp)
+                if not done:
+                    keep.append(j)
+            if not keep or step == sampling.max_new_tokens - 1:
+                break
+            if between_steps is not None:
+                between_steps()  # may apply a weight update: the next forward uses the new weights
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(idx)
+                mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
+                active = [active[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)  # (b, T + 1)
+            positions = positions[:, -1:] + 1  # (b, 1)
+            step_ids = tokens[:, None]  # (b, 1)
+        return out
+
+    def _append(
+        self, c: Completion, token: int, logp: float, version: int, stop_ids: set[int], stop: list[str]
+    ) -> bool:
+        """Record one sampled token; True when the sequence has finished with it."""
+        c.token_ids.append(token)
+        c.logprobs.append(logp)
+        c.versions.append(version)
+        if token in stop_ids or (stop and self._ends_with_stop(c.token_ids, stop)):
+            c.finish_reason = "stop"
+            return True
+        return False
+
+    def _ends_with_stop(self, token_ids: list[int], stop: list[str]) -> bool:
+        # A character spans at most 4 byte-level tokens; decode just enough of the tail to see any stop.
+        tail = token_ids[-(4 * max(map(len, stop)) + 4) :]
+        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        return any(s in text for s in stop)
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """Logits of the last position. Shapes: ids/positions (B, t), mask (B, T_total) -> (B, V)."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    # ------------------------------------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def update_weights(self, update: Update) -> None:
+        """Copy ``update.tensors()`` into the model by state_dict name; tied aliases may be absent."""
+        start = time.perf_counter()
+        with self._lock:
+            seen: set[int] = set()
+            for name, tensor in update.tensors():
+                target = self._tensors.get(name)
+                if target is None:
+                    raise WeightSyncError(f"update v{update.version}: the model has no tensor named {name!r}")
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise WeightSyncError(
+                        f"update v{update.version}: {name} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)  # converts dtype and device
+                seen.add(id(target))
+            missing = [n for n, p in self.model.named_parameters() if id(p) not in seen]
+            if missing:
+                raise WeightSyncError(
+                    f"update v{update.version}: {len(missing)} parameters missing, e.g. {missing[:3]}; "
+                    "the model now mixes versions"
+                )
+            self._version = update.version
+        log.debug("applied weights v%d in %.3fs", update.version, time.perf_counter() - start)
+
+    # -------------------------------------------------------------------------------------------- control
+
+    def pause(self) -> None:
+        """Hold generation at the next decode step until :meth:`resume`."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def close(self) -> None:
+        self._running.set()
+        with self._lock:
+            self.model = None  # type: ignore[assignment]
+            self._tensors = {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

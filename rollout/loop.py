@@ -1,0 +1,266 @@
+"""The rollout loop: admit, claim prompts, generate ``n`` samples each, score, append (DESIGN §1, §3).
+
+One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
+
+1. **admit**: ask for admission of up to ``prompts_per_batch`` groups (AReaL's staleness control), blocking
+   only for the first; this is the only place the server ever waits for the learner;
+2. **take prompts**: claim as many prompts as were admitted. Admission comes first so a server never holds
+   claimed prompts while it waits (they would be re-claimed by another server after ``claim_idle_ms``).
+   A redelivered prompt (from a crashed server) carries that server's admission and takes none;
+3. **fresh weights**: hold ``engine.version >= learner version - max_staleness`` (blocking on the weight
+   subscriber if not), so ``max_staleness = 0`` is exactly the synchronous algorithm;
+4. **generate** all groups in one engine call; with ``rollout.inflight_updates`` a weight update that
+   arrives mid-call is applied between decode steps (PipelineRL) and later tokens carry its version;
+5. **score** with the reward functions (and the reward model, if any);
+6. **put** each group contiguously, acknowledging its prompt in the same atomic step.
+
+A prompt taken but not appended (stop, crash) stays pending in Redis for another server to claim.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+
+from transformers import PreTrainedTokenizerBase
+
+from buffer.schema import PromptRecord, Trajectory
+from buffer.streams import ReplayBuffer, TakenPrompt
+from rollout.api import ServerMetrics
+from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from rollout.reward_model import RewardModel
+from tandem.config import Config
+from tandem.rewards import RewardFunctions
+from tandem.telemetry import Telemetry
+from weightsync.base import Subscriber, Update, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # longest single wait (admission, prompts, weights), so a stop request is seen within ~1 s
+INFLIGHT_POLL_S = 0.05  # how often the decode loop asks the subscriber for a new version
+
+
+class RolloutLoop:
+    def __init__(
+        self,
+        cfg: Config,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        buffer: ReplayBuffer,
+        subscriber: Subscriber,
+        telemetry: Telemetry,
+        *,
+        server_id: int,
+        rewards: RewardFunctions,
+        reward_model: RewardModel | None = None,
+        metrics: ServerMetrics | None = None,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.buffer, self.subscriber, self.telemetry = buffer, subscriber, telemetry
+        self.server_id, self.rewards, self.reward_model = server_id, rewards, reward_model
+        self.metrics = metrics or ServerMetrics(engine)
+        self.stop_event = stop_event or threading.Event()
+        r = cfg.rollout
+        self.sampling = SamplingParams(
+            n=r.n_samples,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop=list(r.stop),
+        )
+        self.credits = 0  # groups admitted but not yet claimed
+        self.steps = self.groups = 0
+        self.timers: dict[str, float] = defaultdict(float)  # seconds spent since the last log
+        self._last_poll = 0.0
+
+    def run(self) -> None:
+        """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
+        log.info("server-%d: rollout loop started at weights v%d", self.server_id, self.engine.version)
+        try:
+            while not self.should_stop():
+                self.step()
+        finally:
+            self.close()
+
+    def step(self) -> int:
+        """One admitted batch of prompt groups, generated, scored and appended. Returns groups appended."""
+        if not self.admit():
+            return 0
+        prompts = self.take_prompts()
+        if not prompts or not self.ensure_fresh_weights():
+            return 0
+        completions = self.generate(prompts)
+        groups = self.score(prompts, completions)
+        self.put(prompts, groups)
+        self.log(groups)
+        return len(groups)
+
+    # ------------------------------------------------------------------------------------------- stages
+
+    def admit(self) -> bool:
+        """Gain admission for up to ``prompts_per_batch`` groups: wait for the first, take the rest if free."""
+        a, n, start = self.cfg.algorithm, self.sampling.n, time.perf_counter()
+        while self.credits < self.cfg.rollout.prompts_per_batch:
+            kw = dict(batch_size=a.batch_size, max_staleness=a.max_staleness)
+            if self.credits:
+                ok = self.buffer.admit(n, **kw)
+            else:
+                ok = self.buffer.wait_admission(n, **kw, timeout_s=POLL_S, should_stop=self.should_stop)
+            if not ok:
+                break
+            self.credits += 1
+        self.timers["time/wait_admission"] += time.perf_counter() - start
+        return self.credits > 0
+
+    def take_prompts(self) -> list[TakenPrompt]:
+        prompts = self.buffer.take_prompts(self.credits, timeout_s=POLL_S)
+        self.credits -= sum(not p.redelivered for p in prompts)
+        return prompts
+
+    def ensure_fresh_weights(self) -> bool:
+        """Apply any pending update, then block until ``version >= learner version - max_staleness``.
+
+        The learner publishes version v before it sets the Redis version to v, so this never deadlocks.
+        False only when a stop was requested while waiting.
+        """
+        start = time.perf_counter()
+        self.apply(self.subscriber.poll(0.0))
+        timeout = self.cfg.weightsync.timeout_s
+        deadline = start + timeout
+        while self.engine.version < (need := self.buffer.get_version() - self.cfg.algorithm.max_staleness):
+            if self.should_stop():
+                return False
+            if time.perf_counter() > deadline:
+                raise WeightSyncError(
+                    f"server-{self.server_id}: holds weights v{self.engine.version} but needs >= v{need} "
+                    f"(learner version - max_staleness); no new version arrived within "
+                    f"weightsync.timeout_s={timeout:g}s. Is the learner publishing?"
+                )
+            self.apply(self.subscriber.poll(min(POLL_S, max(0.0, deadline - time.perf_counter()))))
+        self.timers["time/weight_sync"] += time.perf_counter() - start
+        return True
+
+    def generate(self, prompts: list[TakenPrompt]) -> list[list[Completion]]:
+        start = time.perf_counter()
+        hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
+        out = self.engine.generate(
+            [p.prompt.tokens.tolist() for p in prompts], self.sampling, between_steps=hook
+        )
+        self.timers["time/generate"] += time.perf_counter() - start
+        return out
+
+    def score(
+        self, prompts: list[TakenPrompt], completions: list[list[Completion]]
+    ) -> list[list[Trajectory]]:
+        """Reward functions on the completion text plus the reward model's score weighted by
+        ``reward.model_weight``; the total is clipped by ``reward.clip``."""
+        texts = [[self.completion_text(c) for c in group] for group in completions]
+        rm_scores = iter(self.score_reward_model(prompts, texts))
+        groups = []
+        for taken, group, group_texts in zip(prompts, completions, texts, strict=True):
+            p, group_id = taken.prompt, uuid.uuid4().hex
+            trajs = []
+            for c, text in zip(group, group_texts, strict=True):
+                reward, parts = self.rewards.score(p.text, text, p.record)
+                if self.reward_model is not None:
+                    parts["reward_model"] = next(rm_scores)
+                    reward = self.clip(reward + self.cfg.reward.model_weight * parts["reward_model"])
+                trajs.append(self.trajectory(p, c, reward, parts, group_id))
+            groups.append(trajs)
+        return groups
+
+    def put(self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]) -> None:
+        """One atomic append per group, acknowledging its prompt with it (groups stay contiguous)."""
+        for taken, group in zip(prompts, groups, strict=True):
+            self.buffer.put(group, ack_prompts=[taken.id])
+        self.groups += len(groups)
+
+    def log(self, groups: list[list[Trajectory]]) -> None:
+        trajs = [t for g in groups for t in g]
+        tokens = sum(len(t.response_tokens) for t in trajs)
+        self.metrics.generated_tokens.labels(source="rollout").inc(tokens)
+        self.metrics.rollout_groups.inc(len(groups))
+        self.steps += 1
+        self.telemetry.log(
+            {
+                "rollout/tokens_per_s": tokens / max(self.timers["time/generate"], 1e-9),
+                "rollout/groups": self.groups,
+                "rollout/version": self.engine.version,
+                "rollout/response_len": tokens / len(trajs),
+                "rollout/stop_frac": sum(t.finish_reason == "stop" for t in trajs) / len(trajs),
+                "reward/mean": sum(t.reward for t in trajs) / len(trajs),
+                **self.timers,
+            },
+            step=self.steps,
+        )
+        self.timers.clear()
+
+    # ---------------------------------------------------------------------------------------------- helpers
+
+    def apply(self, update: Update | None) -> None:
+        """The one path every weight update takes (between batches and in flight): apply, time, count."""
+        if update is None:
+            return
+        start = time.perf_counter()
+        self.engine.update_weights(update)
+        seconds = time.perf_counter() - start
+        self.metrics.weight_update_seconds.observe(seconds)
+        log.info("server-%d: weights v%d applied in %.3fs", self.server_id, update.version, seconds)
+
+    def poll_inflight(self) -> None:
+        """The engine's ``between_steps`` hook: a cheap, throttled poll for a new version mid-generation."""
+        now = time.perf_counter()
+        if now - self._last_poll >= INFLIGHT_POLL_S:
+            self._last_poll = now
+            self.apply(self.subscriber.poll(0.0))
+            self.timers["time/weight_sync"] += time.perf_counter() - now
+
+    def score_reward_model(self, prompts: list[TakenPrompt], texts: list[list[str]]) -> list[float]:
+        if self.reward_model is None:
+            return []
+        return self.reward_model.score(
+            [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
+        )
+
+    def clip(self, reward: float) -> float:
+        c = self.cfg.reward.clip
+        return reward if c is None else max(-c, min(c, reward))
+
+    def completion_text(self, c: Completion) -> str:
+        """What the reward sees: special tokens skipped, cut before a stop string (as the API returns it)."""
+        return cut_at_stop(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), self.sampling.stop)[
+            0
+        ]
+
+    def trajectory(
+        self, p: PromptRecord, c: Completion, reward: float, parts: dict[str, float], group_id: str
+    ) -> Trajectory:
+        return Trajectory(
+            traj_id=uuid.uuid4().hex,
+            group_id=group_id,
+            prompt_id=p.prompt_id,
+            prompt_tokens=p.tokens,
+            response_tokens=c.token_ids,
+            behav_logp=c.logprobs,
+            token_versions=c.versions,
+            reward=reward,
+            reward_parts=parts,
+            finish_reason=c.finish_reason,
+            server_id=f"server-{self.server_id}",
+            meta={"version": c.versions[0]},
+        )
+
+    def should_stop(self) -> bool:
+        return self.stop_event.is_set() or self.telemetry.stop_requested()
+
+    def close(self) -> None:
+        """Give back admission this server holds but will not use, so the learner is not starved."""
+        if self.credits:
+            self.buffer.release(self.credits * self.sampling.n)
+            self.credits = 0
+        log.info("server-%d: rollout loop stopped after %d groups", self.server_id, self.groups)

@@ -1,0 +1,224 @@
+"""``python -m rollout.server``: one long-lived rollout server (DESIGN §1).
+
+Connected to a run (what launch.py starts; Redis URL and everything else from the config file)::
+
+    python -m rollout.server --config FILE [key.sub=value ...] --server-id N --run-dir DIR
+
+Standalone, a plain OpenAI-compatible inference server with no Redis, no learner and no config file::
+
+    python -m rollout.server --standalone --model DIR [--host 127.0.0.1] [--port 8000] [--api-key K]
+
+Start-up fails fast (STYLE habit 7): Redis must answer, the engine must load and finish one tiny
+generation, and the HTTP port must be bound before the server reports ready (``{run}:ready:server-N``
+with its HTTP port). SIGTERM / SIGINT (or the run's stop key) end it cleanly: prompts it took but did not
+answer stay pending in Redis for another server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from rollout.api import HTTPServer, ServerMetrics, create_app
+from rollout.engines import make_engine
+from rollout.engines.base import Engine, SamplingParams
+from rollout.engines.hf import HFEngine
+from tandem.config import Config, HTTPConfig, load_config
+from tandem.telemetry import Telemetry, setup_logging
+
+log = logging.getLogger("rollout.server")
+
+REDIS_SOCKET_TIMEOUT_S = 30.0  # every Redis call fails with a clear error rather than hang
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.standalone:
+        return serve_standalone(args, stop)
+    return serve_connected(args, stop)
+
+
+def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
+    from buffer.streams import ReplayBuffer
+    from rollout.loop import RolloutLoop
+    from rollout.reward_model import RewardModel
+    from tandem.rewards import RewardFunctions
+    from weightsync import make_subscriber
+
+    cfg = load_config(args.config, args.overrides)
+    sid, name = args.server_id, f"server-{args.server_id}"
+    setup_logging(cfg.logging.level)
+    seed_everything(cfg.run.seed + sid)
+    torch.set_num_threads(
+        cfg.rollout.threads or max(1, (os.cpu_count() or 1) // (cfg.rollout.num_servers + 1))
+    )
+
+    client = connect_redis(cfg)
+    buffer = ReplayBuffer.from_config(client, cfg, consumer=name)
+    subscriber = make_subscriber(cfg, client, name, run_dir=args.run_dir)
+    engine = make_engine(cfg, cfg.model.actor, server_id=sid)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code)
+    warm_up(engine, tokenizer)
+    rewards = RewardFunctions(cfg.reward)
+    reward_model = None
+    if cfg.model.reward_model is not None:
+        reward_model = RewardModel(
+            cfg.model.reward_model,
+            device=cfg.run.device,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    metrics = ServerMetrics(engine)
+    http = None
+    if cfg.rollout.http.enabled:
+        port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
+        http = start_http(engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port)
+    telemetry = Telemetry(cfg, name, client, run_dir=args.run_dir)
+    loop = RolloutLoop(
+        cfg,
+        engine,
+        tokenizer,
+        buffer,
+        subscriber,
+        telemetry,
+        server_id=sid,
+        rewards=rewards,
+        reward_model=reward_model,
+        metrics=metrics,
+        stop_event=stop,
+    )
+    telemetry.mark_ready(http_port=http.port if http else None)
+    log.info("%s ready (engine %s, weights v%d)", name, cfg.rollout.engine, engine.version)
+    try:
+        loop.run()
+    finally:
+        if http is not None:
+            http.stop()
+        subscriber.close()
+        engine.close()
+        telemetry.close()
+        client.close()
+    return 0
+
+
+def serve_standalone(args: argparse.Namespace, stop: threading.Event) -> int:
+    setup_logging("INFO")
+    seed_everything(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = HFEngine(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    warm_up(engine, tokenizer)
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY")
+    http_cfg = HTTPConfig(host=args.host, port=args.port, api_key=api_key)
+    name = args.served_model_name or Path(args.model).name
+    http = start_http(
+        engine, tokenizer, args.model, http_cfg, ServerMetrics(engine), port=args.port, name=name
+    )
+    # One parseable line for scripts and tests that started us with --port 0.
+    print(f"rollout server: serving {name} on http://{http.host}:{http.port}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    http.stop()
+    engine.close()
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def connect_redis(cfg: Config) -> redis.Redis:
+    if cfg.redis.url is None:
+        raise SystemExit(
+            "redis.url is not set: launch.py writes the run's Redis URL into the config it passes"
+        )
+    client = redis.Redis.from_url(
+        cfg.redis.url,
+        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=10,
+        health_check_interval=30,
+    )
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise SystemExit(f"Redis at {cfg.redis.url.split('@')[-1]} does not answer: {e}") from None
+    return client
+
+
+def warm_up(engine: Engine, tokenizer: PreTrainedTokenizerBase) -> None:
+    """One tiny generation, so a broken engine fails now rather than on the first prompt."""
+    prompt = tokenizer("hello", add_special_tokens=False).input_ids or [tokenizer.eos_token_id]
+    engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0))
+
+
+def start_http(
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    model_path: str,
+    http_cfg: HTTPConfig,
+    metrics: ServerMetrics,
+    *,
+    port: int,
+    name: str | None = None,
+) -> HTTPServer:
+    """Serve the API under the checkpoint directory's name (the full path is accepted too)."""
+    model_name = name or Path(model_path).name
+    hf_config = AutoConfig.from_pretrained(model_path)
+    app = create_app(
+        engine,
+        tokenizer,
+        model_name=model_name,
+        http=http_cfg,
+        metrics=metrics,
+        max_context=hf_config.max_position_embeddings,
+        aliases=(str(model_path),),
+    )
+    return HTTPServer(app, http_cfg.host, port).start()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m rollout.server", description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
+    ap.add_argument("--config", help="run config (YAML) with redis.url set; connected mode")
+    ap.add_argument("--server-id", type=int, default=0)
+    ap.add_argument("--run-dir", help="the run directory (weights fall back there when /dev/shm is absent)")
+    ap.add_argument("--standalone", action="store_true", help="serve the HTTP API only: no Redis, no learner")
+    ap.add_argument("--model", help="standalone: checkpoint directory")
+    ap.add_argument("--served-model-name", help="standalone: model id in the API (default: directory name)")
+    ap.add_argument("--host", default="127.0.0.1", help="standalone: bind address")
+    ap.add_argument("--port", type=int, default=8000, help="standalone: port (0 picks a free one)")
+    ap.add_argument("--api-key", help="standalone: bearer token required on /v1 (or $TANDEM_API_KEY)")
+    ap.add_argument("--device", default="auto", help="standalone: cpu, cuda, cuda:1, or auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=0, help="standalone: CPU threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_intermixed_args(argv)
+    if args.standalone and not args.model:
+        ap.error("--standalone needs --model DIR")
+    if not args.standalone and not args.config:
+        ap.error("give --config FILE (connected to a run) or --standalone --model DIR")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""The rollout loop against a real Redis, the real shm weight transport, tiny models and a fake learner.
+
+The fake learner does what the real one does at the boundary: take a batch, publish new weights for
+version v, then set the Redis version to v, then acknowledge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+import rollout.loop
+from buffer.schema import PromptRecord, Trajectory
+from buffer.streams import ReplayBuffer
+from rollout.engines.hf import HFEngine
+from rollout.loop import RolloutLoop
+from tandem.config import Config, load_config
+from tandem.rewards import RewardFunctions
+from tandem.tasks import make_records
+from tandem.telemetry import Telemetry, ready_key, stop_key
+from weightsync import make_publisher, make_subscriber
+from weightsync.base import Subscriber, Update, WeightSyncError
+
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The 'trained' actor a fake learner publishes: same architecture, other weights."""
+    from tandem.tiny import make_tiny
+
+    path = make_tiny(tmp_path_factory.mktemp("tiny-v1"), seed=7)["actor"]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt: dict[str, Path]) -> HFEngine:
+    return HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0)
+
+
+def make_cfg(run_id: str, redis_url: str, tiny_ckpt: dict[str, Path], tmp: Path, **over: object) -> Config:
+    raw = {
+        "run": {"name": run_id, "device": "cpu"},
+        "redis": {"url": redis_url},
+        "model": {"actor": str(tiny_ckpt["actor"])},
+        "data": {"prompts": str(tmp / "prompts.jsonl")},
+        "rollout": {"n_samples": 2, "prompts_per_batch": 2, "max_new_tokens": 6, "http": {"enabled": False}},
+        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+        "algorithm": {"batch_size": 4, "minibatch_size": 4, "max_staleness": 0},
+        "learner": {"micro_batch_size": 4},
+        "weightsync": {"shm_dir": str(tmp / "shm"), "timeout_s": 30},
+        "logging": {"wandb_mode": "disabled"},
+    }
+    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in over.items()], raw=raw)
+
+
+def queue_prompts(buffer: ReplayBuffer, engine: HFEngine, n: int) -> list[PromptRecord]:
+    prompts = [
+        PromptRecord(r["id"], r["prompt"], engine.tokenizer(r["prompt"]).input_ids, r)
+        for r in make_records("echo", n, seed=1)
+    ]
+    buffer.put_prompts(prompts)
+    return prompts
+
+
+class Learner:
+    """Takes batches and publishes weights like the real learner, without training."""
+
+    def __init__(self, cfg: Config, client, engine_weights: dict[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.buffer = ReplayBuffer.from_config(client, cfg, consumer="learner-0")
+        self.publisher = make_publisher(cfg, client)
+        self.version = 0
+        self.publisher.publish(engine_weights.items(), 0)  # version-0 weights first, as the learner does
+        self.buffer.set_version(0)
+
+    def take(self, n: int) -> list[Trajectory]:
+        got = self.buffer.take(n, timeout_s=TIMEOUT)
+        assert len(got) == n, f"took {len(got)} of {n} trajectories within {TIMEOUT}s"
+        self.buffer.ack([t.id for t in got])
+        return [t.traj for t in got]
+
+    def step(self, weights: dict[str, torch.Tensor]) -> None:
+        self.version += 1
+        self.publisher.publish(weights.items(), self.version)  # publish v before announcing v
+        self.buffer.set_version(self.version)
+
+
+class Harness:
+    """A rollout loop running in a thread of the test, stopped (and checked to stop) at the end."""
+
+    def __init__(self, cfg: Config, client, engine: HFEngine, subscriber: Subscriber) -> None:
+        self.buffer = ReplayBuffer.from_config(client, cfg, consumer="server-0")
+        self.telemetry = Telemetry(cfg, "server-0", client)
+        self.loop = RolloutLoop(
+            cfg,
+            engine,
+            engine.tokenizer,
+            self.buffer,
+            subscriber,
+            self.telemetry,
+            server_id=0,
+            rewards=RewardFunctions(cfg.reward),
+        )
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.loop.run()
+        except BaseException as e:
+            self.errors.append(e)
+
+    def __enter__(self) -> Harness:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.stop_event.set()
+        self.thread.join(TIMEOUT)
+        assert not self.thread.is_alive(), "the rollout loop did not stop within the timeout"
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def restore(engine: HFEngine) -> Iterator[None]:
+    """Tests swap the shared engine's weights; put the originals back."""
+    original = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    yield
+    engine.update_weights(Update(0, [], lambda: iter(original.items())))
+
+
+def behaviour_logp(weights: dict[str, torch.Tensor], tiny_ckpt: dict[str, Path], t: Trajectory) -> np.ndarray:
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"])
+    model.load_state_dict(weights, strict=False)
+    ids = torch.tensor(np.concatenate([t.prompt_tokens, t.response_tokens]), dtype=torch.long)[None]
+    with torch.no_grad():
+        logp = model(ids).logits[0, len(t.prompt_tokens) - 1 : -1].log_softmax(-1)
+    return logp.gather(-1, torch.tensor(t.response_tokens, dtype=torch.long)[:, None]).squeeze(-1).numpy()
+
+
+def test_staleness_zero_is_synchronous(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine, new_weights, restore
+) -> None:
+    """Admission holds the server while the learner's version stands still; after v1 is published every
+    token carries version 1 and its behaviour logprob is that of the v1 weights."""
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path)
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 8)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+        first = learner.take(4)
+        time.sleep(2.0)  # the server would produce more now if admission let it
+        assert learner.buffer.trajectories_pending() == 0, "admission let the server run ahead of the learner"
+        assert int(redis_client.get(f"{run_id}:admitted")) == 4
+        learner.step(new_weights)
+        second = learner.take(4)
+    assert all(set(t.token_versions.tolist()) == {0} for t in first)
+    assert all(set(t.token_versions.tolist()) == {1} for t in second)
+    np.testing.assert_allclose(
+        second[0].behav_logp, behaviour_logp(new_weights, tiny_ckpt, second[0]), atol=1e-4
+    )
+    # Groups: n samples share a group id and a prompt, and arrive contiguously.
+    for batch in (first, second):
+        assert batch[0].group_id == batch[1].group_id != batch[2].group_id == batch[3].group_id
+        assert batch[0].prompt_id == batch[1].prompt_id
+    t = second[0]
+    assert len(t.response_tokens) == len(t.behav_logp) == len(t.token_versions) >= 1
+    assert t.server_id == "server-0" and t.finish_reason in ("stop", "length") and len(t.traj_id) == 32
+    assert 0.0 <= t.reward <= 1.0 and set(t.reward_parts) == {"reward"}
+    assert learner.buffer.prompts_pending() == 4  # four answered and acknowledged, four left
+    stats = redis_client.hgetall(f"{run_id}:stats:server-0")
+    assert float(stats[b"rollout/groups"]) >= 2 and b"time/generate" in stats
+
+
+class TriggerSubscriber:
+    """The real shm subscriber; its ``at``-th poll first has the learner publish (a deterministic 'during')."""
+
+    def __init__(self, inner: Subscriber, at: int, publish) -> None:
+        self.inner, self.at, self.publish, self.calls = inner, at, publish, 0
+        self.server_id = inner.server_id
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def latest_version(self) -> int:
+        return self.inner.latest_version()
+
+    def poll(self, timeout: float = 0.0) -> Update | None:
+        self.calls += 1
+        if self.calls == self.at:
+            self.publish()
+        return self.inner.poll(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("inflight", [True, False])
+def test_weight_update_during_generation(
+    redis_server,
+    redis_client,
+    run_id,
+    tiny_ckpt,
+    tmp_path,
+    engine,
+    new_weights,
+    restore,
+    monkeypatch,
+    inflight,
+) -> None:
+    """Poll 1 is before the first batch, poll 2 the first in-flight one (after one token of every row):
+    in flight, the switch shows inside sequences; otherwise the whole next batch has the new version."""
+    monkeypatch.setattr(rollout.loop, "INFLIGHT_POLL_S", 0.0)
+    cfg = make_cfg(
+        run_id,
+        redis_server.url,
+        tiny_ckpt,
+        tmp_path,
+        **{"algorithm.max_staleness": 2, "rollout.inflight_updates": inflight, "rollout.max_new_tokens": 12},
+    )
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 8)
+    sub = TriggerSubscriber(
+        make_subscriber(cfg, redis_client, "server-0"), 2, lambda: learner.step(new_weights)
+    )
+    with Harness(cfg, redis_client, engine, sub):
+        first, second = learner.take(4), learner.take(4)
+    if inflight:
+        for t in first:
+            assert t.token_versions.tolist() == [0] + [1] * (len(t.token_versions) - 1)
+        assert any(len(t.token_versions) > 1 for t in first)
+    else:
+        assert all(set(t.token_versions.tolist()) == {0} for t in first)
+    assert all(set(t.token_versions.tolist()) == {1} for t in second)
+
+
+def test_stop_leaves_unanswered_prompts_pending(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+) -> None:
+    """A stopped server appends nothing partial; admission it will not use goes back to the counter."""
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path)
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
+        # No prompts yet: the loop holds admission for a batch and waits for prompts.
+        deadline = time.monotonic() + TIMEOUT
+        while h.loop.credits < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert int(redis_client.get(f"{run_id}:admitted")) == 4
+    assert int(redis_client.get(f"{run_id}:admitted")) == 0
+    assert learner.buffer.trajectories_pending() == 0
+
+
+@pytest.mark.slow
+def test_server_process_end_to_end(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine, new_weights
+) -> None:
+    """``python -m rollout.server --config ... --server-id 0 --run-dir ...``: ready with an HTTP port,
+    trajectories flow, a published version reaches them, the stop key ends the process cleanly."""
+    import httpx
+
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{"rollout.http": {"enabled": True}})
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 8)
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollout.server",
+        "--config",
+        str(config_path),
+        "--server-id",
+        "0",
+        "--run-dir",
+        str(tmp_path),
+    ]
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while (ready := redis_client.get(ready_key(run_id, "server-0"))) is None:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "server not ready within 120 s"
+            time.sleep(0.2)
+        port = json.loads(ready)["http_port"]
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "actor", "prompt": "say a:", "max_tokens": 3},
+            timeout=30,
+        )
+        assert r.status_code == 200
+        first = learner.take(4)
+        learner.step(new_weights)
+        second = learner.take(4)
+        assert {v for t in first for v in t.token_versions.tolist()} == {0}
+        assert {v for t in second for v in t.token_versions.tolist()} == {1}
+        redis_client.set(stop_key(run_id), 1)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_reward_model_scores_padded_batches_like_single_texts(tiny_ckpt) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rollout.reward_model import RewardModel
+
+    rm = RewardModel(str(tiny_ckpt["critic"]), device="cpu")
+    texts = ["say a:aaaa", "x", "say bcd:dd"]
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_ckpt["critic"])
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt["critic"])
+    with torch.no_grad():
+        want = [model(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
+    assert rm.score(texts) == pytest.approx(want, abs=1e-4)
+
+
+def test_make_engine_builds_the_configured_engine(redis_server, run_id, tiny_ckpt, tmp_path) -> None:
+    from rollout.engines import make_engine
+
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{"run.seed": 5})
+    engine = make_engine(cfg, str(tiny_ckpt["actor"]), server_id=2)
+    assert isinstance(engine, HFEngine) and engine.device.type == "cpu" and engine.version == 0
+    # Seeded from run.seed + server_id: two engines built alike sample alike.
+    again = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=7)
+    from rollout.engines.base import SamplingParams
+
+    prompt = [[5, 6, 7]]
+    assert engine.generate(prompt, SamplingParams(max_new_tokens=8))[0][0].token_ids == (
+        again.generate(prompt, SamplingParams(max_new_tokens=8))[0][0].token_ids
+    )
+
+
+def test_missing_weights_fail_with_a_clear_error_and_prompts_stay_claimable(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+) -> None:
+    """The learner says v3 but never publishes it: the server fails after weightsync.timeout_s naming both
+    versions, and the prompts it took are claimed by another server once idle (the crash-safety path)."""
+    cfg = make_cfg(
+        run_id,
+        redis_server.url,
+        tiny_ckpt,
+        tmp_path,
+        **{"weightsync.timeout_s": 1.0, "redis.claim_idle_ms": 100},
+    )
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 2)
+    learner.buffer.set_version(3)
+    h = Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0"))
+    with pytest.raises(WeightSyncError, match=r"holds weights v0 but needs >= v3"):
+        h.loop.step()
+    assert learner.buffer.trajectories_pending() == 0
+    other = ReplayBuffer.from_config(redis_client, cfg, consumer="server-1")
+    time.sleep(0.2)
+    claimed = other.take_prompts(2, timeout_s=5)
+    assert len(claimed) == 2 and all(p.redelivered for p in claimed)
