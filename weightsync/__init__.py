@@ -1,5 +1,111 @@
-"""Versioned actor-weight broadcast from the learner to every rollout server."""
+"""Versioned actor-weight broadcast from the learner to every rollout server.
 
-from weightsync.base import Publisher, Subscriber, TensorMeta, Update, WeightSyncError
+Learner (every rank; only rank 0 sends, the others drain the ZeRO-3 gather)::
 
-__all__ = ["Publisher", "Subscriber", "TensorMeta", "Update", "WeightSyncError"]
+    pub = make_publisher(cfg, client, run_dir=run_dir)
+    pub.publish(named_full_parameters(actor_engine), version)
+
+Rollout server::
+
+    sub = make_subscriber(cfg, client, server_id)
+    if (upd := sub.poll(timeout=0)) is not None:
+        engine.update_weights(upd)  # copies upd.tensors() in; poll already recorded upd.version as held
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import redis
+import torch
+import torch.distributed as torch_dist  # not `dist`: the weightsync.dist submodule takes that name
+
+from tandem.config import Config
+from weightsync.base import (
+    PeersMissing,
+    Publisher,
+    Subscriber,
+    TensorMeta,
+    Update,
+    WeightSyncError,
+    latest_version,
+    wait_for,
+)
+from weightsync.source import named_full_parameters
+
+__all__ = [
+    "DrainPublisher",
+    "PeersMissing",
+    "Publisher",
+    "Subscriber",
+    "TensorMeta",
+    "Update",
+    "WeightSyncError",
+    "latest_version",
+    "make_publisher",
+    "make_subscriber",
+    "named_full_parameters",
+    "wait_for",
+]
+
+
+class DrainPublisher:
+    """The publisher of learner ranks other than 0: consumes the (collective) iterator and sends nothing."""
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        for _ in named_tensors:
+            pass
+
+    def close(self) -> None:
+        pass
+
+
+def make_publisher(
+    cfg: Config, client: redis.Redis, *, run_dir: str | os.PathLike[str] | None = None
+) -> Publisher:
+    """The configured transport's publisher on rank 0 of the default group (or without one); else a drain."""
+    if torch_dist.is_initialized() and torch_dist.get_rank() != 0:
+        return DrainPublisher()
+    ws, run = cfg.weightsync, cfg.run.name
+    if ws.transport == "shm":
+        from weightsync.shm import ShmPublisher, default_root
+
+        return ShmPublisher(
+            client,
+            run,
+            ws.shm_dir or default_root(run, run_dir),
+            config_dir=cfg.model.actor,
+            shard_bytes=ws.bucket_mb << 20,
+            keep_versions=ws.keep_versions,
+            live_s=ws.timeout_s,
+        )
+    from weightsync.dist import DistPublisher
+
+    return DistPublisher(
+        client,
+        run,
+        backend=ws.backend,
+        bucket_bytes=ws.bucket_mb << 20,
+        timeout_s=ws.timeout_s,
+        live_s=ws.timeout_s,
+    )
+
+
+def make_subscriber(
+    cfg: Config, client: redis.Redis, server_id: str, *, run_dir: str | os.PathLike[str] | None = None
+) -> Subscriber:
+    """The configured transport's subscriber; it registers ``server_id`` in Redis at once.
+
+    ``run_dir`` is accepted for symmetry: shm subscribers find the files through the manifest's path.
+    """
+    ws, run = cfg.weightsync, cfg.run.name
+    if ws.transport == "shm":
+        from weightsync.shm import ShmSubscriber
+
+        return ShmSubscriber(
+            client, run, server_id, timeout_s=ws.timeout_s, verify=ws.checksum, live_s=ws.timeout_s
+        )
+    from weightsync.dist import DistSubscriber
+
+    return DistSubscriber(client, run, server_id, timeout_s=ws.timeout_s, live_s=ws.timeout_s)

@@ -2,15 +2,28 @@
 
 Transports (``shm``, ``dist``) implement these two Protocols and pass the same tests; the config chooses
 one. An :class:`Update` is what a subscriber hands to an engine's ``update_weights``: the version, the
-manifest and a one-shot iterator of ``(name, tensor)`` in manifest order.
+manifest and an iterator of ``(name, tensor)`` in manifest order.
+
+This module also owns the control plane both transports share, all under ``{run}:weights:``:
+
+- ``latest``           the newest version a subscriber can fetch (shm: files in place; dist: offered);
+- ``announce``         pub/sub channel, one message per version (a wake-up only: the keys are the truth);
+- ``subs``             set of subscriber ids that registered;
+- ``sub:{id}``         the version that subscriber holds, with a TTL refreshed by its polls (heartbeat):
+                       a subscriber whose key expired is not live, so it neither pins old versions (shm)
+                       nor is waited for (dist).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgpack
+import redis
 import torch
 
 
@@ -18,17 +31,38 @@ class WeightSyncError(RuntimeError):
     """A failed or timed-out sync; the message names the peer and the version."""
 
 
+class PeersMissing(WeightSyncError):
+    """Raised by a dist publish after it delivered the version to every peer that did join.
+
+    ``peers`` registered but did not join within the timeout; they are deregistered, so the next publish
+    does not wait for them again. A learner may log this and carry on.
+    """
+
+    def __init__(self, message: str, version: int, peers: list[str]) -> None:
+        super().__init__(message)
+        self.version = version
+        self.peers = peers
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32", "bfloat16"
     shape: tuple[int, ...]
-    checksum: str | None = None  # hex digest of the raw bytes (shm); None where the transport has none
+    checksum: str | None = (
+        None  # "<algo>:<hex digest>" of the raw bytes (shm); None where the transport has none
+    )
 
 
 @dataclass
 class Update:
-    """One version of the actor's weights, ready to apply. ``tensors()`` may be iterated once."""
+    """One version of the actor's weights, ready to apply.
+
+    ``tensors()`` yields ``(name, tensor)`` in manifest order. The tensors are read-only views into the
+    subscriber's receive buffers, valid until that subscriber's next ``poll()``: copy them (an engine's
+    ``update_weights`` copies into its parameters). With ``dist`` the tensors arrive while you iterate (the
+    broadcast is collective), so iterate promptly, and ``manifest`` fills as they arrive.
+    """
 
     version: int
     manifest: list[TensorMeta]
@@ -42,15 +76,140 @@ class Update:
 
 class Publisher(Protocol):
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send one version. Returns when every live subscriber can read it (shm) or has received it (dist)."""
+        """Send one version. Returns when every live subscriber can read it (shm) or has received it (dist).
+
+        ``named_tensors`` is always consumed to the end, even on error, so a ZeRO-3 gather that every rank
+        iterates stays matched. A publisher may keep a yielded tensor until its shard or bucket is written.
+        """
         ...
 
     def close(self) -> None: ...
 
 
 class Subscriber(Protocol):
+    server_id: str
+
+    @property
+    def version(self) -> int:
+        """The version last handed out by ``poll`` (-1 before the first)."""
+        ...
+
+    def latest_version(self) -> int:
+        """The newest version available to fetch (-1 if none): one Redis GET."""
+        ...
+
     def poll(self, timeout: float = 0.0) -> Update | None:
-        """The newest version above the one last applied, or None if none arrived within ``timeout`` s."""
+        """The newest version above ``version``, or None if none arrived within ``timeout`` s.
+
+        Handing out an Update records its version as this subscriber's (for GC and the console).
+        """
         ...
 
     def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------ control plane
+
+
+def weights_key(run: str, *parts: object) -> str:
+    return ":".join([run, "weights", *map(str, parts)])
+
+
+def latest_version(client: redis.Redis, run: str) -> int:
+    raw = client.get(weights_key(run, "latest"))
+    return int(raw) if raw is not None else -1
+
+
+def announce(pipe: redis.client.Pipeline, run: str, version: int) -> None:
+    """Queue ``latest = version`` and the wake-up message on a pipeline (the caller executes it)."""
+    pipe.set(weights_key(run, "latest"), version)
+    pipe.publish(weights_key(run, "announce"), version)
+
+
+class Registry:
+    """Who subscribes and which version each holds; liveness is a key TTL refreshed by heartbeats."""
+
+    def __init__(self, client: redis.Redis, run: str, live_s: float) -> None:
+        self.client = client
+        self.run = run
+        self.live_ms = max(1, int(live_s * 1000))
+
+    def heartbeat(self, server_id: str, version: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.sadd(weights_key(self.run, "subs"), server_id)
+        pipe.set(weights_key(self.run, "sub", server_id), msgpack.packb(version), px=self.live_ms)
+        pipe.execute()
+
+    def leave(self, server_id: str) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.srem(weights_key(self.run, "subs"), server_id)
+        pipe.delete(weights_key(self.run, "sub", server_id))
+        pipe.execute()
+
+    def live(self) -> dict[str, int]:
+        """``{server_id: held version}`` of live subscribers; forgets the ones whose heartbeat expired."""
+        ids = sorted(m.decode() for m in self.client.smembers(weights_key(self.run, "subs")))
+        if not ids:
+            return {}
+        held = self.client.mget([weights_key(self.run, "sub", i) for i in ids])
+        dead = [i for i, h in zip(ids, held, strict=True) if h is None]
+        if dead:
+            self.client.srem(weights_key(self.run, "subs"), *dead)
+        return {i: msgpack.unpackb(h) for i, h in zip(ids, held, strict=True) if h is not None}
+
+
+class Announcements:
+    """Blocks until the next ``announce`` message or a deadline; callers re-check Redis keys after waking."""
+
+    # Pub/sub may drop a message on reconnect; waking at least this often bounds the cost of a lost one.
+    MAX_NAP_S = 0.5
+
+    def __init__(self, client: redis.Redis, run: str) -> None:
+        self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(weights_key(run, "announce"))
+
+    def wait(self, seconds: float) -> None:
+        if seconds > 0:
+            self._pubsub.get_message(timeout=min(seconds, self.MAX_NAP_S))
+
+    def close(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self._pubsub.close()
+
+
+class Heartbeat:
+    """Rate-limited :meth:`Registry.heartbeat` so a server may poll every decode step cheaply."""
+
+    def __init__(self, registry: Registry, server_id: str, every_s: float) -> None:
+        self.registry = registry
+        self.server_id = server_id
+        self.every_s = every_s
+        self._last = -float("inf")
+
+    def __call__(self, version: int, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.every_s:
+            self.registry.heartbeat(self.server_id, version)
+            self._last = now
+
+
+def wait_for(sub: Subscriber, min_version: int, timeout: float, *, run: str) -> Update | None:
+    """Block until ``sub`` hands out a version ≥ ``min_version``: a rollout server's "weights first".
+
+    Returns None at once if the subscriber already holds such a version. Raises WeightSyncError naming
+    the run's learner (the only publisher) and the version if none arrives within ``timeout`` s.
+    """
+    deadline = time.monotonic() + timeout
+    while sub.version < min_version and (left := deadline - time.monotonic()) > 0:
+        if sub.latest_version() < min_version:
+            time.sleep(min(left, 0.05))  # a GET per nap: never hand out (and so record) an older version
+            continue
+        upd = sub.poll(timeout=left)
+        if upd is not None:
+            return upd
+    if sub.version >= min_version:
+        return None
+    raise WeightSyncError(
+        f"{sub.server_id}: no weights version >= {min_version} from the learner of run {run!r} "
+        f"within {timeout:.1f}s (latest available: {sub.latest_version()})"
+    )

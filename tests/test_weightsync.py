@@ -1,0 +1,422 @@
+"""Weight sync: both transports against a real Redis, subscribers in real (spawned) processes."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem.config import Config
+from weightsync import (
+    DrainPublisher,
+    PeersMissing,
+    WeightSyncError,
+    make_publisher,
+    make_subscriber,
+    named_full_parameters,
+    wait_for,
+)
+from weightsync.base import Registry, weights_key
+from weightsync.dist import DistPublisher, DistSubscriber
+from weightsync.shm import ShmPublisher, ShmSubscriber
+
+SPAWN = mp.get_context("spawn")
+
+
+def make_cfg(run: str, actor: str | Path, **weightsync: object) -> Config:
+    return Config.model_validate(
+        {
+            "run": {"name": run},
+            "model": {"actor": str(actor)},
+            "data": {"prompts": "unused.jsonl"},
+            "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+            "weightsync": {"timeout_s": 3.0, "bucket_mb": 1, **weightsync},
+        }
+    )
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    """A small model-shaped mix of fp32 / bf16 / int tensors, different for every version.
+
+    The embedding (1.2 MB) is bigger than a 1 MiB bucket/shard, so dist sends it alone and shm writes two
+    shards (with an index), exercising both paths.
+    """
+    g = torch.Generator().manual_seed(1000 + version)
+    out = {"model.embed_tokens.weight": torch.randn(300, 1024, generator=g)}
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn.q_proj"
+        out[f"{p}.weight"] = torch.randn(32, 32, generator=g)
+        out[f"{p}.bias"] = torch.randn(32, generator=g).to(torch.bfloat16)
+        out[f"model.layers.{i}.mlp.up_proj.weight"] = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    out["model.norm.weight"] = torch.randn(32, generator=g)
+    out["step"] = torch.tensor(version, dtype=torch.int64)
+    return out
+
+
+def assert_bit_identical(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, ordered: bool = True
+) -> None:
+    assert list(got) == list(want) if ordered else sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def received(upd) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in upd.tensors()}
+
+
+# ------------------------------------------------------------------------------ real-process exchange
+
+
+def _subscriber_main(url: str, cfg_raw: dict, server_id: str, out_dir: str) -> None:
+    """A rollout server's weight loop: poll, copy what arrives, save it for the test to compare."""
+    cfg = Config.model_validate(cfg_raw)
+    client = redis.Redis.from_url(url)
+    sub = make_subscriber(cfg, client, server_id)
+    control = f"{cfg.run.name}:test:{server_id}"
+    while (cmd := client.get(control)) != b"stop":
+        if cmd == b"pause":  # a server busy elsewhere: no polls, so no heartbeats either
+            client.set(f"{control}:paused", 1)
+            time.sleep(0.05)
+            continue
+        upd = sub.poll(timeout=0.2)
+        if upd is not None:
+            tmp = Path(out_dir) / f".{server_id}-v{upd.version}"
+            save_file(received(upd), tmp)
+            os.rename(tmp, Path(out_dir) / f"{server_id}-v{upd.version}.safetensors")
+    sub.close()
+
+
+def _await(cond, what: str, procs: dict, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        dead = {k: p.exitcode for k, p in procs.items() if p.exitcode is not None}
+        assert not dead, f"subscriber process(es) exited while waiting for {what}: {dead}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_exchange_late_join_and_skip(transport, redis_server, redis_client, run_id, tiny_ckpt, tmp_path):
+    cfg = make_cfg(run_id, tiny_ckpt["actor"], transport=transport, shm_dir=str(tmp_path / "shm"))
+    out = tmp_path / "received"
+    out.mkdir()
+    registry = Registry(redis_client, run_id, cfg.weightsync.timeout_s)
+    pub = make_publisher(cfg, redis_client)
+    procs: dict[str, mp.Process] = {}
+
+    def start(sid: str) -> None:
+        procs[sid] = SPAWN.Process(
+            target=_subscriber_main, args=(redis_server.url, cfg.model_dump(), sid, str(out)), daemon=True
+        )
+        procs[sid].start()
+
+    def have(sid: str, v: int) -> bool:
+        return (out / f"{sid}-v{v}.safetensors").exists()
+
+    def publish(v: int, to: list[str]) -> None:
+        pub.publish(weights(v).items(), v)
+        _await(lambda: all(have(s, v) for s in to), f"v{v} at {to}", procs)
+
+    def live(sids: set[str], present: bool = True) -> None:
+        _await(lambda: (sids <= set(registry.live())) == present, f"{sids} live={present}", procs)
+
+    try:
+        start("A")
+        start("B")
+        live({"A", "B"})
+        for v in range(3):
+            publish(v, ["A", "B"])
+
+        start("C")  # late: shm serves it the current version at once, dist the next one it publishes
+        live({"C"})
+        if transport == "shm":
+            _await(lambda: have("C", 2), "late joiner C at v2", procs)
+        publish(3, ["A", "B", "C"])
+
+        redis_client.set(f"{run_id}:test:B", "pause")
+        _await(lambda: redis_client.exists(f"{run_id}:test:B:paused"), "B to pause", procs)
+        if transport == "dist":  # the learner stops waiting for B once its heartbeat expires
+            live({"B"}, present=False)
+        publish(4, ["A", "C"])
+        publish(5, ["A", "C"])
+        redis_client.delete(f"{run_id}:test:B")
+        if transport == "shm":  # B's next poll skips v4 for the newest
+            _await(lambda: have("B", 5), "B to catch up at v5", procs)
+        live({"B"})
+        publish(6, ["A", "B", "C"])
+    finally:
+        for sid in procs:
+            redis_client.set(f"{run_id}:test:{sid}", "stop")
+        for p in procs.values():
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        pub.close()
+    assert {sid: p.exitcode for sid, p in procs.items()} == {"A": 0, "B": 0, "C": 0}
+
+    versions = {sid: sorted(int(f.stem.split("-v")[1]) for f in out.glob(f"{sid}-v*")) for sid in procs}
+    assert versions["A"] == [0, 1, 2, 3, 4, 5, 6]
+    assert versions["C"] == ([2, 3, 4, 5, 6] if transport == "shm" else [3, 4, 5, 6])
+    # B missed v4 and v5 while paused: shm skips straight to the newest (v5), dist to the next version.
+    assert versions["B"] == ([0, 1, 2, 3, 5, 6] if transport == "shm" else [0, 1, 2, 3, 6])
+    for f in out.glob("*.safetensors"):
+        assert_bit_identical(load_file(f), weights(int(f.stem.split("-v")[1])), ordered=False)
+
+
+# ----------------------------------------------------------------------------------------------- shm
+
+
+def test_shm_rejects_corrupt_and_truncated_files_and_keeps_previous(redis_client, run_id, tmp_path, caplog):
+    pub = ShmPublisher(redis_client, run_id, tmp_path, shard_bytes=1 << 20, keep_versions=1)
+    sub = ShmSubscriber(redis_client, run_id, "s0")
+    pub.publish(weights(0).items(), 0)
+    applied = received(sub.poll())
+
+    pub.publish(weights(1).items(), 1)
+    manifest = redis_client.get(weights_key(run_id, "manifest", 1))
+    assert manifest is not None
+    shard = tmp_path / "v00000001" / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:  # flip one byte in the middle of the tensor data
+        f.seek(shard.stat().st_size - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with caplog.at_level(logging.ERROR, logger="weightsync.shm"):
+        assert sub.poll() is None
+    assert "checksum mismatch" in caplog.text and "v1" in caplog.text
+    assert sub.version == 0 and sub.rejected == 1
+
+    pub.publish(weights(2).items(), 2)
+    shard = tmp_path / "v00000002" / "model-00001-of-00002.safetensors"
+    os.truncate(shard, shard.stat().st_size // 2)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="weightsync.shm"):
+        assert sub.poll(timeout=0.2) is None
+    assert "truncated" in caplog.text
+    assert sub.version == 0 and sub.rejected == 2
+    # v0 is still on disk (s0 holds it) and what the engine applied is unchanged
+    assert (tmp_path / "v00000000").is_dir()
+    assert_bit_identical(applied, weights(0))
+
+    pub.publish(weights(3).items(), 3)
+    upd = sub.poll()
+    assert upd.version == 3 and sub.version == 3
+    assert_bit_identical(received(upd), weights(3))
+    assert [m.name for m in upd.manifest] == list(weights(3))
+    assert all(m.checksum.startswith(("xxh3_64:", "crc32:")) for m in upd.manifest)
+
+
+def test_shm_version_dir_loads_with_transformers(redis_client, run_id, tmp_path, tiny_ckpt):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"])
+    for shard_bytes, files in ((1 << 30, {"model.safetensors"}), (20_000, None)):
+        run = f"{run_id}-{shard_bytes}"
+        pub = ShmPublisher(
+            redis_client, run, tmp_path / run, config_dir=tiny_ckpt["actor"], shard_bytes=shard_bytes
+        )
+        pub.publish(named_full_parameters(model), 7)
+        upd = ShmSubscriber(redis_client, run, "s0").poll()
+        names = {p.name for p in Path(upd.path).glob("*.safetensors")}
+        if files is not None:
+            assert names == files
+        else:
+            assert len(names) > 1 and (Path(upd.path) / "model.safetensors.index.json").exists()
+        reloaded = AutoModelForCausalLM.from_pretrained(upd.path)
+        AutoTokenizer.from_pretrained(upd.path)
+        want = model.state_dict()
+        for name, t in reloaded.state_dict().items():
+            assert torch.equal(t, want[name]), name
+        assert "lm_head.weight" not in {m.name for m in upd.manifest}  # tied: sent once
+
+
+def test_shm_garbage_collection_waits_for_live_subscribers_and_recycles_files(redis_client, run_id, tmp_path):
+    pub = ShmPublisher(redis_client, run_id, tmp_path, shard_bytes=1 << 20, keep_versions=2, live_s=30)
+    slow = ShmSubscriber(redis_client, run_id, "slow", live_s=30)
+    fast = ShmSubscriber(redis_client, run_id, "fast", live_s=30)
+    for v in range(2):
+        pub.publish(weights(v).items(), v)
+        fast.poll()
+    assert slow.poll().version == 1
+    for v in range(2, 5):
+        pub.publish(weights(v).items(), v)
+        fast.poll()
+    assert pub.versions_on_disk() == [1, 2, 3, 4]  # slow still holds v1
+
+    assert slow.poll().version == 4
+    pub.publish(weights(5).items(), 5)  # v1..v3 retire; two of their files stay in the free pool
+    assert pub.versions_on_disk() == [4, 5]
+    assert redis_client.get(weights_key(run_id, "manifest", 2)) is None
+    free = {p.stat().st_ino for p in (tmp_path / ".free").iterdir()}
+    assert len(free) == 2  # no more than one version's shards
+    pub.publish(weights(6).items(), 6)
+    assert {p.stat().st_ino for p in (tmp_path / "v00000006").glob("*.safetensors")} == free  # rewritten
+    assert_bit_identical(received(fast.poll()), weights(6))
+
+    # A subscriber whose heartbeat expired no longer pins anything.
+    stale = ShmSubscriber(redis_client, run_id, "stale", live_s=0.2)
+    assert stale.poll().version == 6
+    slow.close()
+    fast.close()
+    for v in range(7, 9):
+        pub.publish(weights(v).items(), v)
+    assert pub.versions_on_disk() == [6, 7, 8]  # stale (live) holds v6
+    time.sleep(0.3)
+    pub.publish(weights(9).items(), 9)
+    assert pub.versions_on_disk() == [8, 9]
+
+
+def test_shm_wait_for_names_the_missing_learner(redis_client, run_id):
+    sub = ShmSubscriber(redis_client, run_id, "server-0")
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=rf"server-0: no weights version >= 0 .* run '{run_id}'"):
+        wait_for(sub, 0, 0.5, run=run_id)
+    assert time.monotonic() - start < 2.0
+
+
+def test_shm_subscriber_skips_to_newest(redis_client, run_id, tmp_path):
+    pub = ShmPublisher(redis_client, run_id, tmp_path)
+    sub = ShmSubscriber(redis_client, run_id, "s0")
+    assert sub.latest_version() == -1 and sub.poll() is None
+    for v in range(4):
+        pub.publish(weights(v).items(), v)
+    assert sub.latest_version() == 3
+    upd = sub.poll()
+    assert upd.version == 3 and sub.poll() is None
+    assert_bit_identical(received(upd), weights(3))
+    assert wait_for(sub, 2, 1.0, run=run_id) is None  # already holds >= 2
+
+
+# ---------------------------------------------------------------------------------------------- dist
+
+
+def test_dist_publisher_names_a_registered_peer_that_never_joins(redis_client, run_id):
+    Registry(redis_client, run_id, live_s=30).heartbeat("ghost", -1)
+    pub = DistPublisher(redis_client, run_id, backend="gloo", timeout_s=1.0)
+    consumed = []
+    start = time.monotonic()
+    with pytest.raises(PeersMissing, match=r"dist v3: subscriber\(s\) \['ghost'\]") as err:
+        pub.publish(((n, consumed.append(n) or t) for n, t in weights(3).items()), 3)
+    assert 1.0 <= time.monotonic() - start < 3.0
+    assert err.value.peers == ["ghost"] and err.value.version == 3
+    assert consumed == list(weights(3))  # drained: a ZeRO-3 gather stays matched
+    assert "ghost" not in Registry(redis_client, run_id, live_s=30).live()
+    pub.publish(weights(4).items(), 4)  # nobody to wait for now
+
+
+def test_dist_subscriber_names_a_publisher_that_never_starts(redis_client, run_id):
+    import msgpack
+
+    offer = {"version": 5, "host": "127.0.0.1", "port": 1, "backend": "gloo"}
+    redis_client.set(weights_key(run_id, "offer"), msgpack.packb(offer))
+    sub = DistSubscriber(redis_client, run_id, "server-1", timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"server-1: publisher 127.0.0.1:1 did not start dist v5"):
+        sub.poll()
+    assert time.monotonic() - start < 2.0
+    assert sub.version == -1 and sub.poll() is None  # v5 is not retried
+
+
+def test_dist_buckets_pack_aligned_and_send_large_tensors_alone(redis_client, run_id):
+    pub = DistPublisher(redis_client, run_id, backend="gloo", bucket_bytes=64)
+    tensors = [
+        ("a", torch.arange(3, dtype=torch.bfloat16)),  # 6 bytes
+        ("b", torch.arange(4, dtype=torch.float32)),  # 16 bytes at offset 16
+        ("big", torch.arange(40, dtype=torch.float32)),  # 160 bytes > bucket: alone, own memory
+        ("c", torch.arange(10, dtype=torch.float32)),  # 40 bytes
+        ("d", torch.arange(10, dtype=torch.float32)),  # 40 more bytes do not fit: next bucket
+    ]
+    import msgpack
+
+    buckets = [(msgpack.unpackb(h), p.clone()) for h, p in pub._buckets(iter(tensors))]
+    assert [[e[0] for e in h] for h, _ in buckets] == [["a", "b"], ["big"], ["c"], ["d"]]
+    assert [[e[3] for e in h] for h, _ in buckets] == [[0, 16], [0], [0], [0]]
+    assert [p.numel() for _, p in buckets] == [32, 160, 40, 40]
+    got = {
+        name: payload[off : off + n].view(getattr(torch, dtype)).view(shape)
+        for header, payload in buckets
+        for name, dtype, shape, off, n in header
+    }
+    for name, t in tensors:
+        assert torch.equal(got[name], t)
+
+
+def test_factories_choose_by_config(redis_client, run_id, tiny_ckpt, tmp_path):
+    shm = make_cfg(run_id, tiny_ckpt["actor"], transport="shm", shm_dir=str(tmp_path))
+    assert isinstance(make_publisher(shm, redis_client), ShmPublisher)
+    assert isinstance(make_subscriber(shm, redis_client, "s"), ShmSubscriber)
+    dist_cfg = make_cfg(run_id, tiny_ckpt["actor"], transport="dist", backend="gloo")
+    assert isinstance(make_publisher(dist_cfg, redis_client), DistPublisher)
+    assert isinstance(make_subscriber(dist_cfg, redis_client, "s"), DistSubscriber)
+    seen = []
+    DrainPublisher().publish(((n, seen.append(n) or t) for n, t in weights(0).items()), 0)
+    assert seen == list(weights(0))
+
+
+# ----------------------------------------------------------------------------------------- ZeRO-3
+
+
+def _zero3_rank(rank: int, port: int, url: str, cfg_raw: dict, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = Config.model_validate(cfg_raw)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.actor)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
+    )
+    shard = {n: p.numel() for n, p in engine.module.named_parameters()}
+    pub = make_publisher(cfg, redis.Redis.from_url(url))
+    pub.publish(named_full_parameters(engine, group_mb=0), 1)  # one parameter per gather
+    Path(out_dir, f"rank{rank}.txt").write_text(f"{type(pub).__name__} {sum(shard.values())}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zero3_engine_publishes_full_parameters(redis_server, redis_client, run_id, tiny_ckpt, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from buffer.redis_server import free_port
+
+    cfg = make_cfg(run_id, tiny_ckpt["actor"], transport="shm", shm_dir=str(tmp_path / "shm"), timeout_s=120)
+    sub = make_subscriber(cfg, redis_client, "server-0")
+    port = free_port()
+    procs = [
+        SPAWN.Process(
+            target=_zero3_rank, args=(r, port, redis_server.url, cfg.model_dump(), str(tmp_path)), daemon=True
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert [p.exitcode for p in procs] == [0, 0]
+
+    upd = wait_for(sub, 1, 10.0, run=run_id)
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"])
+    want = dict(model.named_parameters())
+    got = received(upd)
+    assert list(got) == list(want)  # HF names, tied lm_head once
+    for name, t in want.items():
+        assert torch.equal(got[name], t.detach()), name
+    kinds = [Path(tmp_path, f"rank{r}.txt").read_text().split() for r in range(2)]
+    assert [k[0] for k in kinds] == ["ShmPublisher", "DrainPublisher"]
+    assert all(int(k[1]) < sum(t.numel() for t in want.values()) for k in kinds)  # really partitioned

@@ -1,0 +1,465 @@
+"""The ``dist`` transport: a torch.distributed broadcast from learner rank 0 to the rollout servers.
+
+The group is private to weight sync: a ``TCPStore`` served by the publisher and a ``ProcessGroupGloo`` /
+``ProcessGroupNCCL`` built directly on it (the StatelessProcessGroup approach of vLLM), so it never touches
+the learner's default DeepSpeed group. gloo on CPU, NCCL on GPU (``weightsync.backend``).
+
+Join protocol, one group per version (so servers may come, go and die between versions)::
+
+    publisher (learner rank 0)                       subscriber (each rollout server)
+    ─────────────────────────                        ────────────────────────────────
+    expected = live registered subscribers           heartbeat {run}:weights:sub:{id} on every poll
+    SET offer {v, host, port, backend}; announce v   poll sees offer v > held version
+    BLPOP join:{v} until every expected id joined    RPUSH join:{v} id
+      or timeout_s (the missing are deregistered)
+    SET go {v, ids in rank order}; announce          wait for go of v (timeout_s); absent from it, or
+                                                     go already names a newer version: too late, poll
+                                                     returns None and the server joins the next version
+    ProcessGroup(PrefixStore("v{v}"), 0, 1 + n)      ProcessGroup(PrefixStore("v{v}"), rank, 1 + n)
+    per bucket: broadcast [header_len, payload_len], header (msgpack: name, dtype, shape, offset), payload
+    broadcast [0, 0]: end of version                 the Update's tensors() yields as buckets arrive
+
+A late joiner therefore receives the next version the learner publishes, before it generates (it has no
+weights until then). A registered server that does not join within ``timeout_s`` makes ``publish`` raise
+:class:`~weightsync.base.PeersMissing` naming it, after the others received the version; a peer that dies
+mid-broadcast fails the broadcast within ``timeout_s`` with the version and the group's peers named.
+
+Because the broadcast is collective, iterate ``Update.tensors()`` promptly and to the end: a stream left
+unfinished is drained by the next ``poll``, and the learner waits at most ``timeout_s`` for it. Run
+``poll`` where it is not stuck behind a long generation call (a thread, or between decode steps).
+Tensors are bucketed (``bucket_mb``) to amortise per-collective latency; a tensor larger than a bucket is
+sent from its own memory. Receive buffers are reused across versions, hence "valid until the next poll".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import msgpack
+import redis
+import torch
+import torch.distributed as dist
+
+from weightsync.base import (
+    Announcements,
+    Heartbeat,
+    PeersMissing,
+    Registry,
+    TensorMeta,
+    Update,
+    WeightSyncError,
+    announce,
+    latest_version,
+    weights_key,
+)
+
+log = logging.getLogger(__name__)
+
+ALIGN = 16  # bucket offsets are aligned so every dtype can be viewed in place
+TORCH_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def default_host() -> str:
+    """Address the servers reach the learner at: $TANDEM_WEIGHTSYNC_HOST, else the learner's MASTER_ADDR."""
+    return os.environ.get("TANDEM_WEIGHTSYNC_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def _local_address(peer: str) -> str:
+    """The local interface address that routes to ``peer`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]
+
+
+def _new_group(store: dist.Store, rank: int, world: int, backend: str, host: str, timeout_s: float):
+    """A process group on ``store`` only; rendezvous (waiting for every rank) happens here."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, world, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world, opts)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def _shutdown(group) -> None:
+    with contextlib.suppress(RuntimeError):
+        group.shutdown()
+
+
+def _device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- publisher
+
+
+class DistPublisher:
+    """Serves the rendezvous store and broadcasts each version to the subscribers that join it."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run: str,
+        *,
+        backend: str = "auto",
+        bucket_bytes: int = 256 << 20,
+        timeout_s: float = 300.0,
+        live_s: float = 300.0,
+        host: str | None = None,
+    ) -> None:
+        self.client = client
+        self.run = run
+        self.backend = resolve_backend(backend)
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.host = host or default_host()
+        self.registry = Registry(client, run, live_s)
+        self.device = _device(self.backend)
+        self._store = dist.TCPStore(
+            self.host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self._bucket: torch.Tensor | None = None
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        it = iter(named_tensors)
+        try:
+            self._publish(it, version)
+        finally:
+            for _ in it:  # keep a ZeRO-3 gather matched on the other ranks, whatever happened here
+                pass
+
+    def close(self) -> None:
+        self._bucket = None
+        self._store = None
+
+    def _publish(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+        expected = list(self.registry.live())
+        offer = {"version": version, "host": self.host, "port": self._store.port, "backend": self.backend}
+        self.client.delete(weights_key(self.run, "join", version))
+        pipe = self.client.pipeline()
+        pipe.set(weights_key(self.run, "offer"), msgpack.packb(offer))
+        announce(pipe, self.run, version)
+        pipe.execute()
+
+        joined = self._await_joiners(version, expected)
+        missing = sorted(set(expected) - set(joined))
+        for peer in missing:
+            self.registry.leave(peer)
+        pipe = self.client.pipeline()
+        # One key, overwritten per version: a server reading an old offer learns at once it came too late.
+        pipe.set(weights_key(self.run, "go"), msgpack.packb({"version": version, "ranks": joined}))
+        pipe.publish(weights_key(self.run, "announce"), version)
+        pipe.execute()
+        if joined:
+            self._broadcast_version(it, version, joined)
+        if missing:
+            raise PeersMissing(
+                f"dist v{version}: subscriber(s) {missing} registered but did not join within "
+                f"{self.timeout_s:.1f}s; sent to {joined} and deregistered the missing",
+                version,
+                missing,
+            )
+
+    def _await_joiners(self, version: int, expected: list[str]) -> list[str]:
+        key = weights_key(self.run, "join", version)
+        joined: list[str] = []
+        deadline = time.monotonic() + self.timeout_s
+        while not set(expected) <= set(joined) and (left := deadline - time.monotonic()) > 0:
+            item = self.client.blpop([key], timeout=min(left, 1.0))
+            if item is not None and item[1].decode() not in joined:
+                joined.append(item[1].decode())
+        while (item := self.client.lpop(key)) is not None:  # those who joined meanwhile come along
+            if item.decode() not in joined:
+                joined.append(item.decode())
+        return joined
+
+    def _broadcast_version(
+        self, it: Iterator[tuple[str, torch.Tensor]], version: int, peers: list[str]
+    ) -> None:
+        where = f"dist v{version} to {peers} via {self.host}:{self._store.port}"
+        store = dist.PrefixStore(f"v{version}", self._store)
+        try:
+            group = _new_group(store, 0, 1 + len(peers), self.backend, self.host, self.timeout_s)
+        except (RuntimeError, dist.DistError) as e:
+            raise WeightSyncError(f"{where}: rendezvous failed within {self.timeout_s:.1f}s: {e}") from e
+        try:
+            for header, payload in self._buckets(it):
+                _broadcast(group, torch.tensor([len(header), payload.numel()], device=self.device))
+                _broadcast(group, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
+                _broadcast(group, payload)
+            _broadcast(group, torch.zeros(2, dtype=torch.int64, device=self.device))
+        except (RuntimeError, dist.DistError) as e:
+            raise WeightSyncError(f"{where}: broadcast failed (timeout {self.timeout_s:.1f}s): {e}") from e
+        finally:
+            _shutdown(group)
+
+    def _buckets(self, it: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[bytes, torch.Tensor]]:
+        """``(msgpack header, uint8 payload)`` per bucket; the bucket buffer is reused once broadcast."""
+        if self._bucket is None:
+            self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+        entries: list[list] = []
+        used = 0
+        for name, tensor in it:
+            t = tensor.detach().to(self.device).contiguous()
+            data = t.reshape(-1).view(torch.uint8)
+            meta = [name, str(t.dtype).removeprefix("torch."), list(t.shape)]
+            if t.nbytes > self.bucket_bytes:  # too big to pack: send it from its own memory
+                if entries:
+                    yield msgpack.packb(entries), self._bucket[:used]
+                    entries, used = [], 0
+                yield msgpack.packb([[*meta, 0, t.nbytes]]), data
+                continue
+            offset = -(-used // ALIGN) * ALIGN
+            if offset + t.nbytes > self.bucket_bytes:
+                yield msgpack.packb(entries), self._bucket[:used]
+                entries, offset = [], 0
+            self._bucket[offset : offset + t.nbytes].copy_(data)
+            entries.append([*meta, offset, t.nbytes])
+            used = offset + t.nbytes
+        if entries:
+            yield msgpack.packb(entries), self._bucket[:used]
+
+
+# --------------------------------------------------------------------------------------------- subscriber
+
+
+class DistSubscriber:
+    """Joins the group of each new version and receives it bucket by bucket."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run: str,
+        server_id: str,
+        *,
+        timeout_s: float = 300.0,
+        live_s: float = 300.0,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self.client = client
+        self.run = run
+        self.server_id = server_id
+        self.timeout_s = timeout_s
+        self._version = -1
+        self._skipped: set[int] = set()
+        self._stream: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._buffers: list[torch.Tensor] = []  # receive buffer per bucket index, reused across versions
+        self._heartbeat = Heartbeat(Registry(client, run, live_s), server_id, heartbeat_s)
+        self._announcements = Announcements(client, run)
+        self._heartbeat(self._version, force=True)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def latest_version(self) -> int:
+        return latest_version(self.client, self.run)
+
+    def poll(self, timeout: float = 0.0) -> Update | None:
+        self._drain()
+        deadline = time.monotonic() + timeout
+        while True:
+            self._heartbeat(self._version)
+            raw = self.client.get(weights_key(self.run, "offer"))
+            offer = msgpack.unpackb(raw) if raw is not None else None
+            if (
+                offer is not None
+                and offer["version"] > self._version
+                and offer["version"] not in self._skipped
+            ):
+                upd = self._join(offer)
+                if upd is not None:
+                    return upd
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._announcements.wait(left)
+
+    def close(self) -> None:
+        self._drain()
+        self._announcements.close()
+        self._stores.clear()
+        with contextlib.suppress(redis.RedisError):
+            self._heartbeat.registry.leave(self.server_id)
+
+    def _drain(self) -> None:
+        """Finish a stream the caller left unconsumed (the publisher is blocked on it); not applied."""
+        if self._stream is not None:
+            log.warning("%s: an update was not consumed before the next poll; draining it", self.server_id)
+            self._stream.close()
+
+    def _join(self, offer: dict) -> Update | None:
+        v, host, port = offer["version"], offer["host"], offer["port"]
+        publisher = f"publisher {host}:{port}"
+        pipe = self.client.pipeline()
+        pipe.rpush(weights_key(self.run, "join", v), self.server_id)
+        pipe.pexpire(weights_key(self.run, "join", v), int(self.timeout_s * 4000))
+        pipe.execute()
+        ranks = self._await_go(v)
+        self._skipped.add(v)  # whatever happens next, this version is not joined twice
+        if ranks is None:
+            raise WeightSyncError(
+                f"{self.server_id}: {publisher} did not start dist v{v} within {self.timeout_s:.1f}s"
+            )
+        if self.server_id not in ranks:
+            log.info("%s: joined dist v%d too late; waiting for the next version", self.server_id, v)
+            return None
+        rank, world = 1 + ranks.index(self.server_id), 1 + len(ranks)
+        try:
+            store = self._store(host, port)
+            group = _new_group(
+                dist.PrefixStore(f"v{v}", store),
+                rank,
+                world,
+                offer["backend"],
+                _local_address(host),
+                self.timeout_s,
+            )
+        except (RuntimeError, dist.DistError) as e:
+            self._stores.pop((host, port), None)  # the publisher may have restarted elsewhere
+            raise WeightSyncError(
+                f"{self.server_id}: rendezvous for dist v{v} with {publisher} failed within {self.timeout_s:.1f}s: {e}"
+            ) from e
+        manifest: list[TensorMeta] = []
+        stream = _Stream(self, group, v, publisher, manifest, _device(offer["backend"]))
+        self._stream = stream
+        return Update(v, manifest, stream.tensors)
+
+    def _await_go(self, version: int) -> list[str] | None:
+        """The rank order of ``version`` ([] if a newer version has started), or None on timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            raw = self.client.get(weights_key(self.run, "go"))
+            go = msgpack.unpackb(raw) if raw is not None else None
+            if go is not None and go["version"] >= version:
+                return go["ranks"] if go["version"] == version else []
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._heartbeat(self._version)
+            self._announcements.wait(left)
+
+    def _store(self, host: str, port: int) -> dist.TCPStore:
+        if (host, port) not in self._stores:
+            self._stores[(host, port)] = dist.TCPStore(
+                host, port, None, False, timedelta(seconds=self.timeout_s), wait_for_workers=False
+            )
+        return self._stores[(host, port)]
+
+    def _buffer(self, index: int, size: int, device: torch.device) -> torch.Tensor:
+        if index == len(self._buffers):
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
+        if self._buffers[index].numel() < size or self._buffers[index].device != device:
+            self._buffers[index] = torch.empty(size, dtype=torch.uint8, device=device)
+        return self._buffers[index][:size]
+
+
+class _Stream:
+    """One version arriving bucket by bucket; the subscriber holds the version once it was all yielded."""
+
+    def __init__(
+        self,
+        sub: DistSubscriber,
+        group,
+        version: int,
+        publisher: str,
+        manifest: list[TensorMeta],
+        device: torch.device,
+    ) -> None:
+        self.sub, self.group, self.version, self.publisher = sub, group, version, publisher
+        self.manifest, self.device = manifest, device
+        self._index = 0
+        self._open = True
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self._open:
+            raise WeightSyncError(f"{self.sub.server_id}: dist v{self.version} can be iterated only once")
+        try:
+            while (bucket := self._next_bucket()) is not None:
+                for meta, tensor in bucket:
+                    self.manifest.append(meta)
+                    yield meta.name, tensor
+        except GeneratorExit:
+            self.close()  # the caller stopped early: finish the collective, do not claim the version
+            raise
+        self._finish(held=True)
+
+    def close(self) -> None:
+        """Receive and drop whatever is left, so the publisher's broadcast completes."""
+        if self._open:
+            while self._next_bucket() is not None:
+                pass
+            self._finish(held=False)
+
+    def _finish(self, *, held: bool) -> None:
+        self._open = False
+        _shutdown(self.group)
+        self.sub._stream = None
+        if held:
+            self.sub._version = self.version
+            self.sub._heartbeat(self.version, force=True)
+
+    def _next_bucket(self) -> list[tuple[TensorMeta, torch.Tensor]] | None:
+        try:
+            sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+            _broadcast(self.group, sizes)
+            header_len, payload_len = sizes.tolist()
+            if header_len == 0:
+                return None
+            header = torch.empty(header_len, dtype=torch.uint8, device=self.device)
+            _broadcast(self.group, header)
+            payload = self.sub._buffer(self._index, payload_len, self.device)
+            _broadcast(self.group, payload)
+        except (RuntimeError, dist.DistError) as e:
+            self._open = False
+            _shutdown(self.group)
+            self.sub._stream = None
+            raise WeightSyncError(
+                f"{self.sub.server_id}: dist v{self.version} from {self.publisher} failed "
+                f"(timeout {self.sub.timeout_s:.1f}s): {e}"
+            ) from e
+        self._index += 1
+        return [
+            (
+                TensorMeta(name, dtype, tuple(shape)),
+                payload[offset : offset + nbytes].view(TORCH_DTYPES[dtype]).view(shape),
+            )
+            for name, dtype, shape, offset, nbytes in msgpack.unpackb(header.cpu().numpy().tobytes())
+        ]
