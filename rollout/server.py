@@ -71,6 +71,12 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     buffer = ReplayBuffer.from_config(client, cfg, consumer=name)
     subscriber = make_subscriber(cfg, client, name, run_dir=args.run_dir)
     engine = make_engine(cfg, cfg.model.actor, server_id=sid)
+    if cfg.weightsync.transport == "dist" and cfg.rollout.engine in ("vllm", "sglang"):
+        from weightsync.engines import EngineEndpoint, register_engine
+
+        register_engine(
+            client, cfg.run.name, EngineEndpoint(sid, cfg.rollout.engine, engine.url, engine.world_size())
+        )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code)
     warm_up(engine, tokenizer)
     rewards = RewardFunctions(cfg.reward)
@@ -109,6 +115,10 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         if http is not None:
             http.stop()
         subscriber.close()
+        if cfg.weightsync.transport == "dist" and cfg.rollout.engine in ("vllm", "sglang"):
+            from weightsync.engines import unregister_engine
+
+            unregister_engine(client, cfg.run.name, sid)
         engine.close()
         telemetry.close()
         client.close()

@@ -359,6 +359,14 @@ def test_factories_choose_by_config(redis_client, run_id, tiny_ckpt, tmp_path):
     dist_cfg = make_cfg(run_id, tiny_ckpt["actor"], transport="dist", backend="gloo")
     assert isinstance(make_publisher(dist_cfg, redis_client), DistPublisher)
     assert isinstance(make_subscriber(dist_cfg, redis_client, "s"), DistSubscriber)
+    # vLLM/SGLang servers over dist: the learner drives the engines' own groups, servers only track versions
+    from weightsync.engines import EnginePublisher, EngineVersionSubscriber
+
+    engine_cfg = dist_cfg.model_copy(
+        update={"rollout": dist_cfg.rollout.model_copy(update={"engine": "sglang"})}
+    )
+    assert isinstance(make_publisher(engine_cfg, redis_client), EnginePublisher)
+    assert isinstance(make_subscriber(engine_cfg, redis_client, "s"), EngineVersionSubscriber)
     seen = []
     DrainPublisher().publish(((n, seen.append(n) or t) for n, t in weights(0).items()), 0)
     assert seen == list(weights(0))

@@ -68,6 +68,11 @@ def make_publisher(
     if torch_dist.is_initialized() and torch_dist.get_rank() != 0:
         return DrainPublisher()
     ws, run = cfg.weightsync, cfg.run.name
+    if ws.transport == "dist" and cfg.rollout.engine in ("vllm", "sglang"):
+        # The engines receive over their own NCCL groups, driven from here (weightsync/engines.py).
+        from weightsync.engines import EnginePublisher
+
+        return EnginePublisher(cfg, client, run, backend="nccl" if ws.backend == "auto" else ws.backend)
     if ws.transport == "shm":
         from weightsync.shm import ShmPublisher, default_root
 
@@ -100,6 +105,11 @@ def make_subscriber(
     ``run_dir`` is accepted for symmetry: shm subscribers find the files through the manifest's path.
     """
     ws, run = cfg.weightsync, cfg.run.name
+    if ws.transport == "dist" and cfg.rollout.engine in ("vllm", "sglang"):
+        # The learner pushes straight into the engine; the server only learns which version it holds.
+        from weightsync.engines import EngineVersionSubscriber
+
+        return EngineVersionSubscriber(client, run, server_id)
     if ws.transport == "shm":
         from weightsync.shm import ShmSubscriber
 
