@@ -1,0 +1,181 @@
+"""Trajectories to tensors: the learner's batch, its micro-batches, and its wire form between ranks.
+
+A :class:`Batch` holds one learner step's trajectories as response-aligned tensors ``(B, R)`` (the layout
+``learner/advantages.py`` and ``learner/losses.py`` expect: right-padded, ``mask`` 1 on real tokens).
+Forward passes do not run on that layout; they run on :class:`MicroBatch` es built from a subset of rows.
+
+Layout of a forward pass (both exact; neither computes on padding that can reach a real token):
+
+- ``pad`` (default): rows right-padded to the micro-batch's longest member, with *no* attention mask:
+  under a causal mask a real token never attends to the padding after it, so the result is exact and the
+  fast ``is_causal`` attention path stays on. Rows are sorted by length first, so little padding remains.
+- ``pack``: the micro-batch's sequences concatenated into one row ``(1, N)`` with position ids restarting
+  at 0 for each; transformers turns restarting position ids (and no attention mask) into a block-diagonal
+  causal mask. No padding at all, but on CPU the dense ``(N, N)`` mask path is ~9x slower than ``pad``
+  (``bench/learner.py``: 690 vs 6,500 tokens/s on a 4-layer tiny model); worth it only with a varlen
+  (flash-attention) kernel on GPU.
+
+Either way, response token ``j`` of sequence ``i`` is predicted by the logits at ``(row_i, start_i + j)``
+with ``start_i = offset_i + P_i − 1``; :func:`response_view` gathers those positions back into ``(b, R)``.
+
+Aborted responses (``finish_reason == "abort"``) were cut by a pause, so their reward judges a truncated
+answer: their tokens are masked (no gradient, no statistics) and each forms a group of its own, so it
+cannot move the group baseline of its siblings. They stay in the batch to keep every rank's shapes equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from buffer.schema import Trajectory, decode_trajectory, encode_trajectory
+
+Layout = Literal["pack", "pad"]
+
+
+@dataclass
+class Batch:
+    """One learner step's trajectories. Per-token tensors are over response tokens: ``(B, R)``."""
+
+    trajs: list[Trajectory]
+    behav_logp: Tensor  # (B, R) float32, 0 on padding
+    mask: Tensor  # (B, R) float32, 1 on trained tokens
+    rewards: Tensor  # (B,) float32
+    group_index: Tensor  # (B,) int64; aborted rows get a label of their own
+    staleness: Tensor  # (B,) int64, at the learner version that trains on the batch
+    seq_lens: Tensor  # (B,) int64, prompt + response
+
+    def __len__(self) -> int:
+        return len(self.trajs)
+
+    def to(self, device: torch.device) -> Batch:
+        """Per-token tensors and rewards on ``device``; row bookkeeping (lengths, staleness) stays on CPU."""
+        return replace(
+            self,
+            behav_logp=self.behav_logp.to(device),
+            mask=self.mask.to(device),
+            rewards=self.rewards.to(device),
+            group_index=self.group_index.to(device),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens a forward pass reads (prompts and responses): the unit of ``throughput/*``."""
+        return int(self.seq_lens.sum())
+
+
+def make_batch(trajs: Sequence[Trajectory], version: int) -> Batch:
+    """Collate trajectories (on CPU; tensors move to the device per micro-batch)."""
+    width = max([1, *(len(t.response_tokens) for t in trajs)])
+    b = len(trajs)
+    behav = torch.zeros(b, width)
+    mask = torch.zeros(b, width)
+    groups: dict[str, int] = {}
+    group_index = torch.empty(b, dtype=torch.long)
+    for i, t in enumerate(trajs):
+        r = len(t.response_tokens)
+        behav[i, :r] = torch.from_numpy(t.behav_logp)
+        aborted = t.finish_reason == "abort"
+        mask[i, :r] = 0.0 if aborted else 1.0
+        group_index[i] = -1 - i if aborted else groups.setdefault(t.group_id, len(groups))
+    return Batch(
+        trajs=list(trajs),
+        behav_logp=behav,
+        mask=mask,
+        rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        group_index=group_index,
+        staleness=torch.tensor([t.staleness(version) for t in trajs], dtype=torch.long),
+        seq_lens=torch.tensor([len(t.prompt_tokens) + len(t.response_tokens) for t in trajs]),
+    )
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs for a subset of a batch's rows, and where each row's response logits are."""
+
+    rows: Tensor  # (b,) indices into the Batch
+    input_ids: Tensor  # (1, N) packed or (b, L) padded
+    position_ids: Tensor | None  # (1, N) restarting per sequence when packed; None when padded
+    targets: Tensor  # (b, R) next-token labels of the response, 0 on padding
+    logit_row: Tensor  # (b,) row of input_ids holding sequence i
+    logit_start: Tensor  # (b,) column whose logits predict response token 0 of sequence i
+
+
+def micro_batches(
+    batch: Batch, rows: Tensor, size: int, layout: Layout, device: torch.device
+) -> list[MicroBatch]:
+    """Split ``rows`` into micro-batches of ``size``; rows are sorted by length first (less padding)."""
+    rows = rows[torch.argsort(batch.seq_lens[rows], descending=True, stable=True)]
+    return [_build(batch, rows[i : i + size], layout, device) for i in range(0, len(rows), size)]
+
+
+def _build(batch: Batch, rows: Tensor, layout: Layout, device: torch.device) -> MicroBatch:
+    seqs = [
+        np.concatenate([batch.trajs[i].prompt_tokens, batch.trajs[i].response_tokens]) for i in rows.tolist()
+    ]
+    prompt_lens = torch.tensor([len(batch.trajs[i].prompt_tokens) for i in rows.tolist()])
+    width = batch.mask.shape[1]
+    targets = torch.zeros(len(seqs), width, dtype=torch.long)
+    for k, i in enumerate(rows.tolist()):
+        resp = batch.trajs[i].response_tokens
+        targets[k, : len(resp)] = torch.from_numpy(resp.astype(np.int64))
+    lens = torch.tensor([len(s) for s in seqs])
+    if layout == "pack":
+        input_ids = torch.from_numpy(np.concatenate(seqs).astype(np.int64))[None]  # (1, N)
+        position_ids = torch.cat([torch.arange(n) for n in lens.tolist()])[None]  # (1, N)
+        offsets = torch.cumsum(lens, 0) - lens
+        logit_row, logit_start = torch.zeros_like(lens), offsets + prompt_lens - 1
+    else:
+        input_ids = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long)  # (b, L)
+        for k, s in enumerate(seqs):
+            input_ids[k, : len(s)] = torch.from_numpy(s.astype(np.int64))
+        position_ids = None
+        logit_row, logit_start = torch.arange(len(seqs)), prompt_lens - 1
+    return MicroBatch(
+        rows=rows,
+        input_ids=input_ids.to(device),
+        position_ids=None if position_ids is None else position_ids.to(device),
+        targets=targets.to(device),
+        logit_row=logit_row.to(device),
+        logit_start=logit_start.to(device),
+    )
+
+
+def response_view(per_position: Tensor, mb: MicroBatch) -> Tensor:
+    """Gather the response positions of every sequence out of a forward pass's output.
+
+    Positions past a sequence's end are clamped to a valid column; the caller's mask zeroes them.
+
+    Shape: per_position (rows, N, ...) -> (b, R, ...).
+    """
+    width = mb.targets.shape[1]
+    cols = (mb.logit_start[:, None] + torch.arange(width, device=mb.targets.device)).clamp(
+        max=per_position.shape[1] - 1
+    )  # (b, R)
+    return per_position[mb.logit_row[:, None], cols]
+
+
+# ------------------------------------------------------------------------------------- wire between ranks
+
+
+def encode_batch(trajs: Sequence[Trajectory]) -> Tensor:
+    """Trajectories as one uint8 tensor (length-prefixed msgpack records; never pickle) for a broadcast."""
+    blobs = [encode_trajectory(t) for t in trajs]
+    header = np.array([len(blobs), *map(len, blobs)], dtype="<i8").tobytes()
+    return torch.frombuffer(bytearray(header + b"".join(blobs)), dtype=torch.uint8)
+
+
+def decode_batch(data: Tensor) -> list[Trajectory]:
+    raw = data.numpy().tobytes()
+    n = int(np.frombuffer(raw[:8], dtype="<i8")[0])
+    sizes = np.frombuffer(raw[8 : 8 * (n + 1)], dtype="<i8")
+    trajs, pos = [], 8 * (n + 1)
+    for size in sizes.tolist():
+        trajs.append(decode_trajectory(raw[pos : pos + size]))
+        pos += size
+    return trajs

@@ -1,0 +1,157 @@
+"""Learner checkpoints and the exactly-once contract with the trajectory stream (DESIGN §7).
+
+A checkpoint at version ``v`` is: the DeepSpeed checkpoints of actor and critic (``engine.save_checkpoint``,
+tag ``v{v:08d}``, optimizer state included), each rank's RNG states (torch, numpy, python; JSON, no
+pickle), and rank 0's learner state: the version and the stream ids trained on since the previous
+checkpoint. ``latest.json`` names the newest complete checkpoint; it is replaced atomically (write, fsync,
+rename) only after every file of the checkpoint is written and fsynced, so it is the commit point.
+
+**Exactly once, relative to the surviving model state.** Acknowledging a trajectory right after the
+optimizer step that used it is not enough when checkpoints are every K steps: a crash would lose the
+update while the data is gone. So the learner keeps the ids of every trained trajectory *pending* (taken
+under a stable consumer name, ``learner-0``, never acked) until a checkpoint containing their update is
+committed, and only then acks them. After a crash at any point:
+
+- ids trained after the last committed checkpoint are still pending on ``learner-0``; the update they
+  made is lost with the process, and the buffer re-delivers them to the restarted ``learner-0``, which
+  trains on them again: once, as far as the surviving model is concerned;
+- ids of the committed checkpoint may or may not have been acked before the crash (the crash can fall
+  between commit and ack); the checkpoint records them and resume acks them (XACK is idempotent) before
+  taking anything, so they are never trained on twice.
+
+Because ack deletes, pending ids occupy the stream; the learner checkpoints early whenever they would
+fill half of ``redis.stream_maxlen`` (so ``checkpoint_interval: 0`` cannot stall producers). While they
+wait for the checkpoint, pending ids may be claimed back by the buffer's own idle-entry
+recovery; the buffer never hands an id to the consumer instance already holding it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from learner.models import Models
+
+LATEST = "latest.json"
+
+
+@dataclass
+class LearnerState:
+    version: int
+    trained_ids: list[str]  # stream ids whose update this checkpoint contains and that may be unacked
+
+
+def _tag(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Atomically replace ``path`` with ``obj`` as JSON, durable on disk before it becomes visible."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_version, list(py_internal), py_gauss],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [
+            base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()
+        ]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal), py_gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        )
+
+
+def save(ckpt_dir: Path, models: Models, state: LearnerState, *, keep: int = 2) -> None:
+    """Collective: every rank calls it. Returns once the checkpoint is committed (``latest.json``)."""
+    tag, rank = _tag(state.version), dist.get_rank()
+    models.actor.save_checkpoint(str(ckpt_dir / "actor"), tag=tag)
+    if models.critic is not None:
+        models.critic.save_checkpoint(str(ckpt_dir / "critic"), tag=tag)
+    state_dir = ckpt_dir / "state" / tag
+    state_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(state_dir / f"rng_rank{rank}.json", rng_state())
+    if rank == 0:
+        _write_json(state_dir / "learner.json", {"version": state.version, "trained_ids": state.trained_ids})
+    dist.barrier()
+    if rank == 0:
+        for sub in ("actor", "critic", "state"):
+            if (ckpt_dir / sub / tag).exists():
+                _fsync_tree(ckpt_dir / sub / tag)
+        _write_json(ckpt_dir / LATEST, {"tag": tag, "version": state.version})
+        _prune(ckpt_dir, keep)
+    dist.barrier()
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    tags = sorted(p.name for p in (ckpt_dir / "state").iterdir() if p.name.startswith("v"))
+    for old in tags[:-keep]:
+        for sub in ("actor", "critic", "state"):
+            shutil.rmtree(ckpt_dir / sub / old, ignore_errors=True)
+
+
+def load(ckpt_dir: Path, models: Models) -> LearnerState | None:
+    """Restore the newest committed checkpoint into ``models`` and the RNGs; None when there is none."""
+    latest = ckpt_dir / LATEST
+    if not latest.exists():
+        return None
+    tag = json.loads(latest.read_text())["tag"]
+    for name, engine in (("actor", models.actor), ("critic", models.critic)):
+        if engine is None:
+            continue
+        path, _ = engine.load_checkpoint(str(ckpt_dir / name), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"checkpoint {ckpt_dir / name / tag} is missing or unreadable")
+    state_dir = ckpt_dir / "state" / tag
+    rng_file = state_dir / f"rng_rank{dist.get_rank()}.json"
+    if rng_file.exists():  # absent when resuming with more ranks than the checkpoint had
+        set_rng_state(json.loads(rng_file.read_text()))
+    learner = json.loads((state_dir / "learner.json").read_text())
+    return LearnerState(version=int(learner["version"]), trained_ids=list(learner["trained_ids"]))

@@ -1,0 +1,229 @@
+"""The learner's models: actor and critic as DeepSpeed engines, a frozen reference, and their forward passes.
+
+What this module owns and why it looks the way it does:
+
+- **Distributed setup.** One process per rank (torchrun, or a plain ``python -m`` for one rank, for which
+  the usual ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/... variables get single-process defaults). gloo on
+  CPU, nccl on GPU. A second, always-gloo group carries control messages (the batch bytes, the stop flag)
+  so they never need device tensors.
+- **Engines.** Actor and critic are ``deepspeed.initialize`` engines with ZeRO stage 0–3, optional
+  optimizer offload and gradient checkpointing from the config; ``learner.deepspeed`` is merged over the
+  generated DeepSpeed config. The optimizer is a plain ``torch.optim.AdamW`` instance, so no DeepSpeed op
+  is compiled. ``managed_gradient_accumulation: false`` lets the step run a variable number of
+  micro-batches per optimizer step: ``backward`` accumulates, ``step`` is the boundary.
+- **Critic.** A scalar-head model (``*ForSequenceClassification`` with one label) used per token:
+  ``score(trunk(x).last_hidden_state)``, wrapped in :class:`ValueModel` so DeepSpeed sees one module.
+  Initialised from ``model.critic``, else from the reward model or the actor's trunk (``critic_init``);
+  from the actor the fresh head starts at zero, so the first values are 0 rather than noise. Only built
+  for ``algorithm.advantage == "gae"``.
+- **Reference.** A frozen plain module (no optimizer state, nothing to partition), loaded only when
+  ``kl_coef > 0``; with ``reference_on_cpu`` it lives on CPU and visits the device for its forward pass.
+  The reward model itself is scored on the rollout servers, not here; the learner only reads it as a
+  critic initialisation.
+- **dtype.** ``model.dtype: auto`` is bfloat16 on GPU and float32 on CPU. Logits are upcast to float32
+  before log-probabilities and divided by the sampling temperature, to be comparable to ``behav_logp``.
+
+Known limit: under ZeRO-3 the weights are loaded whole on every rank and partitioned by
+``deepspeed.initialize`` (no ``zero.Init`` loading), which is fine until one model no longer fits in host RAM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from learner.batch import MicroBatch
+from tandem.config import Config
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------- distributed
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    want = cfg.run.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[cfg.model.dtype]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device) -> dist.ProcessGroup:
+    """Join (or, alone, create) the process group; returns a gloo group for control messages."""
+    if "RANK" not in os.environ:  # a single process started without torchrun
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+
+
+# -------------------------------------------------------------------------------------------------- engines
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def deepspeed_config(cfg: Config, dtype: torch.dtype) -> dict[str, Any]:
+    """The generated DeepSpeed config with ``learner.deepspeed`` merged over it."""
+    lc = cfg.learner
+    zero: dict[str, Any] = {"stage": lc.zero_stage}
+    if lc.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    generated = {
+        "train_micro_batch_size_per_gpu": lc.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": lc.grad_clip,
+        "zero_optimization": zero,
+        # A torch AdamW under offload runs on the CPU copy of the fp32 weights; no compiled op needed.
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(generated, lc.deepspeed)
+
+
+def make_engine(model: nn.Module, cfg: Config, dtype: torch.dtype, lr: float) -> deepspeed.DeepSpeedEngine:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.learner.weight_decay)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=deepspeed_config(cfg, dtype), model_parameters=params
+    )
+    return engine
+
+
+class ValueModel(nn.Module):
+    """Per-token values from a sequence-classification model: ``score(trunk(x).last_hidden_state)``."""
+
+    def __init__(self, seq_cls: nn.Module) -> None:
+        super().__init__()
+        self.seq_cls = seq_cls
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        hidden = self.seq_cls.base_model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (rows, N, H)
+        return self.seq_cls.score(hidden).squeeze(-1).float()  # (rows, N)
+
+
+def load_critic(cfg: Config, dtype: torch.dtype) -> ValueModel:
+    m = cfg.model
+    source = m.critic or (m.reward_model if m.critic_init == "reward_model" else m.actor)
+    if source is None:
+        raise ValueError("model.critic_init=reward_model needs model.reward_model (or set model.critic)")
+    seq_cls = AutoModelForSequenceClassification.from_pretrained(
+        source, num_labels=1, dtype=dtype, trust_remote_code=m.trust_remote_code
+    )
+    if m.critic is None and m.critic_init == "actor":
+        nn.init.zeros_(seq_cls.score.weight)
+    return ValueModel(seq_cls)
+
+
+def _causal_lm(path: str, cfg: Config, dtype: torch.dtype) -> nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
+    )
+
+
+@dataclass
+class Models:
+    actor: deepspeed.DeepSpeedEngine
+    critic: deepspeed.DeepSpeedEngine | None  # gae only
+    reference: nn.Module | None  # kl_coef > 0 only
+    tokenizer: Any
+    device: torch.device
+    temperature: float  # rollout sampling temperature (behav_logp is of the tempered distribution)
+    reference_on_cpu: bool
+
+
+def load_models(cfg: Config, device: torch.device) -> Models:
+    dtype = resolve_dtype(cfg, device)
+    actor = _causal_lm(cfg.model.actor, cfg, dtype)
+    if cfg.model.gradient_checkpointing:
+        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    critic = None
+    if cfg.algorithm.advantage == "gae":
+        critic = load_critic(cfg, dtype)
+        if cfg.model.gradient_checkpointing:
+            critic.seq_cls.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        reference = (
+            _causal_lm(cfg.model.reference or cfg.model.actor, cfg, dtype).eval().requires_grad_(False)
+        )
+        reference.to("cpu" if cfg.learner.reference_on_cpu else device)
+    return Models(
+        actor=make_engine(actor, cfg, dtype, cfg.learner.actor_lr),
+        critic=None if critic is None else make_engine(critic, cfg, dtype, cfg.learner.critic_lr),
+        reference=reference,
+        tokenizer=AutoTokenizer.from_pretrained(
+            cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code
+        ),
+        device=device,
+        temperature=cfg.rollout.temperature,
+        reference_on_cpu=cfg.learner.reference_on_cpu,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- forwards
+
+
+def policy_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
+    """float32 logits of the tempered policy at every position. Shape: (rows, N, V)."""
+    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits.float()
+    return logits / temperature if temperature > 0 else logits
+
+
+def values(critic: nn.Module, mb: MicroBatch) -> Tensor:
+    """Per-position values. Shape: (rows, N)."""
+    return critic(input_ids=mb.input_ids, position_ids=mb.position_ids)
+
+
+@contextlib.contextmanager
+def visiting(model: nn.Module, device: torch.device, offloaded: bool) -> Iterator[nn.Module]:
+    """The reference model on ``device`` for the duration of a pass, back on CPU afterwards if offloaded."""
+    if offloaded and device.type != "cpu":
+        model.to(device)
+        try:
+            yield model
+        finally:
+            model.to("cpu")
+    else:
+        yield model
