@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
-import yaml
 
 from buffer.redis_server import EmbeddedRedis, free_port
 from tandem.config import Config, ConfigError, dump_config, load_config
@@ -421,6 +421,17 @@ def shutdown(cfg: Config, children: list[Child], client: redis.Redis | None, gra
             return
 
 
+def remove_shared_weights(cfg: Config, run_dir: Path) -> None:
+    """The shm transport's files live outside the run dir (in /dev/shm, i.e. RAM): free them at the end.
+    A later --resume re-publishes the checkpoint's weights, so nothing is lost."""
+    if cfg.weightsync.transport == "shm" and cfg.weightsync.shm_dir is None:
+        from weightsync.shm import default_root
+
+        root = default_root(cfg.run.name, run_dir)
+        if root.is_relative_to("/dev/shm"):
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def summarize(cfg: Config, client: redis.Redis, run_dir: Path) -> dict[str, float]:
     """Reward curve summary from the learner's history, a PNG plot, and where everything lives."""
     for proc in ["learner"] + [f"server-{i}" for i in range(cfg.rollout.num_servers)]:
@@ -489,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides) + ([f"run.mode={args.mode}"] if args.mode else [])
     try:
         if args.resume:
-            cfg = load_config(args.resume / "config.yaml", overrides)
+            # The public copy: same config, without the embedded Redis URL (restarted on the run's AOF).
+            cfg = load_config(args.resume / "config.public.yaml", overrides)
         elif args.config:
             cfg = load_config(args.config, overrides)
         else:
@@ -516,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = prepare_run_dir(cfg, args.resume)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_dir.name})})
-    (run_dir / "config.public.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    if not args.resume:  # what a later --resume starts from (no secrets: the embedded URL is added below)
+        (run_dir / "config.public.yaml").write_text(dump_config(cfg))
     print(f"[launch] run directory: {run_dir}")
 
     embedded = None
@@ -557,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
             summarize(cfg, client, run_dir)
         if embedded is not None:
             embedded.stop()
+        remove_shared_weights(cfg, run_dir)
     print(f"[launch] {outcome.message}")
     print(
         f"[launch] logs: {run_dir / 'logs'}; wandb files: {run_dir / 'wandb'} (mode {cfg.logging.wandb_mode})"

@@ -527,6 +527,21 @@ class ReplayBuffer:
         """Give back admission for n trajectories that will never be appended (a server abandoning work)."""
         self.client.decrby(self._admitted_key, n)
 
+    def recount_admission(self, version: int, *, batch_size: int, n_samples: int) -> int:
+        """Rebuild the admission counter after a learner restart and return it.
+
+        A resumed learner restarts at its checkpoint's version, below what the crashed run had admitted, so
+        the old counter would hold every server until the learner caught up: a deadlock. What is truly
+        admitted is what was trained (``version * batch_size``), plus the trajectories still in the stream
+        (including trained-but-not-checkpointed ones, which will be trained again), plus the groups of
+        prompts a server has claimed but not answered (they are redelivered and keep their admission).
+        Call it before the restarted learner announces its version (launch restarts the servers with it).
+        """
+        in_flight = self._prompts.pending()
+        admitted = version * batch_size + self._traj.length() + in_flight * n_samples
+        self.client.set(self._admitted_key, admitted)
+        return admitted
+
     def wait_admission(
         self,
         n: int,

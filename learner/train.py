@@ -169,6 +169,10 @@ class Learner:
             self.acked_through = self.version * self.cfg.algorithm.batch_size
             if self.lead:  # their update is in the checkpoint: never train on them again
                 self.buffer.ack(state.trained_ids)
+                a = self.cfg.algorithm
+                self.buffer.recount_admission(
+                    self.version, batch_size=a.batch_size, n_samples=self.cfg.rollout.n_samples
+                )
             log.info("resumed at version %d from %s", self.version, self.ckpt_dir)
         elif self.resume:
             log.warning("--resume: no checkpoint in %s, starting fresh", self.ckpt_dir)

@@ -487,3 +487,15 @@ def test_refused_trajectories_give_their_admission_back(redis_client: redis.Redi
     buf.put([traj(v, version=v) for v in (2, 0, 0, 2)])  # two with staleness 2 > 0
     assert len(buf.take(2, timeout_s=2, max_staleness=0)) == 2
     assert int(redis_client.get(f"{run_id}:admitted")) == 4 - 2
+
+
+def test_recount_admission_after_a_learner_restart(redis_client: redis.Redis, run_id: str):
+    """Trained + still in the stream + claimed-but-unanswered groups; the crashed run's count is discarded."""
+    buf = buffer(redis_client, run_id)
+    redis_client.set(f"{run_id}:admitted", 400)  # what the crashed run had admitted, far ahead
+    buf.put([traj(i) for i in range(5)])  # 5 trajectories waiting in the stream
+    buf.put_prompts([PromptRecord(prompt_id=f"p{i}", text="x", tokens=[1, 2]) for i in range(4)])
+    server = buffer(redis_client, run_id, consumer="server-0")
+    assert len(server.take_prompts(3, timeout_s=2)) == 3  # 3 groups in flight, 1 prompt still queued
+    assert buf.recount_admission(2, batch_size=8, n_samples=4) == 2 * 8 + 5 + 3 * 4
+    assert int(redis_client.get(f"{run_id}:admitted")) == 33

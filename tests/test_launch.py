@@ -1,0 +1,212 @@
+"""End-to-end: launch.py runs Redis, a rollout server and the learner for a few steps, in each mode.
+
+These are the only tests that start the whole system as a user does (``python launch.py CONFIG ...``).
+After each run, the run's Redis is restarted on its append-only file to inspect what flowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from buffer.redis_server import EmbeddedRedis
+from tandem.data import write_prompts
+from tandem.tasks import make_records
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_prompts(tmp_path_factory.mktemp("data") / "echo.jsonl", make_records("echo", 200))
+
+
+def launch_cmd(tiny_ckpt: dict[str, Path], prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "launch.py"),
+        str(ROOT / "configs/tiny.yaml"),
+        f"model.actor={tiny_ckpt['actor']}",
+        f"model.critic={tiny_ckpt['critic']}",
+        f"data.prompts={prompts}",
+        f"run.output_dir={out}",
+        "rollout.n_samples=4",
+        "rollout.prompts_per_batch=2",
+        "rollout.max_new_tokens=6",
+        "algorithm.batch_size=8",
+        "algorithm.minibatch_size=8",
+        "learner.micro_batch_size=8",
+        "logging.wandb_mode=disabled",
+        "redis.claim_idle_ms=2000",
+        *extra,
+        "--no-console",
+    ]
+
+
+def run_dir_of(out: Path) -> Path:
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def leftover_processes(run_dir: Path) -> list[str]:
+    """Processes whose command line mentions the run directory (children launch.py should have stopped)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run_dir) in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def inspect_redis(run_dir: Path):
+    """Restart the run's Redis on its AOF (same password) and return (server, client, run id)."""
+    server = EmbeddedRedis(run_dir / "redis").start()
+    return server, server.client(), run_dir.name
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: Path) -> None:
+    steps, max_staleness = 4, 1
+    cmd = launch_cmd(
+        tiny_ckpt,
+        prompts,
+        tmp_path,
+        f"learner.total_steps={steps}",
+        f"algorithm.max_staleness={max_staleness}",
+        "--mode",
+        mode,
+    )
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = run_dir_of(tmp_path)
+    assert f"learner finished at step {steps}" in proc.stdout
+
+    learner = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    learner = [r for r in learner if "reward/mean" in r]
+    assert [int(r["learner/version"]) for r in learner] == list(range(1, steps + 1))  # versions advanced
+    bound = 0 if mode == "sync" else max_staleness
+    assert max(r["staleness/max"] for r in learner) <= bound  # staleness never exceeded the bound
+
+    server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    assert sum(r.get("rollout/groups", 0) for r in server) >= steps * 2  # trajectories flowed (2 groups/step)
+    # weights reached the server: it reports holding a version above 0 before the end
+    assert max(r.get("rollout/version", 0) for r in server) >= 1
+
+    assert leftover_processes(run_dir) == []  # every child exited
+    assert not Path(f"/dev/shm/tandem-{run_dir.name}").exists()  # shared weight files freed
+    assert (run_dir / "summary.json").exists() and (run_dir / "reward.png").exists()
+
+
+def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
+    tiny_ckpt, prompts: Path, tmp_path: Path
+) -> None:
+    steps = 10
+    cmd = launch_cmd(tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", "rollout.restart_limit=2")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("*/config.yaml")):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        run_dir = run_dir_of(tmp_path)
+        url = __import__("yaml").safe_load((run_dir / "config.yaml").read_text())["redis"]["url"]
+        client = redis.Redis.from_url(url)
+        key = f"{run_dir.name}:ready:server-0"
+        # wait until the server is ready and the learner has taken a step, then kill the server mid-run
+        while not (client.exists(key) and int(client.get(f"{run_dir.name}:version") or 0) >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None, "run did not reach step 2"
+            time.sleep(0.2)
+        pid = json.loads(client.get(key))["pid"]
+        os.kill(pid, signal.SIGKILL)
+        # the prompts the dead server held: they must be answered by its successor, not lost
+        held = {
+            e["message_id"].decode()
+            for e in client.xpending_range(f"{run_dir.name}:prompts", "rollout", "-", "+", 1000, "server-0")
+        }
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert f"learner finished at step {steps}" in out
+    log = (run_dir / "logs" / "server-0.log").read_text()
+    assert log.count("=== ") >= 2  # started twice: the crash was noticed and the server restarted
+    assert leftover_processes(run_dir) == []
+
+    server, client, run = inspect_redis(run_dir)
+    try:
+        left = {i.decode() for i, _ in client.xrange(f"{run}:prompts")}
+        assert not (held & left), "prompts held by the killed server were never answered"
+        # Exact accounting: every prompt fed is either still queued or was answered by one group of n
+        # trajectories, each of which was trained on, refused (counted), or is still in the stream.
+        feeder = client.hgetall(f"{run}:feeder")
+        fed = int(feeder[b"epoch"]) * 200 + int(feeder[b"index"])
+        counts = {k.decode(): int(v) for k, v in client.hgetall(f"{run}:counts").items()}
+        refused = counts.get(f"{run}:traj:stale", 0) + counts.get(f"{run}:traj:dead", 0)
+        trained = steps * 8
+        in_stream = client.xlen(f"{run}:traj")
+        assert (fed - len(left)) * 4 == trained + refused + in_stream
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_crashed_learner_stops_the_run_and_resume_finishes_it(
+    tiny_ckpt, prompts: Path, tmp_path: Path
+) -> None:
+    steps = 12
+    cmd = launch_cmd(
+        tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", "learner.checkpoint_interval=3"
+    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("*/config.yaml")):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        run_dir = run_dir_of(tmp_path)
+        url = __import__("yaml").safe_load((run_dir / "config.yaml").read_text())["redis"]["url"]
+        client = redis.Redis.from_url(url)
+        while int(client.get(f"{run_dir.name}:version") or 0) < 5:
+            assert time.monotonic() < deadline and proc.poll() is None, "run did not reach step 5"
+            time.sleep(0.05)
+        os.kill(json.loads(client.get(f"{run_dir.name}:ready:learner"))["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "learner exited with code -9" in out  # the error is shown, the run stopped
+    assert leftover_processes(run_dir) == []
+
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "--resume", str(run_dir), "--no-console"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"learner finished at step {steps}" in resumed.stdout
+    rows = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
+    final = {}
+    for r in rows:  # a version trained twice (lost with the crash, then retrained): the later one counts
+        final[r["version"]] = r["ids"]
+    assert sorted(final) == list(range(1, steps + 1))
+    ids = [i for v in final.values() for i in v]
+    assert len(ids) == len(set(ids)) == steps * 8  # every trajectory in the final model trained exactly once
+    assert leftover_processes(run_dir) == []
