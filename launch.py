@@ -196,7 +196,8 @@ class PromptFeeder:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.actor)
         self.tokens = [self._tokenize(i, r) for i, r in enumerate(self.records)]
         groups_per_step = cfg.algorithm.batch_size // cfg.rollout.n_samples
-        self.depth = max(4 * groups_per_step, 4 * cfg.rollout.num_servers * cfg.rollout.prompts_per_batch)
+        # Deep enough that servers never wait on the feeder between two top-ups (prompts are tiny records).
+        self.depth = max(256, 16 * groups_per_step, 16 * cfg.rollout.num_servers * cfg.rollout.prompts_per_batch)
         self.key = f"{cfg.run.name}:feeder"
 
     def _tokenize(self, i: int, rec: dict) -> list[int]:
@@ -381,7 +382,7 @@ def supervise(
                 s.restart_at = None
                 client.delete(ready_key(cfg.run.name, s.name))
                 s.start()
-        time.sleep(0.5)
+        time.sleep(0.25)
 
 
 def wait_ready(cfg: Config, children: list[Child], client: redis.Redis) -> Outcome:

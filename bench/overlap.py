@@ -5,8 +5,9 @@
 Runs ``launch.py`` twice (``--mode sync`` then ``--mode async``) and prints, from the learners' and servers'
 logged histories:
   (a) trained samples per second in each mode and their ratio (the speedup);
-  (b) the ideal speedup ``(T_gen + T_train) / max(T_gen, T_train)`` from the per-step generation and training
-      times measured in the sync run, and how close async comes to it (efficiency = speedup / ideal);
+  (b) the ideal speedup ``(T_gen + T_train) / max(T_gen, T_train)`` from the per-step busy times of the
+      servers and the learner measured in the sync run (wall time minus waiting on the other side), and how
+      close async comes to it (efficiency = speedup / ideal);
   (c) wall time to reach ``--target`` reward (5-step moving average) in each mode, and the final rewards.
 Writes ``reward_vs_time.png`` and ``reward_vs_samples.png`` next to the runs. The last line is one JSON object.
 """
@@ -14,6 +15,7 @@ Writes ``reward_vs_time.png`` and ``reward_vs_samples.png`` next to the runs. Th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -47,23 +49,48 @@ def read_history(run_dir: Path) -> tuple[list[dict], list[dict]]:
     learner = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
     servers: list[dict] = []
     for p in sorted(run_dir.glob("server-*_history.jsonl")):
-        servers += [json.loads(line) for line in p.read_text().splitlines()]
+        servers += [{**json.loads(line), "_server": p.name} for line in p.read_text().splitlines()]
     return learner, servers
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def _fmt_s(x: float | None) -> str:
+    return "not reached" if x is None else f"{x:.0f}s"
+
+
+def _busy(rows: list[dict], wait_key: str) -> float:
+    """Seconds a process was working over its logged rows (the first row only marks the start)."""
+    return sum(b["time"] - a["time"] - b.get(wait_key, 0.0) for a, b in itertools.pairwise(rows))
+
+
+def _by_server(rows: list[dict]) -> list[list[dict]]:
+    servers: dict[str, list[dict]] = {}
+    for r in rows:
+        servers.setdefault(r["_server"], []).append(r)
+    return list(servers.values())
 
 
 def moving_average(xs: list[float], k: int = 5) -> list[float]:
     return [sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
 
 
-def figures(learner: list[dict], servers: list[dict], batch_size: int, target: float) -> dict[str, float]:
+def figures(
+    learner: list[dict], servers: list[dict], batch_size: int, target: float
+) -> dict[str, float | None]:
     t0 = learner[0]["time"]
     span = learner[-1]["time"] - t0
     samples_per_s = (len(learner) - 1) * batch_size / span if span > 0 else float("nan")
     rewards = moving_average([r["reward/mean"] for r in learner])
-    hit = next((r["time"] - t0 for r, m in zip(learner, rewards, strict=True) if m >= target), float("nan"))
+    hit = next((r["time"] - t0 for r, m in zip(learner, rewards, strict=True) if m >= target), None)
     k = max(1, len(learner) // 10)
-    t_train = sum(r.get("time/train", 0.0) for r in learner) / len(learner)
-    t_gen = sum(r.get("time/generate", 0.0) for r in servers) / len(learner)
+    # Busy time per learner step: wall time between logged rows minus the time spent waiting on the other
+    # side (the learner for data, a server for admission). This counts every cost a step really pays
+    # (Redis, weight sync, scoring), not just the forward passes.
+    t_train = _busy(learner, "time/wait_for_data") / (len(learner) - 1)
+    t_gen = sum(_busy(rows, "time/wait_admission") for rows in _by_server(servers)) / (len(learner) - 1)
     return {
         "samples_per_s": samples_per_s,
         "time_to_target_s": hit,
@@ -101,7 +128,7 @@ def plot(runs: dict[str, list[dict]], batch_size: int, out: Path) -> list[Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/tiny.yaml")
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--target", type=float, default=0.5, help="reward to reach for time-to-target")
     ap.add_argument(
         "--out", type=Path, default=None, help="directory for the runs and plots (default: a temp dir)"
@@ -127,8 +154,8 @@ def main() -> None:
     ideal = (s["t_gen"] + s["t_train"]) / max(s["t_gen"], s["t_train"])
     for mode, r in results.items():
         print(
-            f"[overlap] {mode:5s}: {r['samples_per_s']:.1f} samples/s, T_gen {r['t_gen']:.2f}s + T_train {r['t_train']:.2f}s per step,"
-            f" time to reward {args.target}: {r['time_to_target_s']:.0f}s, final reward {r['final_reward']:.3f}"
+            f"[overlap] {mode:5s}: {r['samples_per_s']:.1f} samples/s, T_gen {1000 * r['t_gen']:.0f} ms + T_train {1000 * r['t_train']:.0f} ms per step,"
+            f" time to reward {args.target}: {_fmt_s(r['time_to_target_s'])}, final reward {r['final_reward']:.3f}"
         )
     print(
         f"[overlap] speedup async/sync {speedup:.2f}x; ideal {ideal:.2f}x; efficiency {speedup / ideal:.2f}"
@@ -143,8 +170,8 @@ def main() -> None:
                 "speedup": round(speedup, 3),
                 "ideal_speedup": round(ideal, 3),
                 "efficiency": round(speedup / ideal, 3),
-                "time_to_target_s_sync": round(s["time_to_target_s"], 1),
-                "time_to_target_s_async": round(a["time_to_target_s"], 1),
+                "time_to_target_s_sync": _round(s["time_to_target_s"]),
+                "time_to_target_s_async": _round(a["time_to_target_s"]),
                 "final_reward_sync": round(s["final_reward"], 3),
                 "final_reward_async": round(a["final_reward"], 3),
             }

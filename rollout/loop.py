@@ -118,7 +118,9 @@ class RolloutLoop:
         return self.credits > 0
 
     def take_prompts(self) -> list[TakenPrompt]:
+        start = time.perf_counter()
         prompts = self.buffer.take_prompts(self.credits, timeout_s=POLL_S)
+        self.timers["time/take_prompts"] += time.perf_counter() - start
         self.credits -= sum(not p.redelivered for p in prompts)
         return prompts
 
@@ -176,8 +178,10 @@ class RolloutLoop:
 
     def put(self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]) -> None:
         """One atomic append per group, acknowledging its prompt with it (groups stay contiguous)."""
+        start = time.perf_counter()
         for taken, group in zip(prompts, groups, strict=True):
             self.buffer.put(group, ack_prompts=[taken.id])
+        self.timers["time/put"] += time.perf_counter() - start
         self.groups += len(groups)
 
     def log(self, groups: list[list[Trajectory]]) -> None:
