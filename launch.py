@@ -197,7 +197,9 @@ class PromptFeeder:
         self.tokens = [self._tokenize(i, r) for i, r in enumerate(self.records)]
         groups_per_step = cfg.algorithm.batch_size // cfg.rollout.n_samples
         # Deep enough that servers never wait on the feeder between two top-ups (prompts are tiny records).
-        self.depth = max(256, 16 * groups_per_step, 16 * cfg.rollout.num_servers * cfg.rollout.prompts_per_batch)
+        self.depth = max(
+            256, 16 * groups_per_step, 16 * cfg.rollout.num_servers * cfg.rollout.prompts_per_batch
+        )
         self.key = f"{cfg.run.name}:feeder"
 
     def _tokenize(self, i: int, rec: dict) -> list[int]:
