@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -36,19 +35,11 @@ import redis
 
 from buffer.redis_server import EmbeddedRedis, free_port
 from tandem.config import Config, ConfigError, dump_config, load_config
+from tandem.procs import DETACHED
 from tandem.telemetry import history_key, ready_key, setup_logging, stats_key, stop_key
 
 log = logging.getLogger("launch")
 ROOT = Path(__file__).resolve().parent
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Child-side: receive SIGTERM when launch.py dies, even by SIGKILL, so nothing is left behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 # ------------------------------------------------------------------------------------------ processes
 
 
@@ -75,8 +66,7 @@ class Child:
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
+            **DETACHED,  # Ctrl-C reaches launch.py only, which stops children in order; they die with it
         )
         out.close()
 
@@ -569,8 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         print("[launch] stopping ...", flush=True)
         shutdown(cfg, children, client)
-        if client is not None and outcome.ok:
-            summarize(cfg, client, run_dir)
+        if client is not None:  # also after Ctrl-C or a crash: what was learned so far
+            with contextlib.suppress(redis.RedisError):
+                summarize(cfg, client, run_dir)
         if embedded is not None:
             embedded.stop()
         remove_shared_weights(cfg, run_dir)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 
+from tandem.procs import DETACHED
+
 log = logging.getLogger(__name__)
 
 
@@ -102,8 +104,9 @@ class EmbeddedRedis:
                 ]
             )
         )
+        # Detached: a Ctrl-C in the terminal must not kill Redis under the processes still flushing to it.
         self.proc = subprocess.Popen(
-            [find_redis_server(), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            [find_redis_server(), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **DETACHED
         )
         deadline = time.monotonic() + timeout_s
         client = self.client(socket_connect_timeout=0.5, socket_timeout=1.0)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import dataclasses
 import os
 import signal
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+
+from tandem.procs import DETACHED
 
 ApiKind = Literal["route", "fields", "function", "literal", "name"]
 
@@ -147,19 +148,6 @@ def engine_url(host: str, port: int) -> str:
     return f"http://{reachable}:{port}"
 
 
-_PR_SET_PDEATHSIG = 1
-try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-except OSError:  # not Linux: the process group and atexit still apply
-    _libc = None
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: only an async-signal-safe prctl call.
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
 class ManagedServer:
     """An engine server subprocess that we start, health-check and stop, and that dies with us.
 
@@ -182,8 +170,7 @@ class ManagedServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # own process group: killpg reaches the engine's worker processes
-            preexec_fn=_die_with_parent,  # only an async-signal-safe prctl call runs before exec
+            **DETACHED,  # own process group (killpg reaches the engine's workers); dies with us
         )
         atexit.register(self.stop)
 
