@@ -38,6 +38,7 @@ from typing import Any, Literal
 import httpx
 
 from tandem.procs import DETACHED
+from weightsync.base import WeightSyncError
 
 ApiKind = Literal["route", "fields", "function", "literal", "name"]
 
@@ -251,3 +252,21 @@ def replay_tokens(out: Sequence[Sequence[Any]], on_token: Callable[[int, int, fl
             for t, lp in zip(c.token_ids, c.logprobs, strict=True):
                 on_token(row, t, lp)
             row += 1
+
+
+def wait_for_weight_version(
+    client: EngineClient, route: str, version: int, timeout_s: float, label: str
+) -> int:
+    """dist path: the learner pushed the weights into the engine itself; poll ``route`` (whose JSON has
+    ``weight_version``) until the engine reports ``version`` or later, and return what it holds."""
+    deadline = time.monotonic() + timeout_s
+    held = None
+    while time.monotonic() < deadline:
+        held = str(client.get(route)["weight_version"])
+        if held.isdigit() and int(held) >= version:
+            return int(held)
+        time.sleep(0.2)
+    raise WeightSyncError(
+        f"{label} server {client.base_url}: GET {route} still reports weight_version {held!r}, not {version}, "
+        f"after {timeout_s:.0f} s; is the learner's EnginePublisher feeding it?"
+    )

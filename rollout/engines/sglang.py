@@ -30,7 +30,6 @@ Weight updates (DESIGN §5-6):
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,10 +45,11 @@ from rollout.engines._http import (
     payload_fields,
     replay_tokens,
     to_json,
+    wait_for_weight_version,
 )
 from rollout.engines.base import BetweenSteps, Completion, FinishReason, OnToken, SamplingParams
 from tandem.config import Config
-from weightsync.base import Update, WeightSyncError
+from weightsync.base import Update
 
 SGLANG_VERSION = "0.5.23"
 LABEL = f"SGLang {SGLANG_VERSION}"
@@ -359,18 +359,7 @@ class SGLangEngine:
     def _await_pushed_version(self, version: int) -> None:
         """dist: the learner pushed the weights itself; wait until the engine reports ``version``."""
         timeout = self.cfg.rollout.sglang.update_timeout_s
-        deadline = time.monotonic() + timeout
-        held = None
-        while time.monotonic() < deadline:
-            held = str(self.client.get("/model_info")["weight_version"])
-            if held.isdigit() and int(held) >= version:
-                self._version = int(held)
-                return
-            time.sleep(0.2)
-        raise WeightSyncError(
-            f"{LABEL} server {self.url}: GET /model_info still reports weight_version {held!r}, not {version}, "
-            f"after {timeout:.0f} s; is the learner's EnginePublisher feeding it?"
-        )
+        self._version = wait_for_weight_version(self.client, "/model_info", version, timeout, LABEL)
 
     def pause(self) -> None:
         self.client.post("/pause_generation", to_json(PauseBody(self._pause_mode)))

@@ -33,7 +33,6 @@ learner sharing the GPU with the engine uses the shm transport and ``reload_weig
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,10 +48,11 @@ from rollout.engines._http import (
     payload_fields,
     replay_tokens,
     to_json,
+    wait_for_weight_version,
 )
 from rollout.engines.base import BetweenSteps, Completion, FinishReason, OnToken, SamplingParams
 from tandem.config import Config
-from weightsync.base import Update, WeightSyncError
+from weightsync.base import Update
 
 VLLM_VERSION = "0.33.0"
 LABEL = f"vLLM {VLLM_VERSION}"
@@ -342,18 +342,8 @@ class VLLMEngine:
 
     def _await_pushed_version(self, version: int) -> None:
         """dist: the learner pushed the weights itself; wait until the engine reports ``version``."""
-        deadline = time.monotonic() + self.cfg.rollout.vllm.update_timeout_s
-        held = None
-        while time.monotonic() < deadline:
-            held = self.client.get("/weight_info")["weight_version"]
-            if held.isdigit() and int(held) >= version:
-                self._version = int(held)
-                return
-            time.sleep(0.2)
-        raise WeightSyncError(
-            f"{LABEL} server {self.url}: GET /weight_info still reports {held!r}, not version {version}, after "
-            f"{self.cfg.rollout.vllm.update_timeout_s:.0f} s; is the learner's EnginePublisher feeding it?"
-        )
+        timeout = self.cfg.rollout.vllm.update_timeout_s
+        self._version = wait_for_weight_version(self.client, "/weight_info", version, timeout, LABEL)
 
     def pause(self) -> None:
         self.client.post("/pause", params={"mode": self._pause_mode}, context=f"mode={self._pause_mode}")
