@@ -113,6 +113,15 @@ class Stats:
         return {k: s / w for k, (s, w) in zip(keys, packed.tolist(), strict=True) if w > 0}
 
 
+def reward_part_means(trajs: list[Trajectory]) -> dict[str, float]:
+    """``reward/<part>``: the batch mean of each named reward part (e.g. exact match, format)."""
+    totals: dict[str, float] = {}
+    for t in trajs:
+        for name, value in t.reward_parts.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return {f"reward/{name}": total / len(trajs) for name, total in totals.items()}
+
+
 class Learner:
     """One learner rank: the models, and on rank 0 the buffer, the weight publisher and telemetry."""
 
@@ -228,6 +237,7 @@ class Learner:
         stats.update(
             {
                 "reward/mean": float(batch.rewards.mean()),
+                **reward_part_means(batch.trajs),
                 "staleness/mean": float(batch.staleness.float().mean()),
                 "staleness/max": float(batch.staleness.max()),
                 "time/wait_for_data": t1 - t0,

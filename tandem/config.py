@@ -263,6 +263,11 @@ class RewardFunction(Section):
         description="Dotted path module:function(prompt, completion, record) -> float | dict.",
     )
     weight: float = Field(1.0, description="Weight of this function in the total reward.")
+    name: str | None = Field(
+        None,
+        min_length=1,
+        description="Name of its reward parts (reward/<name> in metrics); null uses the module's last component.",
+    )
 
 
 class RewardConfig(Section):

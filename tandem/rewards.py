@@ -32,25 +32,33 @@ def load_callable(path: str) -> Callable[..., Any]:
     return fn
 
 
+def part_name(path: str) -> str:
+    """The default name of a plug-in's reward part: its module's last component (``tandem.tasks.echo:reward``
+    is ``echo``); a dict-returning plug-in's parts are ``<name>/<key>``."""
+    return path.partition(":")[0].rsplit(".", 1)[-1]
+
+
 class RewardFunctions:
     """The configured rule-based rewards, weighted and summed."""
 
     def __init__(self, cfg: RewardConfig) -> None:
-        self.fns = [(f.path, load_callable(f.path), f.weight) for f in cfg.functions]
+        self.fns = [(f.name or part_name(f.path), load_callable(f.path), f.weight) for f in cfg.functions]
         self.clip = cfg.clip
         self.errors = 0
 
     def score(self, prompt: str, completion: str, record: dict[str, Any]) -> tuple[float, dict[str, float]]:
         parts: dict[str, float] = {}
         total = 0.0
-        for path, fn, weight in self.fns:
-            name = path.rsplit(":", 1)[-1]
+        for name, fn, weight in self.fns:
             try:
                 out = fn(prompt, completion, record)
-                named = out if isinstance(out, dict) else {name: out}
-                named = {f"{name}/{k}" if isinstance(out, dict) else k: float(v) for k, v in named.items()}
+                named = (
+                    {f"{name}/{k}": float(v) for k, v in out.items()}
+                    if isinstance(out, dict)
+                    else {name: float(out)}
+                )
             except Exception:  # a plug-in bug costs one sample's reward, not the server
-                log.exception("reward function %s raised on prompt %r; scoring 0", path, prompt[:80])
+                log.exception("reward function %s raised on prompt %r; scoring 0", name, prompt[:80])
                 self.errors += 1
                 named = {name: 0.0}
             for k, v in named.items():

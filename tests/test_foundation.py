@@ -99,13 +99,15 @@ def test_reward_functions_weight_name_and_isolate_failures() -> None:
             RewardFunction(path="tandem.tasks.echo:reward", weight=2.0),
             RewardFunction(path="tandem.tasks.reverse:reward", weight=1.0),
             RewardFunction(path="json:loads", weight=1.0),  # raises TypeError on these args: scored 0
+            RewardFunction(path="tandem.tasks.echo:reward", weight=0.0, name="echo_again"),
         ]
     )
     rf = RewardFunctions(cfg)
     total, parts = rf.score("say a:", "aaaa", {"letter": "a", "answer": "aaaa"})
-    assert parts["reward"] == 0.5
-    assert parts["reward/exact"] == 1.0 and parts["reward/digits"] == 1.0 and parts["reward/format"] == 0.0
-    assert parts["loads"] == 0.0
+    assert parts["echo"] == 0.5
+    assert parts["reverse/exact"] == 1.0 and parts["reverse/digits"] == 1.0 and parts["reverse/format"] == 0.0
+    assert parts["json"] == 0.0
+    assert parts["echo_again"] == 0.5  # named in the config; weight 0 keeps it out of the total
     assert total == pytest.approx(2.0 * 0.5 + 1.0 + 1.0 + 0.0)
     assert rf.errors == 1
 

@@ -373,3 +373,18 @@ def test_two_ranks_on_cpu(tiny_ckpt, redis_server, redis_client, run_id, tmp_pat
     for key in ("loss/policy", "loss/value", "policy/entropy"):
         one = [r[key] for r in history(redis_client, f"{run_id}-one")]
         np.testing.assert_allclose([r[key] for r in rows], one, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_reward_part_means_by_hand() -> None:
+    from learner.train import reward_part_means
+
+    def t(parts: dict[str, float]) -> Trajectory:
+        return Trajectory(
+            traj_id="t", group_id="g", prompt_id="p", prompt_tokens=[1], response_tokens=[2],
+            behav_logp=[-1.0], token_versions=[0], reward=0.0, reward_parts=parts,
+        )  # fmt: skip
+
+    means = reward_part_means(
+        [t({"reverse/exact": 1.0, "reverse/digits": 0.5}), t({"reverse/exact": 0.0, "reverse/digits": 1.0})]
+    )
+    assert means == {"reward/reverse/exact": 0.5, "reward/reverse/digits": 0.75}
