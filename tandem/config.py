@@ -341,7 +341,9 @@ class LearnerConfig(Section):
         600.0, gt=0, description="How long a step waits for a batch before failing with a clear error."
     )
     checkpoint_interval: int = Field(
-        0, ge=0, description="Checkpoint every this many steps (0: only at the end)."
+        50,
+        ge=0,
+        description="Checkpoint every this many steps (0: only at the end). Trained trajectories stay in Redis until the checkpoint holding their update is written (exactly-once).",
     )
     checkpoint_dir: str | None = Field(
         None, description="Where checkpoints go; null is <run dir>/checkpoints."
