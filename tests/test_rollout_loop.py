@@ -180,7 +180,7 @@ def test_staleness_zero_is_synchronous(
     t = second[0]
     assert len(t.response_tokens) == len(t.behav_logp) == len(t.token_versions) >= 1
     assert t.server_id == "server-0" and t.finish_reason in ("stop", "length") and len(t.traj_id) == 32
-    assert 0.0 <= t.reward <= 1.0 and set(t.reward_parts) == {"reward"}
+    assert 0.0 <= t.reward <= 1.0 and set(t.reward_parts) == {"echo"}
     assert learner.buffer.prompts_pending() == 4  # four answered and acknowledged, four left
     stats = redis_client.hgetall(f"{run_id}:stats:server-0")
     assert float(stats[b"rollout/groups"]) >= 2 and b"time/generate" in stats
