@@ -114,7 +114,7 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
-    group.broadcast([tensor], opts).wait()
+    group.broadcast([tensor], opts).wait()  # bounded by the group's timeout (weightsync.timeout_s)
 
 
 def _shutdown(group) -> None:

@@ -154,7 +154,7 @@ class TorchGroup:
 
     def synchronize(self) -> None:
         for work in self._pending:
-            work.wait()
+            work.wait()  # bounded by the group's timeout, set at creation
         self._pending.clear()
 
     def close(self) -> None:

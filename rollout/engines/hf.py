@@ -179,7 +179,7 @@ class HFEngine:
         cache = DynamicCache(config=self.model.config)
         active = list(range(len(rows)))  # row index of each batch entry
         for step in range(sampling.max_new_tokens):
-            self._running.wait()  # pause() holds generation here, outside the lock
+            self._running.wait()  # pause() holds generation here, outside the lock, until resume()
             with self._lock:  # per step, so HTTP requests and weight updates interleave with long calls
                 logits = self._forward(step_ids, mask, positions, cache)  # (b, V)
                 version = self._version
