@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -53,7 +53,6 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     restart_at: float | None = None
-    history: list[int] = field(default_factory=list)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
