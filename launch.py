@@ -329,9 +329,10 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
 
 def write_process_config(cfg: Config, run_dir: Path) -> Path:
     """The resolved config every child reads. It holds the Redis password, so it is private (0600)."""
-    path = run_dir / "config.yaml"
-    path.write_text(dump_config(cfg))
-    path.chmod(0o600)
+    path, tmp = run_dir / "config.yaml", run_dir / ".config.yaml.tmp"
+    tmp.touch(mode=0o600)
+    tmp.write_text(dump_config(cfg))
+    tmp.rename(path)  # atomic: a reader sees no config or the whole config, never the password half-written
     return path
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import yaml
 
 from buffer.redis_server import EmbeddedRedis
 from tandem.data import write_prompts
@@ -72,6 +73,17 @@ def leftover_processes(run_dir: Path) -> list[str]:
     return found
 
 
+def attach(proc: subprocess.Popen, out: Path, deadline: float) -> tuple[Path, redis.Redis]:
+    """Wait for a running launch.py to write its run dir, and connect to its Redis (URL from config.yaml,
+    which launch.py writes atomically)."""
+    while not list(out.glob("*/config.yaml")):
+        assert time.monotonic() < deadline and proc.poll() is None, "launch.py did not create its run dir"
+        time.sleep(0.2)
+    run_dir = run_dir_of(out)
+    url = yaml.safe_load((run_dir / "config.yaml").read_text())["redis"]["url"]
+    return run_dir, redis.Redis.from_url(url)
+
+
 def inspect_redis(run_dir: Path):
     """Restart the run's Redis on its AOF (same password) and return (server, client, run id)."""
     server = EmbeddedRedis(run_dir / "redis").start()
@@ -119,12 +131,7 @@ def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not list(tmp_path.glob("*/config.yaml")):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.2)
-        run_dir = run_dir_of(tmp_path)
-        url = __import__("yaml").safe_load((run_dir / "config.yaml").read_text())["redis"]["url"]
-        client = redis.Redis.from_url(url)
+        run_dir, client = attach(proc, tmp_path, deadline)
         key = f"{run_dir.name}:ready:server-0"
         # wait until the server is ready and the learner has taken a step, then kill the server mid-run
         while not (client.exists(key) and int(client.get(f"{run_dir.name}:version") or 0) >= 2):
@@ -175,12 +182,7 @@ def test_crashed_learner_stops_the_run_and_resume_finishes_it(
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not list(tmp_path.glob("*/config.yaml")):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.2)
-        run_dir = run_dir_of(tmp_path)
-        url = __import__("yaml").safe_load((run_dir / "config.yaml").read_text())["redis"]["url"]
-        client = redis.Redis.from_url(url)
+        run_dir, client = attach(proc, tmp_path, deadline)
         while int(client.get(f"{run_dir.name}:version") or 0) < 5:
             assert time.monotonic() < deadline and proc.poll() is None, "run did not reach step 5"
             time.sleep(0.05)
