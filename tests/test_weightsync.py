@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from weightsync import (
     make_publisher,
     make_subscriber,
     named_full_parameters,
+    shm,
     wait_for,
 )
 from weightsync.base import Registry, weights_key
@@ -283,6 +285,91 @@ def test_shm_wait_for_names_the_missing_learner(redis_client, run_id):
     with pytest.raises(WeightSyncError, match=rf"server-0: no weights version >= 0 .* run '{run_id}'"):
         wait_for(sub, 0, 0.5, run=run_id)
     assert time.monotonic() - start < 2.0
+
+
+def test_shm_waiting_subscriber_verifies_while_the_publisher_writes(
+    redis_server, run_id, tmp_path, monkeypatch
+):
+    """A subscriber blocked in poll checksums each range as soon as a progress note says it is final."""
+    monkeypatch.setattr(shm, "PROGRESS_BYTES", 64 << 10)  # a note every few tensors of this small model
+    client = redis.Redis.from_url(redis_server.url)
+    pub = ShmPublisher(client, run_id, tmp_path, shard_bytes=1 << 20)
+    sub = ShmSubscriber(redis.Redis.from_url(redis_server.url), run_id, "s0")
+    pub.publish(weights(0).items(), 0)
+    assert sub.poll().version == 0 and sub.early_bytes == 0  # polled after the write: all checked at load
+
+    got: dict[str, object] = {}
+    ready = threading.Event()
+
+    def wait() -> None:
+        ready.set()
+        upd = sub.poll(timeout=30)
+        got["update"], got["tensors"] = upd, received(upd)
+
+    def slow_model():  # the learner's gather: the subscriber has time to check each note's ranges
+        for item in weights(1).items():
+            yield item
+            time.sleep(0.05)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    ready.wait()
+    pub.publish(slow_model(), 1)
+    waiter.join(timeout=30)
+    assert got["update"].version == 1
+    assert_bit_identical(got["tensors"], weights(1))
+    # The embedding fills the first shard, written and noted while the rest was still being gathered; only
+    # the last note (the small tensors' shard) may be left for the load.
+    assert weights(1)["model.embed_tokens.weight"].nbytes <= sub.early_bytes
+    assert sub.early_bytes <= sum(t.nbytes for t in weights(1).values())
+    assert not redis_client_keys(client, run_id, "progress")  # the notes are deleted with the announcement
+
+
+def test_shm_range_corrupted_before_its_early_check_is_rejected(redis_client, run_id, tmp_path, caplog):
+    pub = ShmPublisher(redis_client, run_id, tmp_path, shard_bytes=1 << 20)
+    sub = ShmSubscriber(redis_client, run_id, "s0")
+    pub.publish(weights(0).items(), 0)
+    assert sub.poll().version == 0
+
+    def corrupting_model():
+        for i, item in enumerate(weights(1).items()):
+            if i == 1:  # the first shard (the embedding alone) is written and noted: corrupt it, then check
+                pub._join_notes()
+                (shard,) = tmp_path.glob(".tmp-v00000001-*/shard-000000")
+                with open(shard, "r+b") as f:
+                    f.seek(-10, os.SEEK_END)
+                    f.write(b"\xff" * 4)
+                assert sub._verify_progress()  # what a waiting poll does when the note arrives
+            yield item
+
+    pub.publish(corrupting_model(), 1)
+    with caplog.at_level(logging.ERROR, logger="weightsync.shm"):
+        assert sub.poll() is None
+    assert "checksum mismatch" in caplog.text and "model.embed_tokens.weight" in caplog.text
+    assert sub.version == 0 and sub.rejected == 1
+
+
+def test_shm_mappings_are_reused_across_versions_and_dropped_with_their_files(redis_client, run_id, tmp_path):
+    pub = ShmPublisher(redis_client, run_id, tmp_path, shard_bytes=1 << 20, keep_versions=1)
+    sub = ShmSubscriber(redis_client, run_id, "s0")
+    seen: dict[int, object] = {}  # inode -> the subscriber's mapping of it
+    for v in range(6):
+        pub.publish(weights(v).items(), v)
+        assert_bit_identical(received(sub.poll()), weights(v))
+        for f in (tmp_path / f"v{v:08d}").glob("*.safetensors"):
+            st = f.stat()
+            mm = sub._maps._maps[st.st_dev, st.st_ino]
+            assert seen.setdefault(st.st_ino, mm) is mm  # a recycled file keeps its mapping
+        on_disk = {(p.stat().st_dev, p.stat().st_ino) for p in tmp_path.glob("v*/*.safetensors")}
+        on_disk |= {(p.stat().st_dev, p.stat().st_ino) for p in (tmp_path / ".free").iterdir()}
+        assert set(pub._maps._maps) <= on_disk and set(sub._maps._maps) <= on_disk
+    # Three versions' files (two shards each) rotate: the newest, the one s0 held while it was written,
+    # and the free pool's; six versions without recycling would have made twelve.
+    assert len(seen) == 6
+
+
+def redis_client_keys(client: redis.Redis, run: str, kind: str) -> list[bytes]:
+    return list(client.scan_iter(weights_key(run, kind, "*")))
 
 
 def test_shm_subscriber_skips_to_newest(redis_client, run_id, tmp_path):

@@ -8,6 +8,7 @@ This module also owns the control plane both transports share, all under ``{run}
 
 - ``latest``           the newest version a subscriber can fetch (shm: files in place; dist: offered);
 - ``announce``         pub/sub channel, one message per version (a wake-up only: the keys are the truth);
+- ``writing``, ``progress:{token}``  shm only: the version being written and its finished byte ranges;
 - ``subs``             set of subscriber ids that registered;
 - ``sub:{id}``         the version that subscriber holds, with a TTL refreshed by its polls (heartbeat):
                        a subscriber whose key expired is not live, so it neither pins old versions (shm)

@@ -13,11 +13,23 @@ version announced in Redis (``{run}:weights:manifest:{v}`` with per-tensor offse
 xxh3 checksums (crc32 without the ``xxhash`` package), and hand out views; on a mismatch they log, keep the
 weights they have and wait for a newer version.
 
-Why files are recycled: on tmpfs, writing into pages that already exist runs at memory-copy speed while a
-fresh file pays for allocating and zeroing every page (about 3x slower here), so a retired version's files
-are rewritten in place rather than deleted. A version is retired once it is not among the newest
-``keep_versions`` and every live subscriber holds a newer one (their views are only valid until their
-next poll, see :class:`~weightsync.base.Update`).
+Verification overlaps the write: while writing, the publisher posts progress notes
+(``{run}:weights:writing`` names the version and a token, ``{run}:weights:progress:{token}`` lists the
+byte ranges that are final), and a subscriber blocked in ``poll`` checksums those ranges in the meantime.
+When the manifest lands it compares them with the manifest's checksums and hashes only what is left, so a
+waiting server holds a new version almost as soon as it is written. The publisher computes its checksums
+in the same pass as its copy (chunk by chunk, while the bytes are in cache).
+
+Why files are recycled and stay mapped: on tmpfs a fresh file pays for allocating and zeroing every page,
+``pwrite`` pays a syscall and page-cache lookup per page (about half of memcpy speed here), and a fresh
+mapping pays a page fault per 4 KiB (mapping 100 MB with ``MAP_POPULATE`` costs as much as copying it).
+Only a mapping whose page tables are already filled runs at memory-copy speed. So a retired version's
+files are rewritten in place rather than deleted, and both sides keep their mappings of shard files
+across versions, keyed by inode (:class:`_Mappings`): in the steady state the publisher's write is one
+memcpy into pages the subscribers already have mapped, and a subscriber's load is (what is left of) its
+checksum pass.
+A version is retired once it is not among the newest ``keep_versions`` and every live subscriber holds a
+newer one (their views are only valid until their next poll, see :class:`~weightsync.base.Update`).
 
 safetensors is written by hand (an 8-byte header length, a JSON header, the raw bytes) so tensors go from
 their own memory straight into the file with one copy; tensors are ordered by element size within a shard
@@ -36,7 +48,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,18 +95,37 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".i
 
 
 def checksum(buf: memoryview, algo: str = CHECKSUM_ALGO) -> str:
-    if algo == "xxh3_64":
-        if xxhash is None:
+    digest = Digest(algo)
+    digest.update(buf)
+    return digest.hexdigest()
+
+
+class Digest:
+    """A streaming checksum, ``"<algo>:<hex>"``; fed in pieces it equals the one-shot digest."""
+
+    def __init__(self, algo: str = CHECKSUM_ALGO) -> None:
+        if algo == "xxh3_64" and xxhash is None:
             raise WeightSyncError("manifest uses xxh3_64 checksums but the xxhash package is not installed")
-        return f"xxh3_64:{xxhash.xxh3_64_hexdigest(buf)}"
-    if algo == "crc32":
-        return f"crc32:{zlib.crc32(buf):08x}"
-    raise WeightSyncError(f"unknown checksum algorithm {algo!r}")
+        if algo not in ("xxh3_64", "crc32"):
+            raise WeightSyncError(f"unknown checksum algorithm {algo!r}")
+        self._xxh = xxhash.xxh3_64() if algo == "xxh3_64" else None
+        self._crc = 0
+
+    def update(self, buf: memoryview) -> None:
+        if self._xxh is not None:
+            self._xxh.update(buf)
+        else:
+            self._crc = zlib.crc32(buf, self._crc)
+
+    def hexdigest(self) -> str:
+        return f"xxh3_64:{self._xxh.hexdigest()}" if self._xxh is not None else f"crc32:{self._crc:08x}"
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview((t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)).numpy()).cast("B")
 
 
 def default_root(run: str, run_dir: str | os.PathLike[str] | None) -> Path:
@@ -125,11 +156,81 @@ class _Entry:
     checksum: str
 
 
-def _pwrite_all(fd: int, buf: memoryview | bytes, offset: int) -> None:
-    view = memoryview(buf).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+class _Mappings:
+    """Shared mappings of shard files that outlive a version, keyed by inode (a recycled file keeps its own).
+
+    ``get`` reuses a mapping while the file has the size it was mapped at and maps afresh otherwise; a
+    mapping is only ever read or written within the size just checked, so a file shrunk behind our back
+    cannot fault (SIGBUS) through a stale one. A mapping pins its pages, so one of a deleted file would
+    hold its memory: ``retain_existing`` drops those.
+    """
+
+    def __init__(self, writable: bool) -> None:
+        self.writable = writable
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+
+    def get(self, path: Path, size: int | None = None) -> tuple[tuple[int, int], mmap.mmap]:
+        """Map ``path`` whole. A writer passes ``size`` (the file is resized to it); a reader checks it."""
+        flags = os.O_RDWR if self.writable else os.O_RDONLY
+        fd = os.open(path, flags)
+        try:
+            if self.writable and size is not None:
+                os.ftruncate(fd, size)  # a no-op when a recycled file already has this size
+            st = os.fstat(fd)
+            if size is not None and st.st_size != size:
+                raise WeightSyncError(f"{path} has {st.st_size} bytes, the manifest says {size} (truncated?)")
+            if st.st_size == 0:
+                raise WeightSyncError(f"{path} is empty")
+            key = (st.st_dev, st.st_ino)
+            mm = self._maps.get(key)
+            if mm is None or len(mm) != st.st_size:
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+                self._maps[key] = mm
+            return key, mm
+        finally:
+            os.close(fd)
+
+    def retain_existing(self, root: Path) -> None:
+        """Drop mappings of files gone from ``root`` (kept ones cost no memory: the file holds the pages)."""
+        keep = set()
+        for d in _entries(root):
+            if d.name.startswith("v") or d.name == ".free":
+                keep |= {(f.stat().st_dev, f.stat().st_ino) for f in _entries(Path(d.path))}
+        for key in [k for k in self._maps if k not in keep]:
+            del self._maps[key]  # unmapped once no tensor view refers to it
+
+
+def _entries(path: Path) -> list[os.DirEntry]:
+    """The entries of ``path`` that still exist, stat cached: the other side renames and deletes meanwhile."""
+    out = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(path) as it:
+        for entry in it:
+            with contextlib.suppress(FileNotFoundError):
+                entry.stat()  # DirEntry caches it
+                out.append(entry)
+    return out
+
+
+PROGRESS_BYTES = 32 << 20  # a progress note per this many bytes written (and at the end of each shard)
+COPY_CHUNK = 1 << 20  # fits in L2, so each chunk is checksummed while it is still in cache
+
+
+def _copy_with_checksum(out: memoryview, offset: int, src: memoryview) -> str:
+    """Copy ``src`` into ``out`` at ``offset`` and checksum it in the same pass.
+
+    Chunk by chunk, the checksum reads what the copy just brought into cache: the pair costs about 1.2
+    memcpys here, where a separate checksum pass (even on a second thread) adds about half of one.
+    """
+    if len(src) <= COPY_CHUNK:
+        out[offset : offset + len(src)] = src
+        return checksum(src)
+    digest = Digest()
+    for begin in range(0, len(src), COPY_CHUNK):
+        chunk = src[begin : begin + COPY_CHUNK]
+        out[offset + begin : offset + begin + len(chunk)] = chunk
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- publisher
@@ -159,7 +260,11 @@ class ShmPublisher:
         self.root.mkdir(parents=True, exist_ok=True)
         self._free = self.root / ".free"
         self._free.mkdir(exist_ok=True)
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="shm-checksum")
+        self._maps = _Mappings(writable=True)
+        # Progress notes go out on a thread so the copy never waits for Redis; publish joins them before
+        # it announces the version.
+        self._notifier = ThreadPoolExecutor(1, thread_name_prefix="shm-progress")
+        self._notes: list[Future[None]] = []
         for stale in self.root.glob(".tmp-*"):  # a crashed publisher's half-written version
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -167,13 +272,21 @@ class ShmPublisher:
         tmp = self.root / f".tmp-v{version:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        token = os.urandom(8).hex()  # names this one write in its progress notes and its manifest
+        self._progress_key = weights_key(self.run, "progress", token)
+        self.client.set(weights_key(self.run, "writing"), msgpack.packb([version, token]))
         it = iter(named_tensors)
         try:
             entries = self._write_shards(it, tmp)
+            self._join_notes()
         except BaseException:
             for _ in it:  # keep a ZeRO-3 gather matched on the other ranks
                 pass
+            with contextlib.suppress(Exception):
+                self._join_notes()
             shutil.rmtree(tmp, ignore_errors=True)
+            self._maps.retain_existing(self.root)
+            self.client.delete(weights_key(self.run, "writing"), self._progress_key)
             raise
         entries = self._name_shards(tmp, entries)
         self._copy_config(tmp)
@@ -181,6 +294,7 @@ class ShmPublisher:
         self._replace_dir(tmp, final)
         manifest = {
             "version": version,
+            "token": token,
             "dir": str(final),
             "files": {f: (final / f).stat().st_size for f in {e.file for e in entries}},
             "tensors": [
@@ -189,13 +303,15 @@ class ShmPublisher:
         }
         pipe = self.client.pipeline()
         pipe.set(weights_key(self.run, "manifest", version), msgpack.packb(manifest))
+        pipe.delete(weights_key(self.run, "writing"), self._progress_key)
         announce(pipe, self.run, version)
         pipe.execute()
         self._collect()
+        self._maps.retain_existing(self.root)
 
     def close(self) -> None:
         """Files stay for subscribers; the launcher removes the root at the end of the run."""
-        self._hasher.shutdown()
+        self._notifier.shutdown()
 
     # -- writing
 
@@ -236,20 +352,19 @@ class ShmPublisher:
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-(8 + len(text)) % 16)  # the spec allows space padding; aligns the data start
         start = 8 + len(text)
-        fd = self._open_recycled(path)
-        try:
-            _pwrite_all(fd, len(text).to_bytes(8, "little") + text, 0)
-            # Each tensor's checksum runs on a second thread while the next is written (pwrite and xxhash
-            # both release the GIL), so checksums cost the publisher almost nothing on two cores.
-            futures = {}
+        self._claim_file(path)
+        _, mm = self._maps.get(path, start + offset)
+        digests: dict[int, str] = {}
+        written: list[tuple[int, int, str]] = []  # spans not yet in a progress note
+        with memoryview(mm) as out:  # released on exit: an exported buffer would keep the mapping open
+            out[:start] = len(text).to_bytes(8, "little") + text
             for i in order:
-                view = raw_bytes(shard[i][1])
-                futures[i] = self._hasher.submit(checksum, view)
-                _pwrite_all(fd, view, start + spans[i][0])
-            digests = {i: f.result() for i, f in futures.items()}
-            os.ftruncate(fd, start + offset)
-        finally:
-            os.close(fd)
+                begin, end = start + spans[i][0], start + spans[i][1]
+                digests[i] = _copy_with_checksum(out, begin, raw_bytes(shard[i][1]))
+                written.append((begin, end, digests[i]))
+                if i == order[-1] or end - written[0][0] >= PROGRESS_BYTES:
+                    self._note_progress(path, written)
+                    written = []
         return [
             _Entry(
                 name=name,
@@ -263,13 +378,26 @@ class ShmPublisher:
             for i, (name, t) in enumerate(shard)
         ]
 
-    def _open_recycled(self, path: Path) -> int:
-        """Open ``path`` for writing, reusing a retired shard file's pages when one is free."""
+    def _note_progress(self, path: Path, spans: list[tuple[int, int, str]]) -> None:
+        """Tell waiting subscribers which byte ranges of ``path`` are final, so they verify while we write."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.rpush(self._progress_key, msgpack.packb([str(path), spans]))
+        pipe.expire(self._progress_key, 3600)  # only a crashed publisher leaves one behind
+        pipe.publish(weights_key(self.run, "announce"), "progress")
+        self._notes.append(self._notifier.submit(pipe.execute))
+
+    def _join_notes(self) -> None:
+        notes, self._notes = self._notes, []
+        for note in notes:
+            note.result()
+
+    def _claim_file(self, path: Path) -> None:
+        """Create ``path`` from a retired shard file when one is free (its pages and our mapping are reused)."""
         for free in sorted(self._free.iterdir()):
             with contextlib.suppress(FileNotFoundError):
                 os.rename(free, path)
-                return os.open(path, os.O_WRONLY)
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                return
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
 
     @staticmethod
     def _name_shards(tmp: Path, entries: list[_Entry]) -> list[_Entry]:
@@ -357,6 +485,17 @@ class ShmSubscriber:
         self._version = -1
         self._rejected: set[int] = set()
         self.rejected = 0  # versions refused (checksum or size), for metrics
+        self._maps = _Mappings(writable=False)
+        # xxhash releases the GIL, so verification spreads over a few cores, leaving one to the engine and
+        # (on a shared host) the publisher; one thread already outpaces a writer (hashing is ~2x memcpy).
+        threads = max(1, min(4, (os.cpu_count() or 1) - 1))
+        self._verifier = ThreadPoolExecutor(threads, thread_name_prefix="shm-verify")
+        # Checksums of byte ranges verified while the publisher was still writing (see _verify_progress):
+        # (write token, inode, begin, end) -> digest; the manifest then only needs the ranges left over.
+        self._early: dict[tuple[str, tuple[int, int], int, int], str] = {}
+        self._early_token: str | None = None
+        self._early_notes = 0  # progress notes of that write consumed so far
+        self.early_bytes = 0  # of the version handed out last, bytes verified while it was being written
         self._heartbeat = Heartbeat(Registry(client, run, live_s), server_id, heartbeat_s)
         self._announcements = Announcements(client, run)
         self._heartbeat(self._version, force=True)
@@ -380,10 +519,12 @@ class ShmSubscriber:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            self._announcements.wait(left)
+            if not self._verify_progress():
+                self._announcements.wait(left)
 
     def close(self) -> None:
         self._announcements.close()
+        self._verifier.shutdown()
         with contextlib.suppress(redis.RedisError):
             self._heartbeat.registry.leave(self.server_id)
 
@@ -394,21 +535,71 @@ class ShmSubscriber:
         manifest = msgpack.unpackb(raw)
         root = Path(manifest["dir"])
         try:
-            maps = {f: _map(root / f, size) for f, size in manifest["files"].items()}
+            maps = {f: self._maps.get(root / f, size) for f, size in manifest["files"].items()}
         except FileNotFoundError:
             return None
         except WeightSyncError as e:
             return self._reject(version, str(e))
         entries = [_Entry(n, d, tuple(s), f, b, e, c) for n, d, s, f, b, e, c in manifest["tensors"]]
         if self.verify:
+            token = manifest.get("token")
+            inode = {f: key for f, (key, _) in maps.items()}
+            left = [e for e in entries if (token, inode[e.file], e.begin, e.end) not in self._early]
+            self.early_bytes = sum(e.end - e.begin for e in entries) - sum(e.end - e.begin for e in left)
+            digests = dict(
+                zip(left, self._checksums(left, {f: mm for f, (_, mm) in maps.items()}), strict=True)
+            )
             for e in entries:
-                algo = e.checksum.split(":", 1)[0]
-                if checksum(memoryview(maps[e.file])[e.begin : e.end], algo) != e.checksum:
+                digest = digests.get(e) or self._early[(token, inode[e.file], e.begin, e.end)]
+                if digest != e.checksum:
                     return self._reject(version, f"checksum mismatch in {root / e.file} for tensor {e.name}")
+            self._early.clear()
+        self._maps.retain_existing(root.parent)
         self._version = version
         self._heartbeat(version, force=True)
         metas = [TensorMeta(e.name, e.dtype, e.shape, e.checksum) for e in entries]
-        return Update(version, metas, lambda: _views(entries, maps), path=str(root))
+        views = {f: mm for f, (_, mm) in maps.items()}
+        return Update(version, metas, lambda: _views(entries, views), path=str(root))
+
+    def _checksums(self, entries: list[_Entry], maps: dict[str, mmap.mmap]) -> Iterator[str]:
+        def one(e: _Entry) -> str:
+            return checksum(memoryview(maps[e.file])[e.begin : e.end], e.checksum.split(":", 1)[0])
+
+        return self._verifier.map(one, entries)
+
+    def _verify_progress(self) -> bool:
+        """Checksum the ranges a publisher has finished writing, while it writes the rest.
+
+        Called by a poll that would otherwise sleep: the verification overlaps the write instead of
+        following it, so once the manifest lands only the last few ranges are left to check. The ranges
+        are keyed by the write's token and the file's inode (a rename keeps it), and compared with the
+        manifest's checksums in :meth:`_load`. True if it verified anything.
+        """
+        if not self.verify:
+            return False
+        raw = self.client.get(weights_key(self.run, "writing"))
+        if raw is None:
+            return False
+        version, token = msgpack.unpackb(raw)
+        if version <= self._version or version in self._rejected:
+            return False
+        if token != self._early_token:
+            self._early.clear()
+            self._early_token, self._early_notes = token, 0
+        notes = self.client.lrange(weights_key(self.run, "progress", token), self._early_notes, -1)
+        self._early_notes += len(notes)
+        todo: list[tuple[tuple[int, int], _Entry]] = []
+        maps: dict[str, mmap.mmap] = {}
+        for note in notes:
+            path, spans = msgpack.unpackb(note)
+            try:
+                key, maps[path] = self._maps.get(Path(path))
+            except (FileNotFoundError, WeightSyncError):  # renamed or retired meanwhile: _load checks it
+                continue
+            todo += [(key, _Entry("", "", (), path, b, e, c)) for b, e, c in spans]
+        for (key, e), digest in zip(todo, self._checksums([e for _, e in todo], maps), strict=True):
+            self._early[(token, key, e.begin, e.end)] = digest
+        return bool(todo)
 
     def _reject(self, version: int, why: str) -> None:
         log.error("%s: rejected weights v%d (%s); keeping v%d", self.server_id, version, why, self._version)
@@ -417,25 +608,28 @@ class ShmSubscriber:
         return None
 
 
-def _map(path: Path, size: int) -> mmap.mmap:
-    """Map a shard read-only; a size other than the manifest's means a truncated or foreign file."""
-    with open(path, "rb") as f:
-        actual = os.fstat(f.fileno()).st_size
-        if actual != size:
-            raise WeightSyncError(f"{path} has {actual} bytes, the manifest says {size} (truncated?)")
-        if size == 0:
-            raise WeightSyncError(f"{path} is empty")
-        return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
-
-
 def _views(entries: list[_Entry], maps: dict[str, mmap.mmap]) -> Iterator[tuple[str, torch.Tensor]]:
+    typed: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # one flat view per file and dtype
     for e in entries:
         dtype = TORCH_DTYPES[e.dtype]
-        count = (e.end - e.begin) // dtype.itemsize
-        if count == 0:
+        if e.end == e.begin:
             yield e.name, torch.empty(e.shape, dtype=dtype)
             continue
-        with warnings.catch_warnings():  # read-only by design: engines copy out of these views
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(maps[e.file], dtype=dtype, count=count, offset=e.begin)
-        yield e.name, flat.view(e.shape)
+        flat = typed.get((e.file, dtype))
+        if flat is None:  # frombuffer costs several times an as_strided, so once per file and dtype
+            with warnings.catch_warnings():  # read-only by design: engines copy out of these views
+                warnings.simplefilter("ignore", UserWarning)
+                mm = maps[e.file]
+                flat = typed[e.file, dtype] = torch.frombuffer(
+                    mm, dtype=dtype, count=len(mm) // dtype.itemsize
+                )
+        # The writer orders tensors by element size, so every offset is a whole number of elements.
+        yield e.name, flat.as_strided(e.shape, _contiguous_strides(e.shape), e.begin // dtype.itemsize)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
