@@ -339,7 +339,7 @@ def test_shm_range_corrupted_before_its_early_check_is_rejected(redis_client, ru
                 with open(shard, "r+b") as f:
                     f.seek(-10, os.SEEK_END)
                     f.write(b"\xff" * 4)
-                assert sub._verify_progress()  # what a waiting poll does when the note arrives
+                assert sub.poll() is None  # a server's between-steps poll: checks the noted range
             yield item
 
     pub.publish(corrupting_model(), 1)
@@ -347,6 +347,7 @@ def test_shm_range_corrupted_before_its_early_check_is_rejected(redis_client, ru
         assert sub.poll() is None
     assert "checksum mismatch" in caplog.text and "model.embed_tokens.weight" in caplog.text
     assert sub.version == 0 and sub.rejected == 1
+    assert sub.early_bytes == weights(1)["model.embed_tokens.weight"].nbytes  # caught by the early check
 
 
 def test_shm_mappings_are_reused_across_versions_and_dropped_with_their_files(redis_client, run_id, tmp_path):

@@ -508,18 +508,27 @@ class ShmSubscriber:
         return latest_version(self.client, self.run)
 
     def poll(self, timeout: float = 0.0) -> Update | None:
+        """The newest version, if one is out; meanwhile, checksum what a publisher has finished writing.
+
+        So a server's cheap between-steps ``poll(0)`` does the verification a slice at a time while the
+        learner writes, instead of all of it in one stall after, and a blocked ``poll`` overlaps it.
+        """
         deadline = time.monotonic() + timeout
         while True:
             self._heartbeat(self._version)
-            v = self.latest_version()
+            latest, writing = self.client.mget(
+                weights_key(self.run, "latest"), weights_key(self.run, "writing")
+            )
+            v = int(latest) if latest is not None else -1
             if v > self._version and v not in self._rejected:
                 upd = self._load(v)
                 if upd is not None:
                     return upd
+            verified = writing is not None and self._verify_progress(*msgpack.unpackb(writing))
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            if not self._verify_progress():
+            if not verified:
                 self._announcements.wait(left)
 
     def close(self) -> None:
@@ -567,20 +576,16 @@ class ShmSubscriber:
 
         return self._verifier.map(one, entries)
 
-    def _verify_progress(self) -> bool:
-        """Checksum the ranges a publisher has finished writing, while it writes the rest.
+    def _verify_progress(self, version: int, token: str) -> bool:
+        """Checksum the ranges the publisher of ``version`` (this ``token``) has finished writing.
 
-        Called by a poll that would otherwise sleep: the verification overlaps the write instead of
-        following it, so once the manifest lands only the last few ranges are left to check. The ranges
+        The verification overlaps the write instead of following it, so once the manifest lands only the
+        last few ranges are left to check. The ranges
         are keyed by the write's token and the file's inode (a rename keeps it), and compared with the
         manifest's checksums in :meth:`_load`. True if it verified anything.
         """
         if not self.verify:
             return False
-        raw = self.client.get(weights_key(self.run, "writing"))
-        if raw is None:
-            return False
-        version, token = msgpack.unpackb(raw)
         if version <= self._version or version in self._rejected:
             return False
         if token != self._early_token:
