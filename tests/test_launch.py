@@ -126,7 +126,9 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
 def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
     tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
-    steps = 10
+    # Enough steps that the run still needs the server after the kill: a step takes ~0.1 s here, and with
+    # 10 steps the learner once finished before the kill landed, leaving the successor nothing to answer.
+    steps = 40
     cmd = launch_cmd(tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", "rollout.restart_limit=2")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -136,9 +138,11 @@ def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
         # wait until the server is ready and the learner has taken a step, then kill the server mid-run
         while not (client.exists(key) and int(client.get(f"{run_dir.name}:version") or 0) >= 2):
             assert time.monotonic() < deadline and proc.poll() is None, "run did not reach step 2"
-            time.sleep(0.2)
+            time.sleep(0.02)
         pid = json.loads(client.get(key))["pid"]
         os.kill(pid, signal.SIGKILL)
+        killed_at = int(client.get(f"{run_dir.name}:version"))
+        assert killed_at < steps - 10, f"the kill landed too late (version {killed_at}) to test a restart"
         # the prompts the dead server held: they must be answered by its successor, not lost
         held = {
             e["message_id"].decode()
