@@ -550,20 +550,26 @@ class ReplayBuffer:
         max_staleness: int,
         timeout_s: float,
         should_stop: Callable[[], bool] | None = None,
+        while_waiting: Callable[[], None] | None = None,
+        wake_channels: Sequence[str] = (),
     ) -> bool:
         """Block until admitted (True), or until timeout_s passes or should_stop() is true (False).
 
-        Wakes on each version announcement and re-checks every ADMISSION_POLL_S regardless.
+        Wakes on each version announcement (and on any of ``wake_channels``) and re-checks every
+        ADMISSION_POLL_S regardless. ``while_waiting`` runs at each wake-up: a rollout server takes new
+        weights there, since the learner's next version may be waiting on it (a ``dist`` broadcast).
         """
         if self.admit(n, batch_size=batch_size, max_staleness=max_staleness):
             return True
         deadline = time.monotonic() + timeout_s
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self._version_channel)
+        pubsub.subscribe(self._version_channel, *wake_channels)
         try:
             while True:
                 if self.admit(n, batch_size=batch_size, max_staleness=max_staleness):
                     return True
+                if while_waiting is not None:
+                    while_waiting()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (should_stop is not None and should_stop()):
                     return False

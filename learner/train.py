@@ -27,7 +27,7 @@ Design decisions:
   admission, so no server starts a group for ``v`` before its weights exist. At start-up (and on resume)
   the current weights are published before anything waits for them, so a broken weight path fails at
   step 0.
-- **Sync mode is the same code**: ``run.mode == "sync"`` only forces ``max_staleness = 0``; with servers
+- **Sync mode is the same code**: ``run.mode == "sync"`` only makes ``Config.max_staleness`` 0; with servers
   honouring admission the learner then trains only on data of its current version.
 - **Stopping**: after ``learner.total_steps``, on ``Telemetry.stop_requested()``, or on SIGTERM/SIGINT: the
   current step finishes, then a final checkpoint (and the final actor as a HF directory).
@@ -130,7 +130,6 @@ class Learner:
     ) -> None:
         self.cfg, self.run_dir, self.resume, self.layout = cfg, Path(run_dir), resume, layout
         a = cfg.algorithm
-        self.max_staleness = 0 if cfg.run.mode == "sync" else a.max_staleness
         self.estimate = ADVANTAGE_ESTIMATORS[a.advantage]
         self.kl_estimator = KL_ESTIMATORS[a.kl_estimator]
         self.ckpt_dir = Path(cfg.learner.checkpoint_dir or self.run_dir / "checkpoints")
@@ -303,7 +302,7 @@ class Learner:
                     f"at version {self.version}: are rollout servers running and receiving weights?"
                 )
             taken += self.buffer.take(
-                need - len(taken), min(remaining, POLL_S), max_staleness=self.max_staleness
+                need - len(taken), min(remaining, POLL_S), max_staleness=self.cfg.max_staleness
             )
         return taken
 

@@ -48,6 +48,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
 from tandem.config import HTTPConfig
+from tandem.data import chat_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -304,12 +305,7 @@ class API:
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in req.messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return chat_token_ids(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
 
     # ---------------------------------------------------------------------------------------- generation
 

@@ -35,7 +35,7 @@ from rollout.reward_model import RewardModel
 from tandem.config import Config
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
-from weightsync.base import Subscriber, Update, WeightSyncError
+from weightsync.base import Subscriber, Update, WeightSyncError, weights_key
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,16 @@ class RolloutLoop:
         """Gain admission for up to ``prompts_per_batch`` groups: wait for the first, take the rest if free."""
         a, n, start = self.cfg.algorithm, self.sampling.n, time.perf_counter()
         while self.credits < self.cfg.rollout.prompts_per_batch:
-            kw = dict(batch_size=a.batch_size, max_staleness=a.max_staleness)
+            kw = dict(batch_size=a.batch_size, max_staleness=self.cfg.max_staleness)
             if self.credits:
                 ok = self.buffer.admit(n, **kw)
             else:
-                ok = self.buffer.wait_admission(n, **kw, timeout_s=POLL_S, should_stop=self.should_stop)
+                ok = self.buffer.wait_admission(
+                    n, **kw, timeout_s=POLL_S, should_stop=self.should_stop,
+                    # The learner may be publishing the very version that opens admission, and a dist
+                    # broadcast waits for this server to join: take weights while waiting.
+                    while_waiting=self.poll_weights, wake_channels=[weights_key(self.cfg.run.name, "announce")],
+                )  # fmt: skip
             if not ok:
                 break
             self.credits += 1
@@ -134,7 +139,7 @@ class RolloutLoop:
         self.apply(self.subscriber.poll(0.0))
         timeout = self.cfg.weightsync.timeout_s
         deadline = start + timeout
-        while self.engine.version < (need := self.buffer.get_version() - self.cfg.algorithm.max_staleness):
+        while self.engine.version < (need := self.buffer.get_version() - self.cfg.max_staleness):
             if self.should_stop():
                 return False
             if time.perf_counter() > deadline:
@@ -216,13 +221,18 @@ class RolloutLoop:
         self.metrics.weight_update_seconds.observe(seconds)
         log.info("server-%d: weights v%d applied in %.3fs", self.server_id, update.version, seconds)
 
+    def poll_weights(self) -> None:
+        """Apply a new version if one is on offer, without waiting for one."""
+        start = time.perf_counter()
+        self.apply(self.subscriber.poll(0.0))
+        self.timers["time/weight_sync"] += time.perf_counter() - start
+
     def poll_inflight(self) -> None:
         """The engine's ``between_steps`` hook: a cheap, throttled poll for a new version mid-generation."""
         now = time.perf_counter()
         if now - self._last_poll >= INFLIGHT_POLL_S:
             self._last_poll = now
-            self.apply(self.subscriber.poll(0.0))
-            self.timers["time/weight_sync"] += time.perf_counter() - now
+            self.poll_weights()
 
     def score_reward_model(self, prompts: list[TakenPrompt], texts: list[list[str]]) -> list[float]:
         if self.reward_model is None:

@@ -425,11 +425,27 @@ class Config(Section):
             )
         if not self.reward.functions and self.model.reward_model is None:
             raise ValueError("reward: give at least one reward.functions entry or a model.reward_model")
+        if a.sync_interval > self.max_staleness + 1:
+            why = "run.mode=sync trains on-policy (max_staleness 0)" if self.run.mode == "sync" else ""
+            raise ValueError(
+                f"algorithm.sync_interval ({a.sync_interval}) must be <= max_staleness + 1 "
+                f"({self.max_staleness + 1}{'; ' + why if why else ''}): weights published every "
+                f"{a.sync_interval} steps make data up to {a.sync_interval - 1} versions stale, which the "
+                "servers' freshness check and the learner's staleness filter refuse"
+            )
         if a.minibatch_size % min(self.learner.micro_batch_size, a.minibatch_size):
             raise ValueError(
                 f"algorithm.minibatch_size ({a.minibatch_size}) must be a multiple of learner.micro_batch_size ({self.learner.micro_batch_size})"
             )
         return self
+
+    @property
+    def max_staleness(self) -> int:
+        """The staleness bound in force: ``algorithm.max_staleness``, or 0 in sync mode (on-policy).
+
+        Every process reads it here, so sync mode is the same code path with one number changed.
+        """
+        return 0 if self.run.mode == "sync" else self.algorithm.max_staleness
 
     def resolve_paths(self, base: Path) -> Config:
         """Make relative file paths (checkpoints, prompts) absolute against ``base`` (the YAML's folder's parent project)."""
@@ -463,6 +479,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         shown = (
             "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
         )
+        if not e["loc"]:  # a cross-field check: its message starts with the field it names
+            lines.append(msg.removeprefix("Value error, "))
+            continue
         lines.append(f"{path}: {msg}{shown}")
     return f"invalid config {source}:\n  " + "\n  ".join(lines)
 

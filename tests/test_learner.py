@@ -199,7 +199,11 @@ def run_with_admission_producer(cfg: Config, redis_client, tmp_path: Path) -> li
         try:
             while not stop.is_set():
                 if buffer.wait_admission(
-                    n, batch_size=batch_size, max_staleness=0, timeout_s=0.5, should_stop=stop.is_set
+                    n,
+                    batch_size=batch_size,
+                    max_staleness=cfg.max_staleness,
+                    timeout_s=0.5,
+                    should_stop=stop.is_set,
                 ):
                     buffer.put(group(g, n, version=buffer.get_version(), seed=7))
                     g += 1
