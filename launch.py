@@ -3,7 +3,7 @@
     python launch.py configs/tiny.yaml [key.sub=value ...] [--mode sync|async] [--dry-run]
     python launch.py --resume runs/tiny-20261122-101500
 
-What it does, top to bottom (DESIGN §1): validate the config; create ``runs/<name>-<time>/`` with the
+What it does, top to bottom (docs/design.md §1.5): validate the config; create ``runs/<name>-<time>/`` with the
 resolved config; start the embedded Redis (or use ``redis.url``); keep the prompt stream topped up from
 the dataset; start the learner (torchrun for several ranks) and the rollout servers (each with its own
 GPUs or share of CPU threads); wait until all report ready; supervise — a crashed rollout server is

@@ -1,4 +1,4 @@
-"""Every record that crosses a process boundary, with its codec (DESIGN §2).
+"""Every record that crosses a process boundary, with its codec (docs/design.md §2).
 
 Encoding is msgpack; numpy arrays travel as raw little-endian bytes plus dtype and shape (never per-element
 lists, never pickle). :func:`decode_trajectory` and :func:`decode_prompt` are the only places that turn
@@ -68,7 +68,7 @@ class Trajectory:
         )
 
     def staleness(self, learner_version: int) -> int:
-        """``v - min(token_versions)`` at learner version ``v`` (DESIGN §3)."""
+        """``v - min(token_versions)`` at learner version ``v`` (docs/design.md §3.2)."""
         return learner_version - self.min_version
 
 

@@ -1,6 +1,6 @@
 """The replay buffer: Redis Streams carrying prompts to the rollout servers and trajectories to the learner.
 
-Owns every data-path key of a run (DESIGN §1, §3, §7)::
+Owns every data-path key of a run (docs/design.md §1.6, §3, §6)::
 
     {run}:traj           trajectories, consumer group "learner"     {run}:traj:dead     malformed entries
     {run}:traj:stale     entries refused as too stale               {run}:prompts       prompts, group "rollout"

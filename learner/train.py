@@ -6,7 +6,7 @@ algorithm, top to bottom; everything else here is plumbing around it.
 
 Design decisions:
 
-- **Three policies** (AReaL's decoupled PPO, DESIGN §4): ``behav_logp`` comes with the trajectory,
+- **Three policies** (AReaL's decoupled PPO, docs/design.md §4.2): ``behav_logp`` comes with the trajectory,
   ``prox_logp`` is the actor recomputed once at the start of the step (no grad), ``logp`` is the actor
   with gradient inside the PPO epochs. Math lives in ``learner/advantages.py`` and ``learner/losses.py``;
   the estimator is chosen once at setup from ``ADVANTAGE_ESTIMATORS``.
@@ -22,7 +22,7 @@ Design decisions:
   minibatch is split the same way. All ranks run the same number of forward passes, which ZeRO-3 needs.
   This puts one reader on the stream, so exactly-once stays a single-consumer problem
   (``learner/checkpoint.py``).
-- **Order after the optimizer step** (synchronous equivalence, DESIGN §3): version ``v += 1``; publish
+- **Order after the optimizer step** (synchronous equivalence, docs/design.md §3.5, §3.6): version ``v += 1``; publish
   version-``v`` weights if ``v % sync_interval == 0``; *then* ``buffer.set_version(v)``, which opens
   admission, so no server starts a group for ``v`` before its weights exist. At start-up (and on resume)
   the current weights are published before anything waits for them, so a broken weight path fails at

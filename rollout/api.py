@@ -5,7 +5,7 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streamin
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry).
 The same engine serves the rollout loop; the engine serialises the two (the hf engine per decode step).
 
-Hardening (DESIGN §7): binds to loopback by default; an optional bearer token guards ``/v1/*``; bodies
+Hardening (docs/design.md §6.4): binds to loopback by default; an optional bearer token guards ``/v1/*``; bodies
 over ``max_request_bytes`` get 413 before they are read; ``max_tokens`` is bounded by ``max_tokens_limit``
 and the model's context. Every failure is a JSON error in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, and the server keeps serving.

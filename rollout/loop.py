@@ -1,4 +1,4 @@
-"""The rollout loop: admit, claim prompts, generate ``n`` samples each, score, append (DESIGN §1, §3).
+"""The rollout loop: admit, claim prompts, generate ``n`` samples each, score, append (docs/design.md §1.3, §3).
 
 One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
 

@@ -2,7 +2,7 @@
 
 A YAML file plus ``key.sub=value`` overrides becomes a :class:`Config`. Anything wrong (a missing file,
 bad YAML, an unknown key, a wrong type, an out-of-range value) raises :class:`ConfigError` naming the
-field path and the reason, before any process starts (STYLE habit 6, after prime-rl's config package).
+field path and the reason, before any process starts (docs/design.md §7, after prime-rl's config package).
 Every field carries a one-line description; ``python -m tandem config-doc`` prints them all.
 """
 

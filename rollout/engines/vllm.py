@@ -11,7 +11,7 @@ silently adding a repetition penalty or a top-p the learner knows nothing about.
 engine's own ``weight_versions`` spans, so a request that straddles an update (pause mode ``keep``) is
 stamped exactly.
 
-Weight updates (DESIGN §5-6):
+Weight updates (docs/design.md §5.5, docs/engines.md §5):
 - ``update.path`` set (shm transport): ``/pause?mode=<pause_mode>`` → ``/collective_rpc reload_weights``
   (checkpoint-format reload in place, ``GPUModelRunner.reload_weights(weights_path=...)``) →
   ``/reset_prefix_cache`` (KV from old weights is dropped and recomputed) → ``/update_weight_version`` →
