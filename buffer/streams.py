@@ -64,6 +64,8 @@ ADMISSION_POLL_S = 0.5  # wait_admission re-checks this often even without a ver
 R = TypeVar("R")  # the record type of a stream
 T = TypeVar("T")
 _Raw = tuple[str, dict[bytes, bytes], bool]  # (id, fields, redelivered) as read, before decoding
+# A screen refuses a decoded record with (kind, reason): kind "dead" (unusable) or "stale".
+Screen = Callable[[R], "tuple[str, str] | None"]
 
 # KEYS[1] stream to append to, KEYS[2] stream whose entries to acknowledge.
 # ARGV: maxlen (0: unbounded), group of KEYS[2], number of ids to ack, the ids, then the payloads.
@@ -203,12 +205,11 @@ class _GroupStream(Generic[R]):
 
     # -------------------------------------------------------------------------------------- reading
 
-    def take(
-        self, n: int, timeout_s: float, screen: Callable[[R], str | None] | None = None
-    ) -> list[tuple[str, R, bool]]:
+    def take(self, n: int, timeout_s: float, screen: Screen[R] | None = None) -> list[tuple[str, R, bool]]:
         """Up to n valid records as (id, record, redelivered); fewer only when timeout_s runs out.
 
-        ``screen`` returns a reason to refuse a record as stale (moved to ``:stale``), or None to accept it.
+        ``screen`` returns ``(kind, reason)`` to refuse a record (moved to ``:<kind>``, "dead" or "stale"),
+        or None to accept it.
         """
         deadline = time.monotonic() + timeout_s
         out: list[tuple[str, R, bool]] = []
@@ -290,9 +291,7 @@ class _GroupStream(Generic[R]):
             log.warning("%s: claimed %d entries idle > %d ms", self.key, len(claimed), self.claim_idle_ms)
         return claimed
 
-    def _screen(
-        self, entries: list[_Raw], screen: Callable[[R], str | None] | None
-    ) -> list[tuple[str, R, bool]]:
+    def _screen(self, entries: list[_Raw], screen: Screen[R] | None) -> list[tuple[str, R, bool]]:
         """Decode entries; move the malformed and the refused out of the stream."""
         accepted: list[tuple[str, R, bool]] = []
         rejects: list[_Reject] = []
@@ -304,9 +303,9 @@ class _GroupStream(Generic[R]):
             except SchemaError as e:
                 rejects.append(_Reject(entry_id, payload, str(e), "dead"))
                 continue
-            reason = screen(record) if screen else None
-            if reason:
-                rejects.append(_Reject(entry_id, payload, reason, "stale"))
+            verdict = screen(record) if screen else None
+            if verdict:
+                rejects.append(_Reject(entry_id, payload, verdict[1], verdict[0]))
             else:
                 accepted.append((entry_id, record, redelivered))
         if rejects:
@@ -448,16 +447,29 @@ class ReplayBuffer:
         self._put_count += len(ids)
         return ids
 
-    def take(self, n: int, timeout_s: float, *, max_staleness: int | None = None) -> list[Taken]:
+    def take(
+        self,
+        n: int,
+        timeout_s: float,
+        *,
+        max_staleness: int | None = None,
+        validate: Callable[[Trajectory], str | None] | None = None,
+    ) -> list[Taken]:
         """Up to n (blocks until n arrive or timeout). With max_staleness, moves entries whose staleness at
-        the current learner version exceeds it to {run}:traj:stale (acked and counted). Own pending entries
-        come first, then entries idle > claim_idle_ms on other consumers, then new ones."""
+        the current learner version exceeds it to {run}:traj:stale (acked and counted). ``validate`` returns
+        why a well-formed trajectory is still unusable by this consumer (e.g. a token id outside the
+        model's vocabulary): such a poison pill is dead-lettered and counted, never handed out, so a
+        restarted consumer cannot crash on it again. Own pending entries come first, then entries idle >
+        claim_idle_ms on other consumers, then new ones."""
         v = self.get_version()
 
-        def screen(t: Trajectory) -> str | None:
+        def screen(t: Trajectory) -> tuple[str, str] | None:
+            problem = validate(t) if validate is not None else None
+            if problem:
+                return "dead", problem
             s = t.staleness(v)
             if max_staleness is not None and s > max_staleness:
-                return f"staleness {s} > max_staleness {max_staleness} at version {v}"
+                return "stale", f"staleness {s} > max_staleness {max_staleness} at version {v}"
             self._staleness[s] += 1  # accepted: exactly the entries take returns
             return None
 
