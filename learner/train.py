@@ -77,7 +77,7 @@ from learner.models import (
     values,
     visiting,
 )
-from tandem.config import Config, load_config
+from tandem.config import Config, load_config, redact
 from tandem.telemetry import Telemetry, setup_logging
 
 log = logging.getLogger("learner")
@@ -525,7 +525,7 @@ def connect(cfg: Config) -> redis.Redis:
     try:
         client.ping()
     except redis.RedisError as e:
-        raise ConnectionError(f"learner: Redis at {cfg.redis.url} does not answer: {e}") from None
+        raise ConnectionError(f"learner: Redis at {redact(cfg.redis.url)} does not answer: {e}") from None
     return client
 
 

@@ -34,7 +34,7 @@ from rollout.api import HTTPServer, ServerMetrics, create_app
 from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HFEngine
-from tandem.config import Config, HTTPConfig, load_config
+from tandem.config import Config, HTTPConfig, load_config, redact
 from tandem.telemetry import Telemetry, setup_logging
 
 log = logging.getLogger("rollout.server")
@@ -171,7 +171,7 @@ def connect_redis(cfg: Config) -> redis.Redis:
     try:
         client.ping()
     except redis.RedisError as e:
-        raise SystemExit(f"Redis at {cfg.redis.url.split('@')[-1]} does not answer: {e}") from None
+        raise SystemExit(f"Redis at {redact(cfg.redis.url)} does not answer: {e}") from None
     return client
 
 

@@ -9,6 +9,7 @@ Every field carries a one-line description; ``python -m tandem config-doc`` prin
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -556,6 +557,27 @@ def _deepcopy(d: Any) -> Any:
     if isinstance(d, list):
         return [_deepcopy(v) for v in d]
     return d
+
+
+# user:password@ (or :password@) in any URL, e.g. redis://:secret@host:6379/0.
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/\s]*):[^@/\s]+@")
+REDACTED = "***"
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it replaced, for logs and error messages."""
+    return _URL_CREDENTIALS.sub(rf"\g<scheme>\g<user>:{REDACTED}@", text)
+
+
+def public_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data with every secret (URL passwords, API keys) redacted: what wandb records."""
+    data = cfg.model_dump(mode="json")
+    if data["redis"]["url"] is not None:
+        data["redis"]["url"] = redact(data["redis"]["url"])
+    for section in (data["rollout"]["http"], data["rollout"]["vllm"], data["rollout"]["sglang"]):
+        if section.get("api_key") is not None:
+            section["api_key"] = REDACTED
+    return data
 
 
 def dump_config(cfg: Config) -> str:

@@ -124,6 +124,12 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
 
     assert leftover_processes(run_dir) == []  # every child exited
     assert not Path(f"/dev/shm/tandem-{run_dir.name}").exists()  # shared weight files freed
+    url = yaml.safe_load((run_dir / "config.yaml").read_text())["redis"]["url"]
+    password = url.split("@")[0].rsplit(":", 1)[1]
+    assert len(password) >= 16
+    for log in [*(run_dir / "logs").iterdir(), *(run_dir / "summary.json",)]:
+        assert password not in log.read_text(errors="replace"), f"{log} holds the Redis password"
+    assert password not in proc.stdout + proc.stderr
     assert (run_dir / "summary.json").exists() and (run_dir / "reward.png").exists()
 
 
