@@ -69,10 +69,15 @@ Screen = Callable[[R], "tuple[str, str] | None"]
 
 # KEYS[1] stream to append to, KEYS[2] stream whose entries to acknowledge.
 # ARGV: maxlen (0: unbounded), group of KEYS[2], number of ids to ack, the ids, then the payloads.
+# Returns the new ids; false when full (retry); 0 when an entry to ack is no longer pending: another
+# consumer claimed it and answered first, so this answer is a duplicate and is refused whole.
 _PUT_LUA = """
 local nack = tonumber(ARGV[3])
 local first = 4 + nack
 local maxlen = tonumber(ARGV[1])
+for i = 4, 3 + nack do
+  if #redis.call('XPENDING', KEYS[2], ARGV[2], ARGV[i], ARGV[i], 1) == 0 then return 0 end
+end
 if maxlen > 0 and redis.call('XLEN', KEYS[1]) + (#ARGV - first + 1) > maxlen then return false end
 local ids = {}
 for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
@@ -173,7 +178,10 @@ class _GroupStream(Generic[R]):
         timeout_s: float,
         ack: tuple[_GroupStream[Any], Sequence[str]] | None = None,
     ) -> list[str]:
-        """XADD all payloads contiguously (and ack ``ack``'s ids in the same step) once they fit in maxlen."""
+        """XADD all payloads contiguously (and ack ``ack``'s ids in the same step) once they fit in maxlen.
+
+        Returns [] without appending anything when an id in ``ack`` was already acknowledged (a duplicate).
+        """
         if maxlen and len(payloads) > maxlen:
             raise ValueError(f"{self.key}: {len(payloads)} entries can never fit in maxlen {maxlen}")
         ack_stream, ack_ids = ack if ack else (self, ())
@@ -182,6 +190,9 @@ class _GroupStream(Generic[R]):
         pause = 0.01
         while True:
             ids = self._put(keys=[self.key, ack_stream.key], args=argv)
+            if ids == 0:
+                ack_stream._outstanding.difference_update(ack_ids)
+                return []
             if ids is not None:
                 ack_stream._outstanding.difference_update(ack_ids)
                 return [_str(i) for i in ids]
@@ -193,6 +204,12 @@ class _GroupStream(Generic[R]):
                 )
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.2)
+
+    def keep_claimed(self, ids: Sequence[str]) -> None:
+        """Reset the idle time of entries this consumer holds (XCLAIM ... JUSTID), so a long piece of work
+        on them is not mistaken for a dead consumer's and claimed by another."""
+        if ids:
+            self.client.xclaim(self.key, self.group, self.consumer, 0, list(ids), justid=True)
 
     def ack(self, ids: Sequence[str]) -> None:
         if not ids:
@@ -434,6 +451,8 @@ class ReplayBuffer:
         """Append trajectories contiguously, waiting up to put_timeout_s for room (then TimeoutError).
 
         ``ack_prompts``: ids of the prompts these trajectories answer, acknowledged in the same atomic step.
+        If one of them was already answered (another server claimed it and appended first), nothing is
+        appended and [] is returned: each prompt's group enters the stream once.
         """
         payloads = [encode_trajectory(t) for t in trajs]
         for t, p in zip(trajs, payloads, strict=True):
@@ -499,6 +518,14 @@ class ReplayBuffer:
 
     def take_prompts(self, n: int, timeout_s: float) -> list[TakenPrompt]:
         return [TakenPrompt(i, p, r) for i, p, r in self._prompts.take(n, timeout_s)]
+
+    def keep_prompts(self, ids: Sequence[str]) -> None:
+        """Heartbeat of a server still generating for these prompts: they stay its own (not reclaimed)."""
+        self._prompts.keep_claimed(ids)
+
+    @property
+    def claim_idle_ms(self) -> int:
+        return self._prompts.claim_idle_ms
 
     def ack_prompts(self, ids: Sequence[str]) -> None:
         """Acknowledge prompts whose trajectories are appended (``put(ack_prompts=)`` does it atomically)."""
