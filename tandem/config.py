@@ -218,6 +218,17 @@ class HTTPConfig(Section):
     api_key: str | None = Field(None, description="Bearer token required on every request when set.")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Requests with larger bodies get 413.")
     max_tokens_limit: int = Field(4096, ge=1, description="Upper bound on max_tokens a request may ask for.")
+    max_prompts_per_request: int = Field(
+        64, ge=1, description="Most prompts one /v1/completions request may hold."
+    )
+    max_total_tokens_per_request: int = Field(
+        65_536,
+        ge=1,
+        description="Most tokens one request may ask the engine to generate: prompts × n × max_tokens.",
+    )
+    max_concurrent_requests: int = Field(
+        16, ge=1, description="Requests generating at once; more are answered 429 at once (retry later)."
+    )
 
 
 class RolloutConfig(Section):
