@@ -138,6 +138,9 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from tandem.config import load_config
+    from tandem.tiny import ensure_demo_assets
+
+    ensure_demo_assets(ROOT)  # a fresh checkout has no assets/ until `make assets`
 
     batch_size = load_config(ROOT / args.config, args.overrides).algorithm.batch_size
     out = args.out or Path(tempfile.mkdtemp(prefix="tandem-overlap-"))

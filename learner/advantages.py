@@ -258,6 +258,7 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     normalize_std: bool = True
+    whiten: bool = False
     eps: float = 1e-6
 
 
@@ -282,7 +283,10 @@ def _seq_score(inp: AdvantageInputs) -> Tensor:
 
 def _gae_estimator(inp: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     values = _require(inp.values, "gae", "values")
-    return gae(inp.token_rewards, values, inp.mask, inp.gamma, inp.lam)
+    advantages, returns = gae(inp.token_rewards, values, inp.mask, inp.gamma, inp.lam)
+    if inp.whiten:  # the policy sees whitened advantages; the critic's targets stay in reward units
+        advantages = masked_whiten(advantages, inp.mask)
+    return advantages, returns
 
 
 def _grpo_estimator(inp: AdvantageInputs) -> tuple[Tensor, Tensor | None]:

@@ -332,6 +332,10 @@ class AlgorithmConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
     sync_interval: int = Field(1, ge=1, description="Publish actor weights every this many learner steps.")
     normalize_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    whiten_advantages: bool = Field(
+        False,
+        description="gae: whiten advantages over the batch's valid tokens (the critic's returns are not).",
+    )
     prox_forward: Literal["auto", "always"] = Field(
         "auto",
         description="auto skips the no-grad proximal forward when a batch gets exactly one optimizer step "

@@ -110,3 +110,17 @@ def make_tiny(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: i
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
     return paths
+
+
+def ensure_demo_assets(root: str | Path) -> None:
+    """Build what ``configs/tiny.yaml`` loads (``assets/tiny`` and ``assets/echo.jsonl`` under ``root``)
+    when missing, as ``make assets`` does: so a benchmark runs on a fresh checkout."""
+    from tandem.data import write_prompts
+    from tandem.tasks import make_records
+
+    assets = Path(root) / "assets"
+    if not (assets / "tiny" / "actor" / "config.json").is_file():
+        print(f"[tandem] building {assets / 'tiny'}", flush=True)
+        make_tiny(assets / "tiny")
+    if not (assets / "echo.jsonl").is_file():
+        write_prompts(assets / "echo.jsonl", make_records("echo", 2000))

@@ -222,3 +222,21 @@ def test_estimator_names_the_missing_input(name: str, missing: str):
     mask = torch.ones(2, 3)
     with pytest.raises(ValueError, match=missing):
         ADVANTAGE_ESTIMATORS[name](AdvantageInputs(torch.zeros(2, 3), mask))
+
+
+def test_gae_whitening_whitens_advantages_over_valid_tokens_and_keeps_returns():
+    rewards = t64([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    values = t64([[0.5, 0.2, 0.1], [0.3, 0.4, 9.9]])
+    mask = t64([[1, 1, 1], [1, 1, 0]])
+    plain = ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(rewards, mask, values=values, gamma=1.0, lam=1.0))
+    white = ADVANTAGE_ESTIMATORS["gae"](
+        AdvantageInputs(rewards, mask, values=values, gamma=1.0, lam=1.0, whiten=True, eps=0.0)
+    )
+    # By hand (γ = λ = 1): A = return - V = [[0.5, 0.8, 0.9], [1.7, 1.6, ·]]; five valid tokens.
+    adv = [0.5, 0.8, 0.9, 1.7, 1.6]
+    mean = sum(adv) / 5
+    std = (sum((a - mean) ** 2 for a in adv) / 5) ** 0.5
+    expected = t64([[(a - mean) / std for a in adv[:3]], [(a - mean) / std for a in adv[3:]] + [0.0]])
+    torch.testing.assert_close(plain[0], t64([[0.5, 0.8, 0.9], [1.7, 1.6, 0.0]]))
+    torch.testing.assert_close(white[0], expected)
+    torch.testing.assert_close(white[1], plain[1])  # the critic's targets are not whitened

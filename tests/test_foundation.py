@@ -154,3 +154,15 @@ def test_warmstart_teaches_the_reverse_format(tiny_ckpt: dict[str, Path], tmp_pa
     out = warmstart("reverse", str(tiny_ckpt["actor"]), str(tmp_path / "warm"), steps=40, batch_size=16)
     after = mean_nll(out)
     assert after < before - 1.0, (before, after)  # nats per answer token
+
+
+def test_demo_assets_are_built_when_missing(tmp_path: Path) -> None:
+    from tandem.tiny import ensure_demo_assets
+
+    ensure_demo_assets(tmp_path)
+    assert (tmp_path / "assets/tiny/actor/config.json").is_file()
+    assert (tmp_path / "assets/tiny/critic/config.json").is_file()
+    assert len((tmp_path / "assets/echo.jsonl").read_text().splitlines()) == 2000
+    before = (tmp_path / "assets/echo.jsonl").stat().st_mtime_ns
+    ensure_demo_assets(tmp_path)  # present: left as they are
+    assert (tmp_path / "assets/echo.jsonl").stat().st_mtime_ns == before
