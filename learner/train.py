@@ -272,9 +272,15 @@ class Learner:
         rewards = token_rewards(batch.rewards, batch.mask, kl_reward, a.kl_coef)  # (B, R)
         adv, returns = self.estimate(
             AdvantageInputs(
-                rewards, batch.mask, batch.group_index, old_values, a.gamma, a.lam, a.normalize_std,
+                rewards,
+                batch.mask,
+                batch.group_index,
+                old_values,
+                a.gamma,
+                a.lam,
+                a.normalize_std,
                 a.whiten_advantages,
-            )  # fmt: skip
+            )
         )
         return self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values)
 
