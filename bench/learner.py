@@ -1,12 +1,11 @@
 """Learner throughput: our PPO step against a bare DeepSpeed forward/backward/step loop, same batch, same run.
 
-Our step (``Learner.train``: proximal no-grad pass, advantages, a PPO epoch over micro-batches, optimizer
-step) is timed in both forward layouts (``pack``: sequences concatenated with restarting position ids;
+Our step (``Learner.train``: advantages, a PPO epoch over micro-batches, optimizer step; the proximal
+no-grad pass is skipped with one optimizer step per batch, ``algorithm.prox_forward=auto``) is timed in both forward layouts (``pack``: sequences concatenated with restarting position ids;
 ``pad``: length-sorted micro-batches trimmed to their longest member), and the bare loop (padded to the
 batch's longest sequence, attention mask, next-token loss on responses, one optimizer step) on the same
-trajectories. Tokens are real tokens (prompt + response) per second of the timed call; the bare loop does
-one forward and one backward per token, our step one more forward (the proximal policy), so a ratio near
-1.3 is the algorithm's cost, not overhead.
+trajectories. Tokens are real tokens (prompt + response) per second of the timed call. The same step is
+then timed with and without the proximal pass, interleaved, to show what skipping it saves.
 
     python bench/learner.py [--batch 32] [--iters 5] [--hidden 128] [--layers 4]
 
@@ -133,6 +132,20 @@ def main() -> None:
             print(f"our step ({layout}): {ours[layout]:,.0f} tokens/s")
         bare = tokens / timed(lambda: bare_step(learner.models.actor, trajs, args.micro), args.iters)
         print(f"bare DeepSpeed fwd/bwd/step (padded): {bare:,.0f} tokens/s")
+        # algorithm.prox_forward: the same step with and without the proximal no-grad pass, interleaved.
+        learner.layout = max(ours, key=ours.get)
+        prox_s = {True: [], False: []}
+        for _ in range(args.iters + 1):
+            for skip in (True, False):
+                learner.prox_is_current = skip
+                t0 = time.perf_counter()
+                learner.train(batch)
+                prox_s[skip].append(time.perf_counter() - t0)
+        skip_s, full_s = (statistics.median(prox_s[k][1:]) for k in (True, False))
+        print(
+            f"proximal forward: {1000 * full_s:.0f} ms per step with it, {1000 * skip_s:.0f} ms skipped "
+            f"(prox_forward=auto with one optimizer step); saves {100 * (1 - skip_s / full_s):.0f}%"
+        )
 
     best = max(ours, key=ours.get)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -150,6 +163,9 @@ def main() -> None:
                 "pack_tokens_per_s": round(ours["pack"], 1),
                 "pad_tokens_per_s": round(ours["pad"], 1),
                 "batch_tokens": tokens,
+                "step_ms_prox_forward": round(1000 * full_s, 1),
+                "step_ms_prox_skipped": round(1000 * skip_s, 1),
+                "prox_skip_ratio": round(skip_s / full_s, 3),
             }
         )
     )
