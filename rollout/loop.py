@@ -11,7 +11,9 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
    subscriber if not), so ``max_staleness = 0`` is exactly the synchronous algorithm;
 4. **generate** all groups in one engine call; with ``rollout.inflight_updates`` a weight update that
    arrives mid-call is applied between decode steps (PipelineRL) and later tokens carry its version;
-5. **score** with the reward functions (and the reward model, if any);
+5. **score** with the reward functions (and the reward model, if any), shaped for over-long responses
+   (``algorithm.overlong_buffer``); with ``algorithm.dynamic_sampling`` a group of equal rewards is dropped
+   here and its admission given back (``rollout/shaping.py``);
 6. **put** each group contiguously, acknowledging its prompt in the same atomic step.
 
 A prompt taken but not appended (stop, crash) stays pending in Redis for another server to claim.
@@ -33,6 +35,7 @@ from buffer.streams import ReplayBuffer, TakenPrompt
 from rollout.api import ServerMetrics
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
 from rollout.reward_model import RewardModel
+from rollout.shaping import is_informative, overlong_penalty
 from tandem.config import Config
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
@@ -75,7 +78,7 @@ class RolloutLoop:
             stop=list(r.stop),
         )
         self.credits = 0  # groups admitted but not yet claimed
-        self.steps = self.groups = self.duplicates = 0
+        self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent since the last log
         self._last_poll = 0.0
 
@@ -100,6 +103,7 @@ class RolloutLoop:
                 return 0
             completions = self.generate(prompts)
             groups = self.score(prompts, completions)
+            prompts, groups = self.drop_uninformative(prompts, groups)
             groups = self.put(prompts, groups)
         self.log(groups)
         return len(groups)
@@ -170,6 +174,7 @@ class RolloutLoop:
     ) -> list[list[Trajectory]]:
         """Reward functions on the completion text plus the reward model's score weighted by
         ``reward.model_weight``; the total is clipped by ``reward.clip``."""
+        a = self.cfg.algorithm
         texts = [[self.completion_text(c) for c in group] for group in completions]
         rm_scores = iter(self.score_reward_model(prompts, texts))
         groups = []
@@ -181,9 +186,31 @@ class RolloutLoop:
                 if self.reward_model is not None:
                     parts["reward_model"] = next(rm_scores)
                     reward = self.clip(reward + self.cfg.reward.model_weight * parts["reward_model"])
+                if a.overlong_buffer is not None:
+                    parts["overlong"] = overlong_penalty(
+                        len(c.token_ids), self.sampling.max_new_tokens, a.overlong_buffer, a.overlong_penalty
+                    )
+                    reward = self.clip(reward + parts["overlong"])
                 trajs.append(self.trajectory(p, c, reward, parts, group_id))
             groups.append(trajs)
         return groups
+
+    def drop_uninformative(
+        self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]
+    ) -> tuple[list[TakenPrompt], list[list[Trajectory]]]:
+        """Dynamic sampling (DAPO): a group of equal rewards is answered but not appended; its prompt is
+        acknowledged and its admission given back, so a fresh group takes its place in the batch."""
+        if not self.cfg.algorithm.dynamic_sampling:
+            return prompts, groups
+        keep = [is_informative([t.reward for t in g]) for g in groups]
+        dropped = [i for i, k in enumerate(keep) if not k]
+        if dropped:
+            self.buffer.ack_prompts([prompts[i].id for i in dropped])
+            self.buffer.release(sum(len(groups[i]) for i in dropped))
+            self.uniform_dropped += len(dropped)
+        return [p for p, k in zip(prompts, keep, strict=True) if k], [
+            g for g, k in zip(groups, keep, strict=True) if k
+        ]
 
     def put(self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
         """One atomic append per group, acknowledging its prompt with it (groups stay contiguous).
@@ -216,6 +243,7 @@ class RolloutLoop:
                 "rollout/tokens_per_s": tokens / max(self.timers["time/generate"], 1e-9),
                 "rollout/groups": self.groups,
                 "rollout/duplicates_refused": self.duplicates,
+                "rollout/uniform_groups_dropped": self.uniform_dropped,
                 "rollout/version": self.engine.version,
                 "rollout/response_len": tokens / len(trajs),
                 "rollout/stop_frac": sum(t.finish_reason == "stop" for t in trajs) / len(trajs),

@@ -332,6 +332,18 @@ class AlgorithmConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
     sync_interval: int = Field(1, ge=1, description="Publish actor weights every this many learner steps.")
     normalize_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose rewards are all equal (zero group advantage) and generate fresh ones in their place.",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO's soft overlong penalty: responses in the last this many tokens before rollout.max_new_tokens lose reward linearly; null disables.",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="Reward lost by a response of exactly rollout.max_new_tokens tokens."
+    )
     whiten_advantages: bool = Field(
         False,
         description="gae: whiten advantages over the batch's valid tokens (the critic's returns are not).",
@@ -446,6 +458,10 @@ class Config(Section):
             )
         if not self.reward.functions and self.model.reward_model is None:
             raise ValueError("reward: give at least one reward.functions entry or a model.reward_model")
+        if a.overlong_buffer is not None and a.overlong_buffer > r.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({a.overlong_buffer}) must be <= rollout.max_new_tokens ({r.max_new_tokens})"
+            )
         if a.sync_interval > self.max_staleness + 1:
             why = "run.mode=sync trains on-policy (max_staleness 0)" if self.run.mode == "sync" else ""
             raise ValueError(

@@ -240,3 +240,20 @@ def test_gae_whitening_whitens_advantages_over_valid_tokens_and_keeps_returns():
     torch.testing.assert_close(plain[0], t64([[0.5, 0.8, 0.9], [1.7, 1.6, 0.0]]))
     torch.testing.assert_close(white[0], expected)
     torch.testing.assert_close(white[1], plain[1])  # the critic's targets are not whitened
+
+
+def test_overlong_penalty_by_hand():
+    from rollout.shaping import overlong_penalty
+
+    # L_max 20, buffer 4: no penalty up to 16 tokens, then -0.25 per token, -1 at 20 (DAPO's Eq. 13).
+    assert [overlong_penalty(n, 20, 4) for n in (1, 16, 17, 18, 20)] == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(18, 20, 4, penalty=0.5) == -0.25
+    with pytest.raises(ValueError, match="overlong buffer 30"):
+        overlong_penalty(5, 20, 30)
+
+
+def test_uniform_groups_are_not_informative():
+    from rollout.shaping import is_informative
+
+    assert not is_informative([1.0, 1.0, 1.0]) and not is_informative([0.0, 0.0])
+    assert is_informative([0.0, 0.0, 1.0])

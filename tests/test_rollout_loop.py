@@ -391,3 +391,54 @@ def test_claim_heartbeat_keeps_prompts_through_a_long_generation(redis_client, r
         assert buf("server-1").take_prompts(1, timeout_s=0.2) == []
     time.sleep(0.4)  # the heartbeat stopped: now the prompt looks abandoned, and is claimed
     assert [p.prompt.prompt_id for p in buf("server-1").take_prompts(1, timeout_s=1)] == ["p0"]
+
+
+def constant_reward(prompt: str, completion: str, record: dict) -> float:
+    """Every sample scores the same: every group is uninformative (a reward plug-in for the tests below)."""
+    return 0.5
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_gives_back_admission(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+) -> None:
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        reward={"functions": [{"path": "tests.test_rollout_loop:constant_reward"}]},
+        algorithm={"batch_size": 4, "minibatch_size": 4, "max_staleness": 0, "dynamic_sampling": True},
+    )  # fmt: skip
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 6)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
+        deadline = time.monotonic() + TIMEOUT
+        while learner.buffer.prompts_pending() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        # Every prompt was answered, none appended: the admission window (one batch at s = 0) refilled
+        # three times over, which only giving slots back allows.
+        assert learner.buffer.prompts_pending() == 0
+        assert learner.buffer.trajectories_pending() == 0
+        assert h.loop.uniform_dropped == 6
+    assert int(redis_client.get(f"{run_id}:admitted")) == 0
+
+
+def test_overlong_shaping_adds_the_penalty_part(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+):
+    from rollout.shaping import overlong_penalty
+
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        reward={"functions": [{"path": "tests.test_rollout_loop:constant_reward"}]},
+        algorithm={"batch_size": 4, "minibatch_size": 4, "max_staleness": 0, "overlong_buffer": 3},
+    )  # fmt: skip
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 4)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+        trajs = learner.take(4)
+    assert any(len(t.response_tokens) > 3 for t in trajs)  # some entered the buffer zone (6 - 3 tokens)
+    for t in trajs:
+        expected = overlong_penalty(len(t.response_tokens), 6, 3)
+        assert t.reward_parts["overlong"] == pytest.approx(expected)
+        assert t.reward == pytest.approx(0.5 + expected)
