@@ -34,6 +34,7 @@ from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ReplayBuffer, TakenPrompt
 from rollout.api import ServerMetrics
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from rollout.evaluate import Evaluator
 from rollout.reward_model import RewardModel
 from rollout.shaping import is_informative, overlong_penalty
 from tandem.config import Config
@@ -62,10 +63,12 @@ class RolloutLoop:
         reward_model: RewardModel | None = None,
         metrics: ServerMetrics | None = None,
         stop_event: threading.Event | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.buffer, self.subscriber, self.telemetry = buffer, subscriber, telemetry
         self.server_id, self.rewards, self.reward_model = server_id, rewards, reward_model
+        self.evaluator = evaluator
         self.metrics = metrics or ServerMetrics(engine)
         self.stop_event = stop_event or threading.Event()
         r = cfg.rollout
@@ -93,6 +96,7 @@ class RolloutLoop:
 
     def step(self) -> int:
         """One admitted batch of prompt groups, generated, scored and appended. Returns groups appended."""
+        self.evaluate()  # held-out prompts at the weights now held, when this version is due
         if not self.admit():
             return 0
         prompts = self.take_prompts()
@@ -255,6 +259,10 @@ class RolloutLoop:
         self.timers.clear()
 
     # ---------------------------------------------------------------------------------------------- helpers
+
+    def evaluate(self) -> None:
+        if self.evaluator is not None and self.evaluator.claim(self.engine.version):
+            self.evaluator.run()
 
     def apply(self, update: Update | None) -> None:
         """The one path every weight update takes (between batches and in flight): apply, time, count."""

@@ -94,6 +94,12 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
         http = start_http(engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port)
     telemetry = Telemetry(cfg, name, client, run_dir=args.run_dir)
+    evaluator = None
+    if cfg.eval.prompts is not None:
+        from rollout.evaluate import Evaluator
+
+        eval_telemetry = Telemetry(cfg, f"eval-{name}", client, run_dir=args.run_dir, job_type="eval")
+        evaluator = Evaluator(cfg, engine, tokenizer, rewards, client, eval_telemetry)
     loop = RolloutLoop(
         cfg,
         engine,
@@ -106,6 +112,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         reward_model=reward_model,
         metrics=metrics,
         stop_event=stop,
+        evaluator=evaluator,
     )
     telemetry.mark_ready(http_port=http.port if http else None)
     log.info("%s ready (engine %s, weights v%d)", name, cfg.rollout.engine, engine.version)
@@ -120,6 +127,8 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
 
             unregister_engine(client, cfg.run.name, sid)
         engine.close()
+        if evaluator is not None:
+            evaluator.telemetry.close()
         telemetry.close()
         client.close()
     return 0

@@ -415,6 +415,23 @@ class WeightSyncConfig(Section):
     )
 
 
+class EvalConfig(Section):
+    prompts: str | None = Field(
+        None, description="JSONL of held-out prompts (same schema as data.prompts); null disables evaluation."
+    )
+    interval: int = Field(
+        10, ge=1, description="Evaluate the weights of every version that is a multiple of this."
+    )
+    n_samples: int = Field(4, ge=1, description="Completions per held-out prompt (the k of pass@k).")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation (0 is greedy).")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Response length limit; null uses rollout.max_new_tokens."
+    )
+    pass_threshold: float = Field(
+        1.0, description="A completion passes (for pass@k) when its reward is at least this."
+    )
+
+
 class LoggingConfig(Section):
     wandb_mode: Literal["online", "offline", "disabled"] = Field(
         "offline", description="wandb mode; offline needs no account."
@@ -439,6 +456,7 @@ class Config(Section):
     weightsync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="Actor-weight broadcast."
     )
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation on the servers.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, logs and wandb.")
 
     @model_validator(mode="after")
@@ -498,6 +516,7 @@ class Config(Section):
                 update={k: fix(getattr(m, k)) for k in ("actor", "reference", "critic", "reward_model")}
             ),
             "data": self.data.model_copy(update={"prompts": fix(self.data.prompts)}),
+            "eval": self.eval.model_copy(update={"prompts": fix(self.eval.prompts)}),
         }
         return self.model_copy(update=update)
 

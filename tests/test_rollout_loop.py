@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 import rollout.loop
 from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ReplayBuffer
+from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
 from rollout.loop import ClaimHeartbeat, RolloutLoop
 from tandem.config import Config, load_config
@@ -345,8 +346,6 @@ def test_make_engine_builds_the_configured_engine(redis_server, run_id, tiny_ckp
     assert isinstance(engine, HFEngine) and engine.device.type == "cpu" and engine.version == 0
     # Seeded from run.seed + server_id: two engines built alike sample alike.
     again = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=7)
-    from rollout.engines.base import SamplingParams
-
     prompt = [[5, 6, 7]]
     assert engine.generate(prompt, SamplingParams(max_new_tokens=8))[0][0].token_ids == (
         again.generate(prompt, SamplingParams(max_new_tokens=8))[0][0].token_ids
@@ -442,3 +441,65 @@ def test_overlong_shaping_adds_the_penalty_part(
         expected = overlong_penalty(len(t.response_tokens), 6, 3)
         assert t.reward_parts["overlong"] == pytest.approx(expected)
         assert t.reward == pytest.approx(0.5 + expected)
+
+
+def test_pass_at_k_matches_counting_subsets() -> None:
+    import itertools
+
+    from rollout.evaluate import pass_at_k
+
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5  # 1 - C(3,2)/C(4,2) by hand
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    for n, c, k in [(5, 2, 3), (6, 1, 2), (7, 3, 1), (6, 3, 4)]:
+        samples = [True] * c + [False] * (n - c)
+        subsets = list(itertools.combinations(samples, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+def test_servers_evaluate_held_out_prompts_at_known_versions_without_training_on_them(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine, new_weights, restore
+) -> None:
+    from rollout.evaluate import Evaluator
+    from tandem.data import write_prompts
+
+    held_out = write_prompts(tmp_path / "eval.jsonl", make_records("echo", 3, seed=99))
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        eval={"prompts": str(held_out), "interval": 1, "n_samples": 2, "temperature": 0.0, "pass_threshold": 0.5},
+    )  # fmt: skip
+    records = make_records("echo", 3, seed=99)
+    rewards = RewardFunctions(cfg.reward)
+    # The naive reference at version 0: greedy completions of each held-out prompt, scored one by one.
+    ref = engine.generate(
+        [engine.tokenizer(r["prompt"]).input_ids for r in records],
+        SamplingParams(n=2, max_new_tokens=6, temperature=0),
+    )
+    scores = [
+        rewards.score(r["prompt"], engine.tokenizer.decode(c.token_ids, skip_special_tokens=True), r)[0]
+        for r, g in zip(records, ref, strict=True)
+        for c in g
+    ]
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 8)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
+        h.loop.evaluator = Evaluator(
+            cfg,
+            engine,
+            engine.tokenizer,
+            rewards,
+            redis_client,
+            Telemetry(cfg, "eval-server-0", redis_client),
+        )
+        learner.take(4)
+        learner.step(new_weights)
+        learner.take(4)
+    rows = [json.loads(r) for r in redis_client.lrange(f"{run_id}:history:eval-server-0", 0, -1)]
+    assert [r["eval/version"] for r in rows][:2] == [0, 1]
+    assert rows[0]["eval/reward_mean"] == pytest.approx(sum(scores) / len(scores))
+    passed = [sum(s >= 0.5 for s in scores[i : i + 2]) for i in (0, 2, 4)]
+    assert rows[0]["eval/pass@1"] == pytest.approx(sum(p / 2 for p in passed) / 3)
+    assert rows[0]["eval/pass@2"] == pytest.approx(sum(p > 0 for p in passed) / 3)
+    # Never trained on, never admitted: the stream and the admission counter saw only the 8 training prompts.
+    assert int(redis_client.get(f"{run_id}:admitted")) == 8
+    assert learner.buffer.trajectories_pending() == 0
