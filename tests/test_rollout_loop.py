@@ -103,7 +103,7 @@ class Learner:
 class Harness:
     """A rollout loop running in a thread of the test, stopped (and checked to stop) at the end."""
 
-    def __init__(self, cfg: Config, client, engine: HFEngine, subscriber: Subscriber) -> None:
+    def __init__(self, cfg: Config, client, engine: HFEngine, subscriber: Subscriber, evaluator=None) -> None:
         self.buffer = ReplayBuffer.from_config(client, cfg, consumer="server-0")
         self.telemetry = Telemetry(cfg, "server-0", client)
         self.loop = RolloutLoop(
@@ -115,6 +115,7 @@ class Harness:
             self.telemetry,
             server_id=0,
             rewards=RewardFunctions(cfg.reward),
+            evaluator=evaluator,
         )
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -482,18 +483,16 @@ def test_servers_evaluate_held_out_prompts_at_known_versions_without_training_on
     v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
     learner = Learner(cfg, redis_client, v0)
     queue_prompts(learner.buffer, engine, 8)
-    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
-        h.loop.evaluator = Evaluator(
-            cfg,
-            engine,
-            engine.tokenizer,
-            rewards,
-            redis_client,
-            Telemetry(cfg, "eval-server-0", redis_client),
-        )
+    evaluator = Evaluator(
+        cfg, engine, engine.tokenizer, rewards, redis_client, Telemetry(cfg, "eval-server-0", redis_client)
+    )
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0"), evaluator):
         learner.take(4)
         learner.step(new_weights)
         learner.take(4)
+        deadline = time.monotonic() + TIMEOUT  # v1 is evaluated before the server's next batch
+        while redis_client.llen(f"{run_id}:history:eval-server-0") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
     rows = [json.loads(r) for r in redis_client.lrange(f"{run_id}:history:eval-server-0", 0, -1)]
     assert [r["eval/version"] for r in rows][:2] == [0, 1]
     assert rows[0]["eval/reward_mean"] == pytest.approx(sum(scores) / len(scores))
