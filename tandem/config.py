@@ -462,8 +462,10 @@ class Config(Section):
             raise ValueError(
                 f"algorithm.advantage={a.advantage} needs rollout.n_samples >= 2 (got {r.n_samples})"
             )
-        if not self.reward.functions and self.model.reward_model is None:
-            raise ValueError("reward: give at least one reward.functions entry or a model.reward_model")
+        if not self.reward.functions and self.model.reward_model is None and self.env.path is None:
+            raise ValueError(
+                "reward: give at least one reward.functions entry, a model.reward_model or an env.path"
+            )
         if a.sync_interval > self.max_staleness + 1:
             why = "run.mode=sync trains on-policy (max_staleness 0)" if self.run.mode == "sync" else ""
             raise ValueError(
