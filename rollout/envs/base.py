@@ -46,8 +46,9 @@ class Action:
 
 @dataclass
 class StepResult:
-    """What ``step`` returns. ``observation`` is ignored once ``done``. ``info["metrics"]`` (name -> number)
-    is averaged over episodes into the server's telemetry (``env/<name>``)."""
+    """What ``step`` returns. ``observation`` is ignored once ``done``. ``info["metrics"]`` (name -> number,
+    describing the episode so far: the last step's values stand) is averaged over episodes into the
+    server's telemetry (``env/<name>``)."""
 
     observation: Observation = ""
     reward: float = 0.0

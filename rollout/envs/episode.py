@@ -221,7 +221,7 @@ class EpisodeRunner:
             e.turn_rewards.append(reward)
             for k, v in (result.info.get("metrics") or {}).items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    e.metrics[str(k)] = e.metrics.get(str(k), 0.0) + float(v)
+                    e.metrics[str(k)] = float(v)  # the episode so far: the last step's value stands
             if done:
                 e.end("stop", "done")
                 return
