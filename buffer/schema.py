@@ -1,8 +1,10 @@
 """Every record that crosses a process boundary, with its codec (docs/design.md §2).
 
 Encoding is msgpack; numpy arrays travel as raw little-endian bytes plus dtype and shape (never per-element
-lists, never pickle). :func:`decode_trajectory` and :func:`decode_prompt` are the only places that turn
-bytes back into records, and they validate types, dtypes, shapes and sizes, raising :class:`SchemaError`
+lists, never pickle). Every record carries its schema version ``v``: version 2 added the trajectory's
+``loss_mask`` (multi-turn episodes, docs/design.md §10.1); a version-1 trajectory still decodes, as the
+single-turn episode it was (every response token generated). Any other version is refused naming ``v``.
+:func:`decode_trajectory` and :func:`decode_prompt` are the only places that turn bytes back into records, and they validate types, dtypes, shapes and sizes, raising :class:`SchemaError`
 that names the field. The buffer moves entries that fail here to the dead-letter stream.
 """
 
@@ -16,7 +18,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+DECODABLE_VERSIONS = (1, 2)  # v1: no loss_mask (single turn)
 FINISH_REASONS = ("stop", "length", "abort")
 # Largest array the decoder accepts (elements); larger ones are a corrupt or hostile entry.
 MAX_TOKENS = 1 << 20
@@ -33,11 +36,15 @@ class SchemaError(ValueError):
 
 @dataclass
 class Trajectory:
-    """One sampled response to one prompt, with what the learner needs to correct for staleness.
+    """One episode: a prompt and what followed it, with what the learner needs to correct for staleness.
 
-    Shapes: ``prompt_tokens`` (P,), ``response_tokens`` / ``behav_logp`` / ``token_versions`` (R,).
-    ``behav_logp[i]`` is the engine's log-probability of ``response_tokens[i]`` under the distribution it
-    actually sampled from; ``token_versions[i]`` is the policy version that produced it.
+    Shapes: ``prompt_tokens`` (P,), ``response_tokens`` / ``behav_logp`` / ``token_versions`` /
+    ``loss_mask`` (R,). A single-turn trajectory's response is one model turn. A multi-turn one is the
+    segments after the prompt in order, model turn, environment turn, model turn, ..., as one token sequence
+    (docs/design.md §10.1); ``loss_mask[i]`` is 1 where the model generated ``response_tokens[i]`` and 0 where
+    the environment wrote it (context, never trained on). On generated tokens ``behav_logp[i]`` is the
+    engine's log-probability of the token under the distribution it actually sampled from and
+    ``token_versions[i]`` the policy version that produced it; on environment tokens they are 0 and −1.
     """
 
     traj_id: str
@@ -53,19 +60,39 @@ class Trajectory:
     server_id: str = ""
     created_at: float = field(default_factory=time.time)
     meta: dict[str, Any] = field(default_factory=dict)
+    loss_mask: np.ndarray | None = None  # None: every response token was generated (single turn)
 
     def __post_init__(self) -> None:
         self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32)
         self.response_tokens = np.ascontiguousarray(self.response_tokens, dtype=np.int32)
         self.behav_logp = np.ascontiguousarray(self.behav_logp, dtype=np.float32)
         self.token_versions = np.ascontiguousarray(self.token_versions, dtype=np.int32)
+        if self.loss_mask is None:
+            self.loss_mask = np.ones(len(self.response_tokens), dtype=np.uint8)
+        self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
+
+    @property
+    def generated(self) -> np.ndarray:
+        """Boolean (R,): the response positions the model generated (``loss_mask == 1``)."""
+        assert self.loss_mask is not None
+        return self.loss_mask.astype(bool)
+
+    def segments(self) -> list[tuple[str, int, int]]:
+        """The response as ``(kind, start, end)`` runs, kind ``"model"`` or ``"env"``, in order."""
+        runs: list[tuple[str, int, int]] = []
+        for i, g in enumerate(self.generated.tolist()):
+            kind = "model" if g else "env"
+            if runs and runs[-1][0] == kind:
+                runs[-1] = (kind, runs[-1][1], i + 1)
+            else:
+                runs.append((kind, i, i + 1))
+        return runs
 
     @property
     def min_version(self) -> int:
         """The oldest policy version that produced a token (staleness is measured from it)."""
-        return (
-            int(self.token_versions.min()) if len(self.token_versions) else int(self.meta.get("version", 0))
-        )
+        versions = self.token_versions[self.generated]
+        return int(versions.min()) if len(versions) else int(self.meta.get("version", 0))
 
     def staleness(self, learner_version: int) -> int:
         """``v - min(token_versions)`` at learner version ``v`` (docs/design.md §3.2)."""
@@ -94,7 +121,7 @@ def _pack_array(a: np.ndarray) -> list[Any]:
     return [le.str, list(a.shape), a.astype(le, copy=False).tobytes()]
 
 
-_ALLOWED_DTYPES = {"int32": "<i4", "float32": "<f4"}
+_ALLOWED_DTYPES = {"int32": "<i4", "float32": "<f4", "uint8": "|u1"}
 _WIRE_DTYPES = {name: np.dtype(wire) for name, wire in _ALLOWED_DTYPES.items()}
 
 
@@ -113,7 +140,7 @@ def _unpack_array(name: str, packed: Any, dtype: str, max_len: int) -> np.ndarra
         raise SchemaError(name, f"shape {shape!r}, expected one non-negative dimension")
     if shape[0] > max_len:
         raise SchemaError(name, f"{shape[0]} elements exceeds the limit of {max_len}")
-    if not isinstance(raw, bytes) or len(raw) != shape[0] * 4:
+    if not isinstance(raw, bytes) or len(raw) != shape[0] * _WIRE_DTYPES[dtype].itemsize:
         raise SchemaError(
             name, f"{len(raw) if isinstance(raw, bytes) else type(raw).__name__} bytes for shape {shape}"
         )
@@ -146,6 +173,7 @@ def encode_trajectory(t: Trajectory) -> bytes:
             "server_id": t.server_id,
             "created_at": float(t.created_at),
             "meta": t.meta,
+            "loss_mask": _pack_array(t.loss_mask),
         },
         "meta",
     )
@@ -171,8 +199,8 @@ def _unpack_map(data: bytes, what: str) -> dict[str, Any]:
         raise SchemaError(what, f"not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(d, dict):
         raise SchemaError(what, f"expected a map, got {type(d).__name__}")
-    if d.get("v") != SCHEMA_VERSION:
-        raise SchemaError("v", f"schema version {d.get('v')!r}, expected {SCHEMA_VERSION}")
+    if d.get("v") not in DECODABLE_VERSIONS or isinstance(d.get("v"), bool):
+        raise SchemaError("v", f"schema version {d.get('v')!r}, expected one of {DECODABLE_VERSIONS}")
     return d
 
 
@@ -188,8 +216,21 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
             raise SchemaError(name, f"length {len(arr)} != len(response_tokens) {n}")
     if n and not (behav.min() > -np.inf and behav.max() <= 1e-4):  # NaN fails both comparisons
         raise SchemaError("behav_logp", "log-probabilities must be finite and <= 0")
-    if n and versions.min() < 0:
-        raise SchemaError("token_versions", "versions must be >= 0")
+    if d["v"] >= 2:
+        loss_mask = _unpack_array("loss_mask", _get(d, "loss_mask", list), "uint8", max_tokens)
+        if len(loss_mask) != n:
+            raise SchemaError("loss_mask", f"length {len(loss_mask)} != len(response_tokens) {n}")
+        if n and loss_mask.max() > 1:
+            raise SchemaError("loss_mask", "values must be 0 (environment token) or 1 (generated token)")
+    else:
+        loss_mask = np.ones(n, dtype=np.uint8)
+    generated = loss_mask.astype(bool)
+    if generated.any() and versions[generated].min() < 0:
+        raise SchemaError("token_versions", "versions of generated tokens must be >= 0")
+    if not (versions[~generated] == -1).all():
+        raise SchemaError("token_versions", "environment tokens (loss_mask 0) carry version -1")
+    if (behav[~generated] != 0).any():
+        raise SchemaError("behav_logp", "environment tokens (loss_mask 0) carry log-probability 0")
     prompt = _unpack_array("prompt_tokens", _get(d, "prompt_tokens", list), "int32", max_tokens)
     if len(prompt) == 0:
         raise SchemaError("prompt_tokens", "empty prompt (the first response token has nothing to follow)")
@@ -222,6 +263,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
         server_id=_get(d, "server_id", str),
         created_at=float(_get(d, "created_at", (int, float))),
         meta=_get(d, "meta", dict),
+        loss_mask=loss_mask,
     )
 
 

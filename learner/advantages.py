@@ -129,7 +129,8 @@ def token_rewards(seq_reward: Tensor, mask: Tensor, kl: Tensor | None = None, kl
 def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     """``G_t = r_t + γ·G_{t+1}``, with ``G = 0`` after the last valid token (terminal).
 
-    ``mask`` must be a prefix mask (right padding); a zero inside a row ends the episode there.
+    Time steps are the valid tokens: a zero inside a row (the environment's tokens of a multi-turn episode,
+    docs/design.md §10.1) is skipped, not an end, so the return flows across it to earlier turns.
 
     Shape: token_rewards (B, T), mask (B, T) -> (B, T).
     """
@@ -138,8 +139,8 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     running = rewards.new_zeros(rewards.shape[0])  # (B,)
     out = []
     for t in reversed(range(rewards.shape[1])):
-        running = torch.where(m[:, t], rewards[:, t] + gamma * running, 0.0)
-        out.append(running)
+        running = torch.where(m[:, t], rewards[:, t] + gamma * running, running)
+        out.append(torch.where(m[:, t], running, 0.0))
     return torch.stack(out[::-1], dim=1)
 
 
@@ -150,8 +151,9 @@ def gae(
     """Generalised advantage estimation over response tokens.
 
     ``δ_t = r_t + γ·V_{t+1} − V_t``, ``A_t = δ_t + γλ·A_{t+1}``, with ``V = 0`` and ``A = 0`` after the
-    last valid token (terminal), and ``returns = A + V`` (the critic's target). ``mask`` must be a prefix
-    mask (right padding); a zero inside a row ends the episode there.
+    last valid token (terminal), and ``returns = A + V`` (the critic's target). Time steps are the valid
+    tokens: a zero inside a row (environment tokens, docs/design.md §10.1) is skipped, so ``V_{t+1}`` is the
+    value at the next *generated* token and advantages flow across environment turns.
 
     Shape: token_rewards (B, T), values (B, T), mask (B, T) -> advantages (B, T), returns (B, T).
     """
@@ -163,9 +165,9 @@ def gae(
     out = []
     for t in reversed(range(values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = torch.where(m[:, t], delta + gamma * lam * running, 0.0)
-        out.append(running)
-        next_value = values[:, t]
+        running = torch.where(m[:, t], delta + gamma * lam * running, running)
+        out.append(torch.where(m[:, t], running, 0.0))
+        next_value = torch.where(m[:, t], values[:, t], next_value)
     advantages = torch.stack(out[::-1], dim=1)
     return advantages, torch.where(m, advantages + values, 0.0)
 

@@ -44,7 +44,7 @@ class Batch:
 
     trajs: list[Trajectory]
     behav_logp: Tensor  # (B, R) float32, 0 on padding
-    mask: Tensor  # (B, R) float32, 1 on trained tokens
+    mask: Tensor  # (B, R) float32, 1 on trained tokens (generated, not aborted), 0 on env tokens and padding
     rewards: Tensor  # (B,) float32
     group_index: Tensor  # (B,) int64; aborted rows get a label of their own
     staleness: Tensor  # (B,) int64, at the learner version that trains on the batch
@@ -93,7 +93,9 @@ def make_batch(trajs: Sequence[Trajectory], version: int) -> Batch:
         r = len(t.response_tokens)
         behav[i, :r] = torch.from_numpy(t.behav_logp)
         aborted = t.finish_reason == "abort"
-        mask[i, :r] = 0.0 if aborted else 1.0
+        # Environment tokens of a multi-turn episode are context: out of the loss, KL, entropy and value
+        # targets, all of which read this mask (docs/design.md §10.1).
+        mask[i, :r] = 0.0 if aborted else torch.from_numpy(t.loss_mask.astype(np.float32))
         group_index[i] = -1 - i if aborted else groups.setdefault(t.group_id, len(groups))
     return Batch(
         trajs=list(trajs),

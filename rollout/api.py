@@ -2,7 +2,10 @@
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming and SSE streaming,
 ``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry).
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry),
+and ``POST /v1/sessions/{id}/finish`` (a black-box agent's session as a trajectory, docs/design.md §10.6:
+calls carrying an ``X-Session-Id`` header or a ``session_id`` field are generated from the session's exact
+tokens, :mod:`rollout.sessions`).
 The same engine serves the rollout loop; the engine serialises the two (the hf engine per decode step).
 
 Hardening (docs/design.md §6.4): binds to loopback by default; an optional bearer token guards ``/v1/*``; bodies
@@ -28,7 +31,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -50,7 +53,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
+from buffer.schema import Trajectory
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from rollout.sessions import SessionError, SessionStore
 from tandem.config import HTTPConfig
 from tandem.data import chat_token_ids
 
@@ -104,6 +109,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    session_id: str | None = Field(None, min_length=1, max_length=128)  # or the X-Session-Id header
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -135,6 +141,13 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class FinishRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reward: float = Field(allow_inf_nan=False)
+    group_id: str | None = Field(None, min_length=1, max_length=128)
 
 
 class APIError(Exception):
@@ -281,8 +294,10 @@ class API:
         metrics: ServerMetrics,
         max_context: int | None,
         aliases: tuple[str, ...] = (),
+        sink: Callable[[Trajectory], None] | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.http, self.metrics = engine, tokenizer, http, metrics
+        self.sessions, self.sink = SessionStore(tokenizer), sink
         self.model_name, self.names = model_name, {model_name, *aliases}
         self.max_context = max_context
         self.special_ids = set(tokenizer.all_special_ids)
@@ -484,6 +499,10 @@ class API:
 
     async def completions(self, req: CompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
+        if session := self.session_id(req, request):
+            if not isinstance(req.prompt, str):
+                raise APIError(400, "a session's prompt must be one string", param="prompt")
+            return await self.session_call(req, request, session, req.prompt, req.max_tokens, chat=False)
         prompts = self.completion_prompts(req)
         sampling = self.sampling(req, req.max_tokens, prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -503,6 +522,14 @@ class API:
 
     async def chat(self, req: ChatRequest, request: Request) -> Any:
         self.check_model(req.model)
+        if session := self.session_id(req, request):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in req.messages],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            max_tokens = req.max_completion_tokens or req.max_tokens
+            return await self.session_call(req, request, session, text, max_tokens, chat=True)
         prompt = self.chat_prompt(req)
         sampling = self.sampling(req, req.max_completion_tokens or req.max_tokens, [prompt])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -531,6 +558,55 @@ class API:
                 }
             )
         return {**head, "choices": choices, "usage": self.usage([prompt], out, sampling.n)}
+
+    # ------------------------------------------------------------------------------ agent sessions (§10.6)
+
+    @staticmethod
+    def session_id(req: _Sampling, request: Request) -> str | None:
+        sid = request.headers.get("x-session-id") or req.session_id
+        if sid is not None and not 0 < len(sid) <= 128:
+            raise APIError(400, "X-Session-Id must be 1..128 characters", param="session_id")
+        return sid
+
+    async def session_call(
+        self, req: _Sampling, request: Request, session: str, text: str, max_tokens: int | None, *, chat: bool
+    ) -> dict[str, Any]:
+        """One call of a black-box agent's session: generate from the session's exact tokens."""
+        if req.n != 1 or req.stream:
+            raise APIError(400, "a session call takes n=1 and no streaming", param="session_id")
+        try:
+            context = self.sessions.context(session, text)
+        except SessionError as e:
+            raise APIError(400, str(e), param="session_id") from None
+        sampling = self.sampling(req, max_tokens, [context])
+        with self.slot():
+            ((c,),) = await self.generate([context], sampling, request)
+        returned, finish = self.text_and_finish(c, sampling.stop)
+        self.sessions.record(session, text, c, returned)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": req.model, "usage": self.usage([context], [[c]], 1)}  # fmt: skip
+        if chat:
+            message = {"role": "assistant", "content": returned}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            return {**head, "object": "chat.completion", "choices": [choice]}
+        choice = {"index": 0, "text": returned, "logprobs": None, "finish_reason": finish}
+        return {**head, "object": "text_completion", "choices": [choice]}
+
+    async def finish_session(self, session_id: str, req: FinishRequest) -> dict[str, Any]:
+        """Close a session into a trajectory with the agent's reward; the server's sink takes it."""
+        try:
+            t = self.sessions.finish(session_id, req.reward, req.group_id)
+        except SessionError as e:
+            raise APIError(404, str(e), param="session_id") from None
+        if self.sink is not None:
+            await run_in_threadpool(self.sink, t)
+        return {
+            "traj_id": t.traj_id,
+            "prompt_tokens": len(t.prompt_tokens),
+            "response_tokens": len(t.response_tokens),
+            "generated_tokens": int(t.loss_mask.sum()),
+            "calls": t.meta["calls"],
+        }
 
     @staticmethod
     def usage(prompts: list[list[int]], out: list[list[Completion]], n: int) -> dict[str, int]:
@@ -666,6 +742,7 @@ def create_app(
     metrics: ServerMetrics,
     max_context: int | None = None,
     aliases: tuple[str, ...] = (),
+    sink: Callable[[Trajectory], None] | None = None,
 ) -> FastAPI:
     """The FastAPI app of one server. ``max_context`` bounds prompt + max_tokens (None: no check here)."""
     api = API(
@@ -676,6 +753,7 @@ def create_app(
         metrics=metrics,
         max_context=max_context,
         aliases=aliases,
+        sink=sink,
     )
     app = FastAPI(title="tandem rollout server", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -716,6 +794,8 @@ def create_app(
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
     app.get("/v1/models")(api.models)
+    app.post("/v1/sessions/{session_id}/finish")(api.finish_session)
+    app.state.api = api
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

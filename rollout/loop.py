@@ -16,6 +16,10 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
    here and its admission given back (``rollout/shaping.py``);
 6. **put** each group contiguously, acknowledging its prompt in the same atomic step.
 
+With an environment (``env.path``), steps 4 and 5 are one: :meth:`RolloutLoop.run_episodes` plays ``n``
+multi-turn episodes per prompt, all batched in the engine turn by turn, and the episode's return (the sum of
+its turn rewards) is the reward (docs/design.md §10.3). Weight updates are applied between turns too.
+
 A prompt taken but not appended (stop, crash) stays pending in Redis for another server to claim.
 """
 
@@ -34,6 +38,8 @@ from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ReplayBuffer, TakenPrompt
 from rollout.api import ServerMetrics
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from rollout.envs.base import Task, load_env_factory
+from rollout.envs.episode import Episode, EpisodeRunner
 from rollout.evaluate import Evaluator
 from rollout.reward_model import RewardModel
 from rollout.shaping import is_informative, overlong_penalty
@@ -80,6 +86,15 @@ class RolloutLoop:
             top_k=r.top_k,
             stop=list(r.stop),
         )
+        self.env_factory, self.episodes = None, None
+        if cfg.env.path is not None:
+            e = cfg.env
+            self.env_factory = load_env_factory(e.path, e.kwargs)
+            self.episodes = EpisodeRunner(
+                engine, tokenizer, self.sampling, max_turns=e.max_turns, max_total_tokens=e.max_total_tokens,
+                step_timeout_s=e.step_timeout_s, vocab_size=len(tokenizer),
+            )  # fmt: skip
+        self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.credits = 0  # groups admitted but not yet claimed
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent since the last log
@@ -105,8 +120,11 @@ class RolloutLoop:
         with ClaimHeartbeat(self.buffer, [p.id for p in prompts]):  # held prompts stay ours meanwhile
             if not self.ensure_fresh_weights():
                 return 0
-            completions = self.generate(prompts)
-            groups = self.score(prompts, completions)
+            if self.episodes is not None:
+                groups = self.run_episodes(prompts)
+            else:
+                completions = self.generate(prompts)
+                groups = self.score(prompts, completions)
             prompts, groups = self.drop_uninformative(prompts, groups)
             groups = self.put(prompts, groups)
         self.log(groups)
@@ -173,6 +191,35 @@ class RolloutLoop:
         self.timers["time/generate"] += time.perf_counter() - start
         return out
 
+    def run_episodes(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
+        """``n`` episodes per prompt, every one a fresh environment, all run together (docs/design.md §10.3)."""
+        assert self.episodes is not None and self.env_factory is not None
+        start = time.perf_counter()
+        n = self.sampling.n
+        episodes = []
+        for taken in prompts:
+            p = taken.prompt
+            task = Task(p.text, tuple(p.tokens.tolist()), p.record)
+            episodes += [Episode(task, self.env_factory(), p.tokens.tolist()) for _ in range(n)]
+        hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
+        self.episodes.run(episodes, between_steps=hook, between_turns=self.poll_weights)
+        self.timers["time/generate"] += time.perf_counter() - start
+        groups = []
+        for k, taken in enumerate(prompts):
+            group_id = uuid.uuid4().hex
+            groups.append(
+                [
+                    e.trajectory(taken.prompt.prompt_id, group_id, f"server-{self.server_id}", self.clip)
+                    for e in episodes[k * n : (k + 1) * n]
+                ]
+            )
+        for e in episodes:
+            self.env_metrics["env/turns"].append(e.turns)
+            self.env_metrics["env/aborted"].append(float(e.finish_reason == "abort"))
+            for name, value in e.metrics.items():
+                self.env_metrics[f"env/{name}"].append(value)
+        return groups
+
     def score(
         self, prompts: list[TakenPrompt], completions: list[list[Completion]]
     ) -> list[list[Trajectory]]:
@@ -238,7 +285,7 @@ class RolloutLoop:
         trajs = [t for g in groups for t in g]
         if not trajs:
             return
-        tokens = sum(len(t.response_tokens) for t in trajs)
+        tokens = sum(int(t.loss_mask.sum()) for t in trajs)  # generated tokens (env tokens are not)
         self.metrics.generated_tokens.labels(source="rollout").inc(tokens)
         self.metrics.rollout_groups.inc(len(groups))
         self.steps += 1
@@ -252,11 +299,14 @@ class RolloutLoop:
                 "rollout/response_len": tokens / len(trajs),
                 "rollout/stop_frac": sum(t.finish_reason == "stop" for t in trajs) / len(trajs),
                 "reward/mean": sum(t.reward for t in trajs) / len(trajs),
+                "rollout/episodes_per_s": len(trajs) / max(self.timers["time/generate"], 1e-9),
+                **{k: sum(v) / len(v) for k, v in self.env_metrics.items()},
                 **self.timers,
             },
             step=self.steps,
         )
         self.timers.clear()
+        self.env_metrics.clear()
 
     # ---------------------------------------------------------------------------------------------- helpers
 

@@ -23,6 +23,7 @@ import random
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ import redis
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from buffer.schema import Trajectory
 from rollout.api import HTTPServer, ServerMetrics, create_app
 from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams
@@ -92,7 +94,9 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     http = None
     if cfg.rollout.http.enabled:
         port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
-        http = start_http(engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port)
+        # A black-box agent's finished session is a trajectory of its own group (docs/design.md §10.6).
+        http = start_http(engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port,
+                          sink=lambda t: buffer.put([t]))  # fmt: skip
     telemetry = Telemetry(cfg, name, client, run_dir=args.run_dir)
     evaluator = None
     if cfg.eval.prompts is not None:
@@ -199,6 +203,7 @@ def start_http(
     *,
     port: int,
     name: str | None = None,
+    sink: Callable[[Trajectory], None] | None = None,
 ) -> HTTPServer:
     """Serve the API under the checkpoint directory's name (the full path is accepted too)."""
     model_name = name or Path(model_path).name
@@ -211,6 +216,7 @@ def start_http(
         metrics=metrics,
         max_context=hf_config.max_position_embeddings,
         aliases=(str(model_path),),
+        sink=sink,
     )
     return HTTPServer(app, http_cfg.host, port).start()
 

@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_make_tiny)
 
     p = sub.add_parser("make-data", help="write a toy task's prompts as JSONL")
-    p.add_argument("task", choices=["echo", "reverse"])
+    p.add_argument("task", choices=["echo", "reverse", "calc"])
     p.add_argument("out")
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_data)
 
     p = sub.add_parser("warmstart", help="supervised warm-start of a checkpoint on a task's demonstrations")
-    p.add_argument("task", choices=["echo", "reverse"])
+    p.add_argument("task", choices=["echo", "reverse", "calc"])
     p.add_argument("model")
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=300)

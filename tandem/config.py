@@ -268,6 +268,27 @@ class RolloutConfig(Section):
     )
 
 
+class EnvConfig(Section):
+    """Multi-turn episodes against an environment (docs/design.md §10). Off when ``path`` is null."""
+
+    path: str | None = Field(
+        None,
+        description="The environment as module:Class (a rollout.envs.base.Env factory); null: single-turn.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the environment's constructor."
+    )
+    max_turns: int = Field(4, ge=1, description="Model turns per episode before it ends as length.")
+    max_total_tokens: int = Field(
+        256,
+        ge=2,
+        description="Prompt + every turn, in tokens; rollout.max_new_tokens bounds each model turn.",
+    )
+    step_timeout_s: float = Field(
+        10.0, gt=0, description="An environment's reset/step/close taking longer ends its episode (abort)."
+    )
+
+
 class RewardFunction(Section):
     path: str = Field(
         ...,
@@ -450,6 +471,7 @@ class Config(Section):
     model: ModelConfig = Field(..., description="Checkpoints, all loaded by path.")
     data: DataConfig = Field(..., description="The prompt dataset.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout servers.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn environment (off by default).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward functions and model.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="PPO and its variants.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The DeepSpeed learner.")
@@ -474,8 +496,10 @@ class Config(Section):
             raise ValueError(
                 f"algorithm.advantage={a.advantage} needs rollout.n_samples >= 2 (got {r.n_samples})"
             )
-        if not self.reward.functions and self.model.reward_model is None:
-            raise ValueError("reward: give at least one reward.functions entry or a model.reward_model")
+        if not self.reward.functions and self.model.reward_model is None and self.env.path is None:
+            raise ValueError(
+                "reward: give at least one reward.functions entry, a model.reward_model or an env.path"
+            )
         if a.overlong_buffer is not None and a.overlong_buffer > r.max_new_tokens:
             raise ValueError(
                 f"algorithm.overlong_buffer ({a.overlong_buffer}) must be <= rollout.max_new_tokens ({r.max_new_tokens})"

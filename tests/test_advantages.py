@@ -79,13 +79,20 @@ def test_discounted_returns_hand_values_and_masked_tail():
     torch.testing.assert_close(discounted_returns(rewards, mask, 0.5), t64([[1.5, 1.0, 2.0, 0.0]]))
 
 
-def test_a_zero_inside_the_mask_ends_the_episode_there():
-    # masks are prefix masks; if one is not, nothing leaks across the hole (documented behaviour)
-    rewards, values, mask = t64([[1.0, 1.0, 1.0, 1.0]]), torch.zeros(1, 4, dtype=F64), t64([[1, 1, 0, 1]])
-    # γ = 1: G3 = 1; G2 = 0 (masked); G1 = 1 + G2 = 1; G0 = 1 + G1 = 2
-    torch.testing.assert_close(discounted_returns(rewards, mask, 1.0), t64([[2.0, 1.0, 0.0, 1.0]]))
+def test_a_zero_inside_the_mask_is_skipped_not_an_end():
+    # Environment tokens of a multi-turn episode: the return flows across them to the earlier turn.
+    rewards, values, mask = t64([[1.0, 1.0, 9.0, 1.0]]), torch.zeros(1, 4, dtype=F64), t64([[1, 1, 0, 1]])
+    # γ = 1: G3 = 1; G2 = 0 (env; its 9 is never seen); G1 = 1 + G3 = 2; G0 = 1 + G1 = 3
+    torch.testing.assert_close(discounted_returns(rewards, mask, 1.0), t64([[3.0, 2.0, 0.0, 1.0]]))
+    # γ = 0.5 discounts per generated token: G1 = 1 + 0.5·1 = 1.5, G0 = 1 + 0.5·1.5 = 1.75
+    torch.testing.assert_close(discounted_returns(rewards, mask, 0.5), t64([[1.75, 1.5, 0.0, 1.0]]))
     adv, _ = gae(rewards, values, mask, gamma=1.0, lam=1.0)
-    torch.testing.assert_close(adv, t64([[2.0, 1.0, 0.0, 1.0]]))
+    torch.testing.assert_close(adv, t64([[3.0, 2.0, 0.0, 1.0]]))
+    # With values: δ1 = r1 + V3 − V1 (the next *generated* token's value, not the env token's 5)
+    values = t64([[0.5, 0.25, 5.0, 0.75]])
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.0)
+    torch.testing.assert_close(adv, t64([[1 + 0.25 - 0.5, 1 + 0.75 - 0.25, 0.0, 1 - 0.75]]))
+    torch.testing.assert_close(ret, t64([[1.25, 1.75, 0.0, 1.0]]))
 
 
 # ---------------------------------------------------------------------------------------------------

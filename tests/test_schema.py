@@ -105,7 +105,7 @@ def arr(dtype: str, values: list[float]) -> list[Any]:
 
 
 CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
-    ("schema version", lambda d: d.update(v=2), "v"),
+    ("schema version", lambda d: d.update(v=3), "v"),
     ("missing id", lambda d: d.pop("traj_id"), "traj_id"),
     ("id not a string", lambda d: d.update(traj_id=17), "traj_id"),
     ("reward is bool", lambda d: d.update(reward=True), "reward"),
@@ -132,6 +132,11 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("reward part inf", lambda d: d.update(reward_parts={"a": float("inf")}), "reward_parts"),
     ("meta not a map", lambda d: d.update(meta=[1]), "meta"),
     ("created_at text", lambda d: d.update(created_at="now"), "created_at"),
+    ("missing loss_mask (v2)", lambda d: d.pop("loss_mask"), "loss_mask"),
+    ("short loss_mask", lambda d: d.update(loss_mask=arr("|u1", [1, 1])), "loss_mask"),
+    ("loss_mask of 2", lambda d: d.update(loss_mask=arr("|u1", [1, 2, 1])), "loss_mask"),
+    ("loss_mask as int32", lambda d: d.update(loss_mask=arr("<i4", [1, 1, 1])), "loss_mask"),
+    ("env token with a version", lambda d: d.update(loss_mask=arr("|u1", [1, 0, 1])), "token_versions"),
 ]
 
 
@@ -190,3 +195,52 @@ def test_prompt_decode_refuses_naming_the_field(fn: Callable[[dict[str, Any]], N
     with pytest.raises(SchemaError) as e:
         decode_prompt(msgpack.packb(d, use_bin_type=True))
     assert e.value.field == field
+
+
+def multi_turn_traj() -> Trajectory:
+    """prompt | model turn (2) | env turn (3) | model turn (1)."""
+    return Trajectory(
+        traj_id="t-2",
+        group_id="g",
+        prompt_id="p",
+        prompt_tokens=[5, 6],
+        response_tokens=[7, 8, 20, 21, 22, 9],
+        behav_logp=[-0.5, -0.25, 0.0, 0.0, 0.0, -1.5],
+        token_versions=[4, 4, -1, -1, -1, 5],
+        loss_mask=[1, 1, 0, 0, 0, 1],
+        reward=1.0,
+        meta={"turn_rewards": [0.0, 1.0]},
+    )
+
+
+def test_multi_turn_round_trip_keeps_the_mask_and_segments():
+    t = multi_turn_traj()
+    back = decode_trajectory(encode_trajectory(t))
+    assert back.loss_mask.dtype == np.uint8
+    np.testing.assert_array_equal(back.loss_mask, [1, 1, 0, 0, 0, 1])
+    np.testing.assert_array_equal(back.token_versions, t.token_versions)
+    assert back.segments() == [("model", 0, 2), ("env", 2, 5), ("model", 5, 6)]
+    # Staleness is measured from generated tokens only: the env tokens' -1 is not a version.
+    assert back.min_version == 4 and back.staleness(6) == 2
+
+
+def test_version_1_entries_still_decode_as_single_turn():
+    d = msgpack.unpackb(encode_trajectory(full_traj()))
+    d.pop("loss_mask")
+    d["v"] = 1
+    back = decode_trajectory(msgpack.packb(d, use_bin_type=True))
+    np.testing.assert_array_equal(back.loss_mask, [1, 1, 1])
+    assert back.segments() == [("model", 0, 3)]
+    # and a v1 entry may not carry the negative versions only environment tokens have
+    d["token_versions"] = arr("<i4", [1, -1, 1])
+    with pytest.raises(SchemaError) as e:
+        decode_trajectory(msgpack.packb(d, use_bin_type=True))
+    assert e.value.field == "token_versions"
+
+
+def test_env_token_with_a_logprob_is_refused():
+    d = msgpack.unpackb(encode_trajectory(multi_turn_traj()))
+    d["behav_logp"] = arr("<f4", [-0.5, -0.25, -0.1, 0.0, 0.0, -1.5])
+    with pytest.raises(SchemaError) as e:
+        decode_trajectory(msgpack.packb(d, use_bin_type=True))
+    assert e.value.field == "behav_logp"

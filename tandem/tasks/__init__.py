@@ -12,9 +12,11 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from rollout.envs import calculator
 from tandem.tasks import echo, reverse
 
-TASKS: dict[str, Any] = {"echo": echo, "reverse": reverse}
+# calc is multi-turn: its reward is the environment's (rollout/envs/calculator.py), not a function here.
+TASKS: dict[str, Any] = {"echo": echo, "reverse": reverse, "calc": calculator}
 
 
 def make_records(task: str, n: int, seed: int = 0) -> list[dict[str, Any]]:

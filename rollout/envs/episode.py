@@ -1,0 +1,284 @@
+"""Many multi-turn episodes at once: the engine batches each round of model turns (docs/design.md §10.3).
+
+:meth:`EpisodeRunner.run` reads top to bottom:
+
+1. **reset** every episode's environment (in parallel worker threads, each under the step timeout);
+2. **model turn**: one engine call for every live episode's whole context (prompt + turns so far, as token
+   ids: nothing is re-tokenised), with per-token behaviour logprobs and versions; an in-flight weight
+   update stamps later tokens with the new version;
+3. **environment turn**: every live episode's ``step`` in parallel, each under the timeout; the observation's
+   tokens are appended with ``loss_mask`` 0;
+4. **between turns**: the caller's hook (the rollout loop applies a pending weight update here, so the next
+   turn is generated, and prefilled, by the new weights); back to 2 while any episode lives.
+
+An episode ends when its environment says ``done`` (finish ``stop``), at ``env.max_turns`` model turns or
+``env.max_total_tokens`` tokens (``length``), or when its environment fails: raises, times out, or returns
+a malformed result (``abort``: the learner masks it out, docs/design.md §10.1). ``meta["end_reason"]``
+records which. Every environment is closed once, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from buffer.schema import Trajectory
+from rollout.engines.base import BetweenSteps, Engine, SamplingParams, cut_at_stop
+from rollout.envs.base import Action, Env, StepResult, Task
+
+log = logging.getLogger(__name__)
+
+
+class EnvFailure(Exception):
+    """An environment call that raised, hung or returned garbage; the message is the recorded reason."""
+
+
+@dataclass
+class Episode:
+    """One episode's state: the prompt and everything after it, aligned per token."""
+
+    task: Task
+    env: Env
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # the response side: model and env turns
+    logp: list[float] = field(default_factory=list)  # 0 on env tokens
+    versions: list[int] = field(default_factory=list)  # -1 on env tokens
+    mask: list[int] = field(default_factory=list)  # 1 generated, 0 env
+    turn_rewards: list[float] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    turns: int = 0
+    last_action: Action | None = None
+    finish_reason: str = ""  # set when the episode ends
+    end_reason: str = ""
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    def end(self, finish_reason: str, reason: str) -> None:
+        self.finish_reason, self.end_reason = finish_reason, reason
+
+    def trajectory(
+        self, prompt_id: str, group_id: str, server_id: str, clip: Callable[[float], float] = float
+    ) -> Trajectory:
+        """The episode as a wire record: its return (sum of turn rewards, clipped) is the reward."""
+        reward = clip(sum(self.turn_rewards))
+        generated = [v for v, m in zip(self.versions, self.mask, strict=True) if m]
+        return Trajectory(
+            traj_id=uuid.uuid4().hex,
+            group_id=group_id,
+            prompt_id=prompt_id,
+            prompt_tokens=self.prompt,
+            response_tokens=self.tokens,
+            behav_logp=self.logp,
+            token_versions=self.versions,
+            loss_mask=self.mask,
+            reward=reward,
+            reward_parts={"env": reward},
+            finish_reason=self.finish_reason or "abort",
+            server_id=server_id,
+            meta={
+                "version": generated[0] if generated else 0,
+                "turns": self.turns,
+                "end_reason": self.end_reason,
+                "turn_rewards": self.turn_rewards,
+                **{f"env/{k}": v for k, v in self.metrics.items()},
+            },
+        )
+
+    def add(self, ids: list[int], logp: list[float], versions: list[int], generated: bool) -> None:
+        self.tokens += ids
+        self.logp += logp if generated else [0.0] * len(ids)
+        self.versions += versions if generated else [-1] * len(ids)
+        self.mask += [int(generated)] * len(ids)
+
+
+def call_with_timeout(fn: Callable[..., Any], arg: Any, timeout_s: float, what: str) -> Any:
+    """``fn(arg)`` (awaited if it returns a coroutine) in a daemon thread, cut off after ``timeout_s``.
+
+    A hung call is abandoned, not killed (Python cannot kill a thread); being a daemon, it cannot keep the
+    server from exiting.
+    """
+    out: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
+
+    def target() -> None:
+        try:
+            result = fn(arg)
+            if inspect.isawaitable(result):
+                result = asyncio.run(_await(result))
+            out.put((True, result))
+        except BaseException as e:  # anything the env raises is its failure, reported, never ours
+            out.put((False, e))
+
+    threading.Thread(target=target, name=f"env-{what}", daemon=True).start()
+    try:
+        ok, value = out.get(timeout=timeout_s)
+    except queue.Empty:
+        raise EnvFailure(f"env_timeout: {what} took longer than env.step_timeout_s={timeout_s:g}s") from None
+    if not ok:
+        raise EnvFailure(f"env_error: {what} raised {type(value).__name__}: {value}")
+    return value
+
+
+async def _await(aw: Any) -> Any:
+    return await aw
+
+
+def parallel(calls: list[Callable[[], None]]) -> None:
+    """Run the calls on threads of their own and wait for all (each bounds its own time)."""
+    threads = [threading.Thread(target=c, daemon=True) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+class EpisodeRunner:
+    """Runs batches of episodes against one engine under the ``env`` config's budgets."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingParams,
+        *,
+        max_turns: int,
+        max_total_tokens: int,
+        step_timeout_s: float,
+        vocab_size: int,
+    ) -> None:
+        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.step_timeout_s, self.vocab_size = step_timeout_s, vocab_size
+
+    def run(
+        self,
+        episodes: list[Episode],
+        *,
+        between_steps: BetweenSteps | None = None,
+        between_turns: Callable[[], None] | None = None,
+    ) -> list[Episode]:
+        try:
+            parallel([lambda e=e: self.reset(e) for e in episodes])
+            while live := [e for e in episodes if not e.done]:
+                self.model_turn(live, between_steps)
+                parallel([lambda e=e: self.env_turn(e) for e in live if not e.done])
+                if between_turns is not None and any(not e.done for e in episodes):
+                    between_turns()
+        finally:
+            parallel([lambda e=e: self.close(e) for e in episodes])
+        return episodes
+
+    # ----------------------------------------------------------------------------------------- stages
+
+    def reset(self, e: Episode) -> None:
+        try:
+            obs = call_with_timeout(e.env.reset, e.task, self.step_timeout_s, "reset")
+            if obs is not None and obs != e.task.prompt:
+                e.prompt = self.observation_tokens(obs, "reset")
+                if not e.prompt:
+                    raise EnvFailure("env_garbage: reset returned an empty observation")
+        except EnvFailure as err:
+            self.fail(e, str(err))
+
+    def model_turn(self, live: list[Episode], between_steps: BetweenSteps | None) -> None:
+        """One engine call per distinct token allowance (usually one call for all live episodes)."""
+        by_room: dict[int, list[Episode]] = {}
+        for e in live:
+            room = min(self.sampling.max_new_tokens, self.max_total_tokens - len(e.context))
+            if room < 1:
+                e.end("length", "max_total_tokens")
+            else:
+                by_room.setdefault(room, []).append(e)
+        for room, eps in by_room.items():
+            sampling = SamplingParams(**{**vars(self.sampling), "n": 1, "max_new_tokens": room})
+            out = self.engine.generate([e.context for e in eps], sampling, between_steps=between_steps)
+            for e, (c,) in zip(eps, out, strict=True):
+                e.add(c.token_ids, c.logprobs, c.versions, generated=True)
+                e.turns += 1
+                e.last_action = Action(self.text(c.token_ids), tuple(c.token_ids), c.finish_reason)
+                if c.finish_reason == "abort":
+                    e.end("abort", "engine_abort")
+
+    def env_turn(self, e: Episode) -> None:
+        try:
+            result = call_with_timeout(e.env.step, e.last_action, self.step_timeout_s, "step")
+            reward, done, obs = self.check(result)
+            e.turn_rewards.append(reward)
+            for k, v in (result.info.get("metrics") or {}).items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    e.metrics[str(k)] = float(v)  # the episode so far: the last step's value stands
+            if done:
+                e.end("stop", "done")
+                return
+            ids = self.observation_tokens(obs, "step")
+        except EnvFailure as err:
+            self.fail(e, str(err))
+            return
+        room = self.max_total_tokens - len(e.context)
+        e.add(ids[:room], [], [], generated=False)
+        if len(ids) >= room:
+            e.end("length", "max_total_tokens")
+        elif e.turns >= self.max_turns:
+            e.end("length", "max_turns")
+
+    def close(self, e: Episode) -> None:
+        try:
+            call_with_timeout(lambda _: e.env.close(), None, self.step_timeout_s, "close")
+        except EnvFailure as err:
+            log.warning("episode of %s: %s", e.task.record.get("id", "?"), err)
+
+    # ---------------------------------------------------------------------------------------- helpers
+
+    @staticmethod
+    def check(result: Any) -> tuple[float, bool, Any]:
+        """A step's result, or EnvFailure naming what is malformed."""
+        if not isinstance(result, StepResult):
+            raise EnvFailure(f"env_garbage: step returned {type(result).__name__}, expected StepResult")
+        r = result.reward
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            raise EnvFailure(f"env_garbage: reward {r!r} is not a finite number")
+        if not isinstance(result.done, bool):
+            raise EnvFailure(f"env_garbage: done {result.done!r} is not a bool")
+        if not isinstance(result.info, dict):
+            raise EnvFailure(f"env_garbage: info is {type(result.info).__name__}, expected a dict")
+        return float(r), result.done, result.observation
+
+    def observation_tokens(self, obs: Any, what: str) -> list[int]:
+        """Text is tokenised once, here; token ids are appended verbatim after a range check."""
+        if isinstance(obs, str):
+            return [int(t) for t in self.tokenizer(obs, add_special_tokens=False)["input_ids"]]
+        if isinstance(obs, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in obs
+        ):
+            if any(not 0 <= t < self.vocab_size for t in obs):
+                raise EnvFailure(
+                    f"env_garbage: {what} observation has token ids outside [0, {self.vocab_size})"
+                )
+            return list(obs)
+        raise EnvFailure(
+            f"env_garbage: {what} observation is {type(obs).__name__}, expected str or token ids"
+        )
+
+    def text(self, token_ids: list[int]) -> str:
+        """What the environment reads of a model turn (as the OpenAI API would return it)."""
+        return cut_at_stop(self.tokenizer.decode(token_ids, skip_special_tokens=True), self.sampling.stop)[0]
+
+    @staticmethod
+    def fail(e: Episode, reason: str) -> None:
+        log.warning("episode of %s ended: %s", e.task.record.get("id", "?"), reason)
+        e.end("abort", reason[:500])

@@ -1,0 +1,128 @@
+"""Black-box agent sessions: OpenAI-API calls captured as one training trajectory, token-exact (docs/design.md §10.6).
+
+An agent written against the OpenAI client marks its calls with a session id (the ``X-Session-Id`` header,
+or ``session_id`` in the body via the client's ``extra_body``). For such a call the server does not
+tokenise the agent's prompt text as it is: it keeps the session's token sequence, the first prompt plus
+every sampled token exactly as the engine produced it, and tokenises only the text the agent *added*
+since its last call (a tool result, a user turn), appended with ``loss_mask`` 0. The model therefore sees,
+and the learner trains on, the very tokens that were sampled, with their behaviour logprobs and versions
+(AReaL's online proxy; Miles' token-in-token-out). A chat request's messages are rendered through the chat
+template to text first, and then handled the same way.
+
+The added text is found as the suffix after the session's transcript: the last prompt text plus the
+completion, either as returned (cut before a stop string) or in full. A prompt that does not extend the
+transcript is refused (400) rather than silently re-tokenised. ``finish(session, reward)`` closes the
+session into a :class:`buffer.schema.Trajectory`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from buffer.schema import Trajectory
+from rollout.engines.base import Completion
+
+MAX_SESSIONS = 4096  # open sessions per server; the oldest idle one is dropped past this
+
+
+class SessionError(ValueError):
+    """A session call that cannot be served; the message says why."""
+
+
+@dataclass
+class Session:
+    session_id: str
+    prompt: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    transcripts: tuple[str, ...] = ()  # what the agent's next prompt may start with, longest first
+    calls: int = 0
+    touched: float = field(default_factory=time.monotonic)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+class SessionStore:
+    """Open sessions of one server, safe across the API's worker threads."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def context(self, session_id: str, prompt_text: str) -> list[int]:
+        """The token ids to generate from: the session's exact tokens plus the agent's new text."""
+        with self._lock:
+            s = self.sessions.get(session_id)
+            if s is None:
+                if len(self.sessions) >= MAX_SESSIONS:
+                    oldest = min(self.sessions.values(), key=lambda x: x.touched)
+                    del self.sessions[oldest.session_id]
+                s = self.sessions[session_id] = Session(session_id)
+            s.touched = time.monotonic()
+            if not s.calls:
+                s.prompt = self.encode(prompt_text)
+                if not s.prompt:
+                    raise SessionError("the session's first prompt is empty")
+                return list(s.prompt)
+            added = next((prompt_text[len(t) :] for t in s.transcripts if prompt_text.startswith(t)), None)
+            if added is None:
+                raise SessionError(
+                    f"session {session_id!r}: the prompt does not extend the session's transcript (the last "
+                    "prompt and its completion); start a new session instead of editing history"
+                )
+            ids = self.encode(added)
+            s.tokens += ids
+            s.logp += [0.0] * len(ids)
+            s.versions += [-1] * len(ids)
+            s.mask += [0] * len(ids)
+            return s.context
+
+    def record(self, session_id: str, prompt_text: str, c: Completion, returned_text: str) -> None:
+        """Append a completion's sampled tokens (loss_mask 1) to the session."""
+        with self._lock:
+            s = self.sessions[session_id]
+            s.tokens += c.token_ids
+            s.logp += c.logprobs
+            s.versions += c.versions
+            s.mask += [1] * len(c.token_ids)
+            full = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            s.transcripts = tuple(
+                sorted({prompt_text + full, prompt_text + returned_text}, key=len, reverse=True)
+            )
+            s.calls += 1
+
+    def finish(self, session_id: str, reward: float, group_id: str | None = None) -> Trajectory:
+        with self._lock:
+            s = self.sessions.pop(session_id, None)
+        if s is None or not s.calls:
+            raise SessionError(f"session {session_id!r}: no such open session with a completion")
+        return Trajectory(
+            traj_id=uuid.uuid4().hex,
+            group_id=group_id or session_id,
+            prompt_id=session_id,
+            prompt_tokens=s.prompt,
+            response_tokens=s.tokens,
+            behav_logp=s.logp,
+            token_versions=s.versions,
+            loss_mask=s.mask,
+            reward=reward,
+            reward_parts={"agent": reward},
+            meta={
+                "session_id": session_id,
+                "calls": s.calls,
+                "version": min(v for v in s.versions if v >= 0),
+            },
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
