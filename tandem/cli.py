@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument(
-        "--head-dim", type=int, default=None, help="attention head size (default hidden/4; vLLM's CPU build needs >= 32)"
+        "--head-dim",
+        type=int,
+        default=None,
+        help="attention head size (default hidden/4; vLLM's CPU build needs >= 32)",
     )
     p.set_defaults(fn=_make_tiny)
 
