@@ -210,7 +210,7 @@ VLLM_API: tuple[Api, ...] = (
     ),
     Api(
         "fields",
-        "vllm.entrypoints.openai.cli_args",
+        "vllm.entrypoints.common.cli_args|vllm.entrypoints.launchers.cli_args",  # 0.33 | 0.32
         "FrontendArgs",
         ("host", "port", "api_key", "enable_scale_out"),
     ),
