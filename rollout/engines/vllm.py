@@ -337,7 +337,9 @@ class VLLMEngine:
             env = {"VLLM_SERVER_DEV_MODE": "1"}
             if device is not None and device.startswith("cuda:") and v.tensor_parallel_size == 1:
                 env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-            log = Path(cfg.run.output_dir) / f"vllm-server{server_id}.log"
+            # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
+            logs = Path(cfg.run.output_dir) / cfg.run.name / "logs"
+            log = (logs if logs.is_dir() else Path(cfg.run.output_dir)) / f"vllm-server{server_id}.log"
             argv = serve_argv(cfg, model_path, v.host, port, cpu=cpu_build())
             self.server = ManagedServer(f"vllm serve (server {server_id})", argv, env=env, log_path=log)
         else:
