@@ -85,15 +85,16 @@ def test_the_vllm_demo_learns_echo(assets, tmp_path: Path) -> None:
     assert steps == 300
     first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
     assert first < 0.2 and last >= 0.8, f"reward {first:.3f} -> {last:.3f}"
-    # Weights reached vLLM every step: the engine loaded each learner version (shm may skip one the
-    # learner superseded before the server polled, so allow a few gaps), and its log shows the reloads.
-    server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
-    versions = {int(r["rollout/version"]) for r in server if "rollout/version" in r}
-    assert max(versions) >= steps - 2 and len(versions) >= 0.9 * steps, sorted(versions)[:20]
+    # Weights reached vLLM every step: each reload is one `/collective_rpc` in vLLM's log (shm hands a server
+    # only the newest version, so one the learner superseded before the server polled is skipped), and the
+    # server generated with the last versions.
     vllm_log = (run_dir / "logs" / "vllm-server0.log").read_text()
-    assert vllm_log.count('"POST /collective_rpc HTTP/1.1" 200') >= 0.9 * steps
+    reloads = vllm_log.count('"POST /collective_rpc HTTP/1.1" 200')
+    assert reloads >= 0.9 * steps, f"{reloads} weight reloads for {steps} steps"
+    server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    assert max(int(r.get("rollout/version", 0)) for r in server) >= steps - 2
     assert leftover_processes(run_dir) == []
-    print(f"vLLM demo: reward {first:.3f} -> {last:.3f} over {steps} steps, {len(versions)} versions loaded")
+    print(f"vLLM demo: reward {first:.3f} -> {last:.3f} over {steps} steps, {reloads} weight reloads")
 
 
 def test_a_killed_vllm_server_is_replaced_and_no_prompt_is_lost(assets, tmp_path: Path) -> None:
