@@ -108,6 +108,10 @@ PY
 
 case "${1:-}" in
   vllm | sglang) make_env "$1" ;;
-  all) make_env vllm; make_env sglang ;;
+  all)
+    make_env vllm
+    if have_cuda; then make_env sglang; else
+      echo "[tandem] skipping .venv-sglang: SGLang has no CPU build on the registry (docs/engines.md §8)"
+    fi ;;
   *) echo "usage: $0 vllm|sglang|all" >&2; exit 2 ;;
 esac

