@@ -3,7 +3,7 @@
     python launch.py configs/tiny.yaml [key.sub=value ...] [--mode sync|async] [--dry-run]
     python launch.py --resume runs/tiny-20261122-101500
 
-What it does, top to bottom (DESIGN §1): validate the config; create ``runs/<name>-<time>/`` with the
+What it does, top to bottom (docs/design.md §1.5): validate the config; create ``runs/<name>-<time>/`` with the
 resolved config; start the embedded Redis (or use ``redis.url``); keep the prompt stream topped up from
 the dataset; start the learner (torchrun for several ranks) and the rollout servers (each with its own
 GPUs or share of CPU threads); wait until all report ready; supervise — a crashed rollout server is
@@ -11,7 +11,7 @@ restarted with backoff up to ``rollout.restart_limit`` times, a crashed learner 
 log tail shown; stop every child cleanly on Ctrl-C or when training ends (the learner writes its final
 checkpoint), leaving no process behind; print a summary and write the reward plot.
 
-``--mode sync`` runs the same components in lock-step: ``max_staleness`` is forced to 0, so admission
+``--mode sync`` runs the same components in lock-step: ``Config.max_staleness`` is 0, so admission
 lets the servers generate exactly one batch per learner version (generate with v, train, publish v+1).
 """
 
@@ -169,41 +169,57 @@ def plan_processes(cfg: Config, run_dir: Path, config_path: Path, *, resume: boo
 # -------------------------------------------------------------------------------------------- prompts
 
 
+@dataclass
+class PromptSet:
+    """The dataset's records and their token ids, checked against ``data.max_prompt_tokens`` up front."""
+
+    records: list[dict]
+    tokens: list[list[int]]
+
+    @classmethod
+    def load(cls, cfg: Config) -> PromptSet:
+        """Raises ConfigError naming the record and field, before any process starts."""
+        from transformers import AutoTokenizer
+
+        from tandem.data import DatasetError, load_prompts, prompt_token_ids
+
+        d = cfg.data
+        try:
+            records = load_prompts(d.prompts, d.prompt_field)
+        except DatasetError as e:
+            raise ConfigError(f"data.prompts: {e}") from None
+        tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code
+        )
+        if d.chat_template and not tokenizer.chat_template:
+            raise ConfigError(f"data.chat_template: the tokenizer of {cfg.model.actor} has no chat template")
+        tokens = []
+        for rec in records:
+            ids = prompt_token_ids(tokenizer, rec[d.prompt_field], chat_template=d.chat_template)
+            if len(ids) > d.max_prompt_tokens:
+                raise ConfigError(
+                    f"data.max_prompt_tokens: record {rec['id']} of {d.prompts} has {len(ids)} tokens"
+                    f" > {d.max_prompt_tokens}"
+                )
+            tokens.append(ids)
+        return cls(records, tokens)
+
+
 class PromptFeeder:
     """Keeps the prompt stream a few batches deep, pass after pass over the dataset (seeded shuffles).
 
     Its position (pass, index) lives in Redis, so a resumed run continues where it stopped.
     """
 
-    def __init__(self, cfg: Config, buffer, client: redis.Redis) -> None:
-        from transformers import AutoTokenizer
-
-        from tandem.data import load_prompts
-
+    def __init__(self, cfg: Config, prompts: PromptSet, buffer, client: redis.Redis) -> None:
         self.cfg, self.buffer, self.client = cfg, buffer, client
-        self.records = load_prompts(cfg.data.prompts, cfg.data.prompt_field)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.actor)
-        self.tokens = [self._tokenize(i, r) for i, r in enumerate(self.records)]
+        self.records, self.tokens = prompts.records, prompts.tokens
         groups_per_step = cfg.algorithm.batch_size // cfg.rollout.n_samples
         # Deep enough that servers never wait on the feeder between two top-ups (prompts are tiny records).
         self.depth = max(
             256, 16 * groups_per_step, 16 * cfg.rollout.num_servers * cfg.rollout.prompts_per_batch
         )
         self.key = f"{cfg.run.name}:feeder"
-
-    def _tokenize(self, i: int, rec: dict) -> list[int]:
-        text = rec[self.cfg.data.prompt_field]
-        if self.cfg.data.chat_template:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-        else:
-            ids = self.tokenizer(text)["input_ids"]
-        if len(ids) > self.cfg.data.max_prompt_tokens:
-            raise ConfigError(
-                f"data.prompts record {i} ({rec['id']}): {len(ids)} tokens > data.max_prompt_tokens={self.cfg.data.max_prompt_tokens}"
-            )
-        return ids
 
     def top_up(self) -> int:
         import random
@@ -448,7 +464,8 @@ def summarize(cfg: Config, client: redis.Redis, run_dir: Path) -> dict[str, floa
     print(
         f"[launch] reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} over {len(rows)} steps ({summary['wall_s']:.0f}s)"
     )
-    marks = [rows[int(i * (len(rows) - 1) / 9)] for i in range(min(10, len(rows)))]
+    n_marks = min(10, len(rows))
+    marks = [rows[round(i * (len(rows) - 1) / max(1, n_marks - 1))] for i in range(n_marks)]
     print("[launch] reward curve: " + "  ".join(f"{int(r['step'])}:{r['reward/mean']:.2f}" for r in marks))
     try:
         import matplotlib
@@ -487,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-console", action="store_true", help="plain log lines instead of the live progress view"
     )
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after any flag
     setup_logging()
 
     overrides = list(args.overrides) + ([f"run.mode={args.mode}"] if args.mode else [])
@@ -501,11 +518,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("a config file (or --resume RUN_DIR) is required")
         if not args.dry_run:
             check_inputs(cfg)
+            prompts = PromptSet.load(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if cfg.run.mode == "sync" and cfg.algorithm.max_staleness != 0:
-        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"max_staleness": 0})})
 
     if args.dry_run:
         run_dir = ROOT / cfg.run.output_dir / f"{cfg.run.name}-<time>"
@@ -540,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from buffer.streams import ReplayBuffer
 
-        feeder = PromptFeeder(cfg, ReplayBuffer.from_config(client, cfg, consumer="launch"), client)
+        feeder = PromptFeeder(cfg, prompts, ReplayBuffer.from_config(client, cfg, consumer="launch"), client)
         feeder.top_up()
         children = plan_processes(cfg, run_dir, config_path, resume=bool(args.resume))
         for c in children:

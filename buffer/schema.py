@@ -1,4 +1,4 @@
-"""Every record that crosses a process boundary, with its codec (DESIGN §2).
+"""Every record that crosses a process boundary, with its codec (docs/design.md §2).
 
 Encoding is msgpack; numpy arrays travel as raw little-endian bytes plus dtype and shape (never per-element
 lists, never pickle). :func:`decode_trajectory` and :func:`decode_prompt` are the only places that turn
@@ -68,7 +68,7 @@ class Trajectory:
         )
 
     def staleness(self, learner_version: int) -> int:
-        """``v - min(token_versions)`` at learner version ``v`` (DESIGN §3)."""
+        """``v - min(token_versions)`` at learner version ``v`` (docs/design.md §3.2)."""
         return learner_version - self.min_version
 
 
@@ -190,6 +190,12 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
         raise SchemaError("behav_logp", "log-probabilities must be finite and <= 0")
     if n and versions.min() < 0:
         raise SchemaError("token_versions", "versions must be >= 0")
+    prompt = _unpack_array("prompt_tokens", _get(d, "prompt_tokens", list), "int32", max_tokens)
+    if len(prompt) == 0:
+        raise SchemaError("prompt_tokens", "empty prompt (the first response token has nothing to follow)")
+    for name, arr in (("prompt_tokens", prompt), ("response_tokens", resp)):
+        if len(arr) and arr.min() < 0:
+            raise SchemaError(name, f"negative token id {int(arr.min())}")
     finish = _get(d, "finish_reason", str)
     if finish not in FINISH_REASONS:
         raise SchemaError("finish_reason", f"{finish!r} not one of {FINISH_REASONS}")
@@ -206,7 +212,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
         traj_id=_get(d, "traj_id", str),
         group_id=_get(d, "group_id", str),
         prompt_id=_get(d, "prompt_id", str),
-        prompt_tokens=_unpack_array("prompt_tokens", _get(d, "prompt_tokens", list), "int32", max_tokens),
+        prompt_tokens=prompt,
         response_tokens=resp,
         behav_logp=behav,
         token_versions=versions,

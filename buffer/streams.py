@@ -1,6 +1,6 @@
 """The replay buffer: Redis Streams carrying prompts to the rollout servers and trajectories to the learner.
 
-Owns every data-path key of a run (DESIGN §1, §3, §7)::
+Owns every data-path key of a run (docs/design.md §1.6, §3, §6)::
 
     {run}:traj           trajectories, consumer group "learner"     {run}:traj:dead     malformed entries
     {run}:traj:stale     entries refused as too stale               {run}:prompts       prompts, group "rollout"
@@ -64,13 +64,20 @@ ADMISSION_POLL_S = 0.5  # wait_admission re-checks this often even without a ver
 R = TypeVar("R")  # the record type of a stream
 T = TypeVar("T")
 _Raw = tuple[str, dict[bytes, bytes], bool]  # (id, fields, redelivered) as read, before decoding
+# A screen refuses a decoded record with (kind, reason): kind "dead" (unusable) or "stale".
+Screen = Callable[[R], "tuple[str, str] | None"]
 
 # KEYS[1] stream to append to, KEYS[2] stream whose entries to acknowledge.
 # ARGV: maxlen (0: unbounded), group of KEYS[2], number of ids to ack, the ids, then the payloads.
+# Returns the new ids; false when full (retry); 0 when an entry to ack is no longer pending: another
+# consumer claimed it and answered first, so this answer is a duplicate and is refused whole.
 _PUT_LUA = """
 local nack = tonumber(ARGV[3])
 local first = 4 + nack
 local maxlen = tonumber(ARGV[1])
+for i = 4, 3 + nack do
+  if #redis.call('XPENDING', KEYS[2], ARGV[2], ARGV[i], ARGV[i], 1) == 0 then return 0 end
+end
 if maxlen > 0 and redis.call('XLEN', KEYS[1]) + (#ARGV - first + 1) > maxlen then return false end
 local ids = {}
 for i = first, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
@@ -171,7 +178,10 @@ class _GroupStream(Generic[R]):
         timeout_s: float,
         ack: tuple[_GroupStream[Any], Sequence[str]] | None = None,
     ) -> list[str]:
-        """XADD all payloads contiguously (and ack ``ack``'s ids in the same step) once they fit in maxlen."""
+        """XADD all payloads contiguously (and ack ``ack``'s ids in the same step) once they fit in maxlen.
+
+        Returns [] without appending anything when an id in ``ack`` was already acknowledged (a duplicate).
+        """
         if maxlen and len(payloads) > maxlen:
             raise ValueError(f"{self.key}: {len(payloads)} entries can never fit in maxlen {maxlen}")
         ack_stream, ack_ids = ack if ack else (self, ())
@@ -180,6 +190,9 @@ class _GroupStream(Generic[R]):
         pause = 0.01
         while True:
             ids = self._put(keys=[self.key, ack_stream.key], args=argv)
+            if ids == 0:
+                ack_stream._outstanding.difference_update(ack_ids)
+                return []
             if ids is not None:
                 ack_stream._outstanding.difference_update(ack_ids)
                 return [_str(i) for i in ids]
@@ -192,6 +205,12 @@ class _GroupStream(Generic[R]):
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.2)
 
+    def keep_claimed(self, ids: Sequence[str]) -> None:
+        """Reset the idle time of entries this consumer holds (XCLAIM ... JUSTID), so a long piece of work
+        on them is not mistaken for a dead consumer's and claimed by another."""
+        if ids:
+            self.client.xclaim(self.key, self.group, self.consumer, 0, list(ids), justid=True)
+
     def ack(self, ids: Sequence[str]) -> None:
         if not ids:
             return
@@ -203,12 +222,11 @@ class _GroupStream(Generic[R]):
 
     # -------------------------------------------------------------------------------------- reading
 
-    def take(
-        self, n: int, timeout_s: float, screen: Callable[[R], str | None] | None = None
-    ) -> list[tuple[str, R, bool]]:
+    def take(self, n: int, timeout_s: float, screen: Screen[R] | None = None) -> list[tuple[str, R, bool]]:
         """Up to n valid records as (id, record, redelivered); fewer only when timeout_s runs out.
 
-        ``screen`` returns a reason to refuse a record as stale (moved to ``:stale``), or None to accept it.
+        ``screen`` returns ``(kind, reason)`` to refuse a record (moved to ``:<kind>``, "dead" or "stale"),
+        or None to accept it.
         """
         deadline = time.monotonic() + timeout_s
         out: list[tuple[str, R, bool]] = []
@@ -290,9 +308,7 @@ class _GroupStream(Generic[R]):
             log.warning("%s: claimed %d entries idle > %d ms", self.key, len(claimed), self.claim_idle_ms)
         return claimed
 
-    def _screen(
-        self, entries: list[_Raw], screen: Callable[[R], str | None] | None
-    ) -> list[tuple[str, R, bool]]:
+    def _screen(self, entries: list[_Raw], screen: Screen[R] | None) -> list[tuple[str, R, bool]]:
         """Decode entries; move the malformed and the refused out of the stream."""
         accepted: list[tuple[str, R, bool]] = []
         rejects: list[_Reject] = []
@@ -304,9 +320,9 @@ class _GroupStream(Generic[R]):
             except SchemaError as e:
                 rejects.append(_Reject(entry_id, payload, str(e), "dead"))
                 continue
-            reason = screen(record) if screen else None
-            if reason:
-                rejects.append(_Reject(entry_id, payload, reason, "stale"))
+            verdict = screen(record) if screen else None
+            if verdict:
+                rejects.append(_Reject(entry_id, payload, verdict[1], verdict[0]))
             else:
                 accepted.append((entry_id, record, redelivered))
         if rejects:
@@ -435,6 +451,8 @@ class ReplayBuffer:
         """Append trajectories contiguously, waiting up to put_timeout_s for room (then TimeoutError).
 
         ``ack_prompts``: ids of the prompts these trajectories answer, acknowledged in the same atomic step.
+        If one of them was already answered (another server claimed it and appended first), nothing is
+        appended and [] is returned: each prompt's group enters the stream once.
         """
         payloads = [encode_trajectory(t) for t in trajs]
         for t, p in zip(trajs, payloads, strict=True):
@@ -448,16 +466,29 @@ class ReplayBuffer:
         self._put_count += len(ids)
         return ids
 
-    def take(self, n: int, timeout_s: float, *, max_staleness: int | None = None) -> list[Taken]:
+    def take(
+        self,
+        n: int,
+        timeout_s: float,
+        *,
+        max_staleness: int | None = None,
+        validate: Callable[[Trajectory], str | None] | None = None,
+    ) -> list[Taken]:
         """Up to n (blocks until n arrive or timeout). With max_staleness, moves entries whose staleness at
-        the current learner version exceeds it to {run}:traj:stale (acked and counted). Own pending entries
-        come first, then entries idle > claim_idle_ms on other consumers, then new ones."""
+        the current learner version exceeds it to {run}:traj:stale (acked and counted). ``validate`` returns
+        why a well-formed trajectory is still unusable by this consumer (e.g. a token id outside the
+        model's vocabulary): such a poison pill is dead-lettered and counted, never handed out, so a
+        restarted consumer cannot crash on it again. Own pending entries come first, then entries idle >
+        claim_idle_ms on other consumers, then new ones."""
         v = self.get_version()
 
-        def screen(t: Trajectory) -> str | None:
+        def screen(t: Trajectory) -> tuple[str, str] | None:
+            problem = validate(t) if validate is not None else None
+            if problem:
+                return "dead", problem
             s = t.staleness(v)
             if max_staleness is not None and s > max_staleness:
-                return f"staleness {s} > max_staleness {max_staleness} at version {v}"
+                return "stale", f"staleness {s} > max_staleness {max_staleness} at version {v}"
             self._staleness[s] += 1  # accepted: exactly the entries take returns
             return None
 
@@ -487,6 +518,14 @@ class ReplayBuffer:
 
     def take_prompts(self, n: int, timeout_s: float) -> list[TakenPrompt]:
         return [TakenPrompt(i, p, r) for i, p, r in self._prompts.take(n, timeout_s)]
+
+    def keep_prompts(self, ids: Sequence[str]) -> None:
+        """Heartbeat of a server still generating for these prompts: they stay its own (not reclaimed)."""
+        self._prompts.keep_claimed(ids)
+
+    @property
+    def claim_idle_ms(self) -> int:
+        return self._prompts.claim_idle_ms
 
     def ack_prompts(self, ids: Sequence[str]) -> None:
         """Acknowledge prompts whose trajectories are appended (``put(ack_prompts=)`` does it atomically)."""
@@ -550,20 +589,26 @@ class ReplayBuffer:
         max_staleness: int,
         timeout_s: float,
         should_stop: Callable[[], bool] | None = None,
+        while_waiting: Callable[[], None] | None = None,
+        wake_channels: Sequence[str] = (),
     ) -> bool:
         """Block until admitted (True), or until timeout_s passes or should_stop() is true (False).
 
-        Wakes on each version announcement and re-checks every ADMISSION_POLL_S regardless.
+        Wakes on each version announcement (and on any of ``wake_channels``) and re-checks every
+        ADMISSION_POLL_S regardless. ``while_waiting`` runs at each wake-up: a rollout server takes new
+        weights there, since the learner's next version may be waiting on it (a ``dist`` broadcast).
         """
         if self.admit(n, batch_size=batch_size, max_staleness=max_staleness):
             return True
         deadline = time.monotonic() + timeout_s
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self._version_channel)
+        pubsub.subscribe(self._version_channel, *wake_channels)
         try:
             while True:
                 if self.admit(n, batch_size=batch_size, max_staleness=max_staleness):
                     return True
+                if while_waiting is not None:
+                    while_waiting()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (should_stop is not None and should_stop()):
                     return False

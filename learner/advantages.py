@@ -1,4 +1,4 @@
-"""Advantage estimators and the masked reductions the learner's math shares (DESIGN §4).
+"""Advantage estimators and the masked reductions the learner's math shares (docs/design.md §4.5).
 
 Every function is tensor in, tensor out. Per-token tensors are ``(B, T)`` over *response* tokens only,
 right-padded, with ``mask`` ``(B, T)`` (1 = real token; bool or float). Padding and aborted tails are

@@ -69,6 +69,18 @@ class Batch:
         return int(self.seq_lens.sum())
 
 
+def trajectory_problem(t: Trajectory, vocab_size: int) -> str | None:
+    """Why a well-formed trajectory cannot be trained on by this model, or None.
+
+    The schema checks what any consumer needs; this checks what only the learner knows (its vocabulary):
+    an out-of-range id would otherwise fail inside the embedding, on every retry after a restart.
+    """
+    for name, ids in (("prompt_tokens", t.prompt_tokens), ("response_tokens", t.response_tokens)):
+        if len(ids) and int(ids.max()) >= vocab_size:
+            return f"{name}: token id {int(ids.max())} outside the model's vocabulary of {vocab_size}"
+    return None
+
+
 def make_batch(trajs: Sequence[Trajectory], version: int) -> Batch:
     """Collate trajectories (on CPU; tensors move to the device per micro-batch)."""
     width = max([1, *(len(t.response_tokens) for t in trajs)])

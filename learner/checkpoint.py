@@ -1,4 +1,4 @@
-"""Learner checkpoints and the exactly-once contract with the trajectory stream (DESIGN §7).
+"""Learner checkpoints and the exactly-once contract with the trajectory stream (docs/design.md §6.2).
 
 A checkpoint at version ``v`` is: the DeepSpeed checkpoints of actor and critic (``engine.save_checkpoint``,
 tag ``v{v:08d}``, optimizer state included), each rank's RNG states (torch, numpy, python; JSON, no

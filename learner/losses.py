@@ -1,4 +1,4 @@
-"""Losses, KL estimators and loss metrics of the learner (DESIGN §4); pure tensor functions.
+"""Losses, KL estimators and loss metrics of the learner (docs/design.md §4); pure tensor functions.
 
 Per-token tensors are ``(B, T)`` over response tokens, right-padded, with ``mask`` ``(B, T)``
 (1 = real token). Losses are token-level means over the batch (``masked_mean``). Metrics are returned as

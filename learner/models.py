@@ -170,6 +170,11 @@ class Models:
     temperature: float  # rollout sampling temperature (behav_logp is of the tempered distribution)
     reference_on_cpu: bool
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the actor's embedding: every token id a trajectory carries must be below it."""
+        return self.actor.module.get_input_embeddings().num_embeddings
+
 
 def load_models(cfg: Config, device: torch.device) -> Models:
     dtype = resolve_dtype(cfg, device)

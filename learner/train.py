@@ -6,7 +6,7 @@ algorithm, top to bottom; everything else here is plumbing around it.
 
 Design decisions:
 
-- **Three policies** (AReaL's decoupled PPO, DESIGN §4): ``behav_logp`` comes with the trajectory,
+- **Three policies** (AReaL's decoupled PPO, docs/design.md §4.2): ``behav_logp`` comes with the trajectory,
   ``prox_logp`` is the actor recomputed once at the start of the step (no grad), ``logp`` is the actor
   with gradient inside the PPO epochs. Math lives in ``learner/advantages.py`` and ``learner/losses.py``;
   the estimator is chosen once at setup from ``ADVANTAGE_ESTIMATORS``.
@@ -22,12 +22,12 @@ Design decisions:
   minibatch is split the same way. All ranks run the same number of forward passes, which ZeRO-3 needs.
   This puts one reader on the stream, so exactly-once stays a single-consumer problem
   (``learner/checkpoint.py``).
-- **Order after the optimizer step** (synchronous equivalence, DESIGN §3): version ``v += 1``; publish
+- **Order after the optimizer step** (synchronous equivalence, docs/design.md §3.5, §3.6): version ``v += 1``; publish
   version-``v`` weights if ``v % sync_interval == 0``; *then* ``buffer.set_version(v)``, which opens
   admission, so no server starts a group for ``v`` before its weights exist. At start-up (and on resume)
   the current weights are published before anything waits for them, so a broken weight path fails at
   step 0.
-- **Sync mode is the same code**: ``run.mode == "sync"`` only forces ``max_staleness = 0``; with servers
+- **Sync mode is the same code**: ``run.mode == "sync"`` only makes ``Config.max_staleness`` 0; with servers
   honouring admission the learner then trains only on data of its current version.
 - **Stopping**: after ``learner.total_steps``, on ``Telemetry.stop_requested()``, or on SIGTERM/SIGINT: the
   current step finishes, then a final checkpoint (and the final actor as a HF directory).
@@ -65,6 +65,7 @@ from learner.batch import (
     make_batch,
     micro_batches,
     response_view,
+    trajectory_problem,
 )
 from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from learner.models import (
@@ -76,7 +77,7 @@ from learner.models import (
     values,
     visiting,
 )
-from tandem.config import Config, load_config
+from tandem.config import Config, load_config, redact
 from tandem.telemetry import Telemetry, setup_logging
 
 log = logging.getLogger("learner")
@@ -130,7 +131,6 @@ class Learner:
     ) -> None:
         self.cfg, self.run_dir, self.resume, self.layout = cfg, Path(run_dir), resume, layout
         a = cfg.algorithm
-        self.max_staleness = 0 if cfg.run.mode == "sync" else a.max_staleness
         self.estimate = ADVANTAGE_ESTIMATORS[a.advantage]
         self.kl_estimator = KL_ESTIMATORS[a.kl_estimator]
         self.ckpt_dir = Path(cfg.learner.checkpoint_dir or self.run_dir / "checkpoints")
@@ -145,6 +145,15 @@ class Learner:
             if size % self.world:
                 raise ValueError(f"{name} ({size}) must be a multiple of the learner ranks ({self.world})")
         torch.manual_seed(cfg.run.seed + self.rank)
+        # One optimizer step per batch starts from the proximal policy, so its forward pass is the
+        # actor's own (detached) and a separate no-grad pass would compute the same numbers again. Not
+        # when the KL is folded into the reward: advantages need it before the first backward.
+        self.prox_is_current = (
+            a.prox_forward == "auto"
+            and a.ppo_epochs == 1
+            and a.minibatch_size == a.batch_size
+            and not (a.kl_in_reward and a.kl_coef > 0)
+        )
         self.version = 0
         self.pending: list[str] = []  # trained on, not yet in a committed checkpoint, so not acked
         self.checkpointed_version = -1
@@ -255,20 +264,18 @@ class Learner:
     def train(self, batch: Batch) -> dict[str, float]:
         """Everything between a batch and its optimizer steps; every rank, the same code."""
         a = self.cfg.algorithm
-        prox_logp, ref_logp, old_values = self.score(batch)  # (B, R) each; ref/values may be None
-        kl = None if ref_logp is None else self.kl_estimator(prox_logp, ref_logp)  # (B, R)
-        rewards = token_rewards(
-            batch.rewards, batch.mask, kl if a.kl_in_reward else None, a.kl_coef
-        )  # (B, R)
+        # (B, R) each; ref/values None without a reference/critic, prox None when it would equal logp
+        prox_logp, ref_logp, old_values = self.score(batch, actor=not self.prox_is_current)
+        kl_reward = None
+        if a.kl_in_reward and ref_logp is not None:
+            kl_reward = self.kl_estimator(prox_logp, ref_logp)  # (B, R)
+        rewards = token_rewards(batch.rewards, batch.mask, kl_reward, a.kl_coef)  # (B, R)
         adv, returns = self.estimate(
             AdvantageInputs(
                 rewards, batch.mask, batch.group_index, old_values, a.gamma, a.lam, a.normalize_std
             )
         )
-        stats = self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values)
-        if kl is not None:
-            stats["policy/kl"] = float(masked_mean(kl, batch.mask))
-        return stats
+        return self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values)
 
     # ------------------------------------------------------------------------------------- data and math
 
@@ -303,9 +310,15 @@ class Learner:
                     f"at version {self.version}: are rollout servers running and receiving weights?"
                 )
             taken += self.buffer.take(
-                need - len(taken), min(remaining, POLL_S), max_staleness=self.max_staleness
+                need - len(taken),
+                min(remaining, POLL_S),
+                max_staleness=self.cfg.max_staleness,
+                validate=self.unusable,
             )
         return taken
+
+    def unusable(self, t: Trajectory) -> str | None:
+        return trajectory_problem(t, self.models.vocab_size)
 
     def micro(self, batch: Batch, rows: Tensor) -> list[MicroBatch]:
         """This rank's micro-batches of ``rows``: sorted by length and dealt round-robin, so shares balance."""
@@ -315,19 +328,23 @@ class Learner:
         return micro_batches(batch, rows, self.cfg.learner.micro_batch_size, self.layout, self.device)
 
     @torch.no_grad()
-    def score(self, batch: Batch) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """``prox_logp``, reference logprobs and critic values of every response token. Shape: (B, R) each."""
+    def score(
+        self, batch: Batch, *, actor: bool = True
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """``prox_logp`` (None unless ``actor``), reference logprobs and critic values of every response
+        token. Shape: (B, R) each."""
         m, temperature = self.models, self.models.temperature
-        prox_logp = torch.zeros_like(batch.behav_logp)
+        prox_logp = torch.zeros_like(batch.behav_logp) if actor else None
         ref_logp = None if m.reference is None else torch.zeros_like(batch.behav_logp)
         old_values = None if m.critic is None else torch.zeros_like(batch.behav_logp)
         m.actor.eval()
         if m.critic is not None:
             m.critic.eval()
         for mb in self.micro(batch, torch.arange(len(batch))):
-            prox_logp[mb.rows] = logprobs_from_logits(
-                response_view(policy_logits(m.actor, mb, temperature), mb), mb.targets
-            )
+            if prox_logp is not None:
+                prox_logp[mb.rows] = logprobs_from_logits(
+                    response_view(policy_logits(m.actor, mb, temperature), mb), mb.targets
+                )
             if ref_logp is not None:
                 with visiting(m.reference, self.device, m.reference_on_cpu) as ref:
                     ref_logp[mb.rows] = logprobs_from_logits(
@@ -348,7 +365,7 @@ class Learner:
     def ppo_update(
         self,
         batch: Batch,
-        prox_logp: Tensor,
+        prox_logp: Tensor | None,
         ref_logp: Tensor | None,
         adv: Tensor,
         returns: Tensor | None,
@@ -377,7 +394,7 @@ class Learner:
         self,
         mb: MicroBatch,
         batch: Batch,
-        prox_logp: Tensor,
+        prox_logp: Tensor | None,
         ref_logp: Tensor | None,
         adv: Tensor,
         num_tokens: Tensor,
@@ -387,8 +404,10 @@ class Learner:
         mask = batch.mask[rows]  # (b, R)
         logits = response_view(policy_logits(self.models.actor, mb, self.models.temperature), mb)  # (b, R, V)
         logp = logprobs_from_logits(logits, mb.targets)  # (b, R)
+        # The batch's only optimizer step starts from the proximal policy: logp *is* prox_logp here.
+        prox = logp.detach() if prox_logp is None else prox_logp[rows]
         loss, metrics = policy_loss(
-            logp, prox_logp[rows], batch.behav_logp[rows], adv[rows], mask,
+            logp, prox, batch.behav_logp[rows], adv[rows], mask,
             eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high, is_cap=a.is_cap,
             dual_clip=a.dual_clip, num_tokens=num_tokens,
         )  # fmt: skip
@@ -399,6 +418,9 @@ class Learner:
             entropy = masked_mean(entropy_from_logits(logits), mask, num_tokens)
         stats.add("policy/entropy", entropy * num_tokens, n)
         loss = loss - a.entropy_coef * entropy if a.entropy_coef > 0 else loss
+        if ref_logp is not None:
+            kl = masked_mean(self.kl_estimator(prox, ref_logp[rows]), mask, num_tokens)
+            stats.add("policy/kl", kl * num_tokens, n)
         if ref_logp is not None and not a.kl_in_reward:
             kl_loss = masked_mean(self.kl_estimator(logp, ref_logp[rows]), mask, num_tokens)
             stats.add("loss/kl", kl_loss * num_tokens, n)
@@ -503,7 +525,7 @@ def connect(cfg: Config) -> redis.Redis:
     try:
         client.ping()
     except redis.RedisError as e:
-        raise ConnectionError(f"learner: Redis at {cfg.redis.url} does not answer: {e}") from None
+        raise ConnectionError(f"learner: Redis at {redact(cfg.redis.url)} does not answer: {e}") from None
     return client
 
 

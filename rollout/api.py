@@ -5,9 +5,12 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streamin
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry).
 The same engine serves the rollout loop; the engine serialises the two (the hf engine per decode step).
 
-Hardening (DESIGN §7): binds to loopback by default; an optional bearer token guards ``/v1/*``; bodies
+Hardening (docs/design.md §6.4): binds to loopback by default; an optional bearer token guards ``/v1/*``; bodies
 over ``max_request_bytes`` get 413 before they are read; ``max_tokens`` is bounded by ``max_tokens_limit``
-and the model's context. Every failure is a JSON error in OpenAI's shape
+and the model's context; a request holds at most ``max_prompts_per_request`` prompts and asks for at most
+``max_total_tokens_per_request`` tokens (prompts × n × max_tokens); past ``max_concurrent_requests``
+requests in flight, the next gets 429 at once. A client that disconnects cancels its generation, streamed
+or not (between decode steps, on engines that offer them). Every failure is a JSON error in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, and the server keeps serving.
 
 Departures from OpenAI: ``top_logprobs`` lists only the sampled token (engines record the behaviour
@@ -18,20 +21,21 @@ whole request has finished.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -48,11 +52,13 @@ from transformers import PreTrainedTokenizerBase
 
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
 from tandem.config import HTTPConfig
+from tandem.data import chat_token_ids
 
 log = logging.getLogger(__name__)
 
 MAX_N = 64  # choices per prompt
-MAX_PROMPTS = 64  # prompts per /v1/completions request
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it, the metrics count it
+DISCONNECT_POLL_S = 0.1
 
 
 class ServerMetrics:
@@ -204,6 +210,46 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class Guard:
+    """Pure ASGI middleware: the bearer token on ``/v1/*``, and a request count by route and status.
+
+    Not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware hides the client's disconnect from
+    the endpoint, and a disconnect must cancel the generation.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.expected is not None and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.requests.labels(route=scope["path"], status="401").inc()
+                response = error_response(
+                    401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
+                )
+                await response(scope, receive, send)
+                return
+        status = 500
+
+        async def send_recording_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_recording_status)
+        finally:
+            route = scope.get("route")
+            path = route.path if route is not None else "unmatched"
+            self.metrics.requests.labels(route=path, status=str(status)).inc()
+
+
 class _TooLarge(Exception):
     pass
 
@@ -241,6 +287,8 @@ class API:
         self.max_context = max_context
         self.special_ids = set(tokenizer.all_special_ids)
         self.created = int(time.time())
+        self.active = 0  # requests holding a generation slot
+        self._slots_lock = threading.Lock()
 
     # -------------------------------------------------------------------------------------- validation
 
@@ -273,6 +321,14 @@ class API:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        total = len(prompts) * req.n * max_tokens
+        if total > self.http.max_total_tokens_per_request:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompt(s) × n={req.n} × max_tokens={max_tokens} = {total} tokens exceeds the "
+                f"server's limit of {self.http.max_total_tokens_per_request} per request",
+                param="max_tokens",
+            )
         return SamplingParams(
             n=req.n,
             max_new_tokens=max_tokens,
@@ -291,8 +347,9 @@ class API:
             return [list(p)]  # type: ignore[arg-type]
         else:
             prompts = p  # type: ignore[assignment]
-        if not prompts or len(prompts) > MAX_PROMPTS:
-            raise APIError(400, f"prompt must hold 1..{MAX_PROMPTS} prompts", param="prompt")
+        limit = self.http.max_prompts_per_request
+        if not prompts or len(prompts) > limit:
+            raise APIError(400, f"prompt must hold 1..{limit} prompts (got {len(prompts)})", param="prompt")
         out = [
             x if isinstance(x, list) else self.tokenizer(x, add_special_tokens=False).input_ids
             for x in prompts
@@ -304,22 +361,50 @@ class API:
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in req.messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return chat_token_ids(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
 
     # ---------------------------------------------------------------------------------------- generation
 
-    async def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    async def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, request: Request
+    ) -> list[list[Completion]]:
+        """Generate for a non-streaming request; a client that disconnects meanwhile cancels the work."""
+        cancelled = threading.Event()
+
+        def between_steps() -> None:
+            if cancelled.is_set():
+                raise _ClientGone
+
+        watcher = asyncio.create_task(_watch_disconnect(request, cancelled))
         try:
-            out = await run_in_threadpool(self.engine.generate, prompts, sampling)
+            out = await run_in_threadpool(
+                self.engine.generate, prompts, sampling, between_steps=between_steps
+            )
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
+        finally:
+            watcher.cancel()
         self.metrics.generated_tokens.labels(source="http").inc(sum(len(c.token_ids) for g in out for c in g))
         return out
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """One of ``max_concurrent_requests`` generation slots, or 429 at once (no unbounded queue)."""
+        limit = self.http.max_concurrent_requests
+        with self._slots_lock:
+            if self.active >= limit:
+                raise APIError(
+                    429,
+                    f"the server is generating for {limit} requests (max_concurrent_requests); retry later",
+                    type="rate_limit_error",
+                    code="rate_limit_exceeded",
+                )
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._slots_lock:
+                self.active -= 1
 
     async def stream_tokens(
         self, prompts: list[list[int]], sampling: SamplingParams
@@ -341,6 +426,8 @@ class API:
             lambda: self.engine.generate(prompts, sampling, between_steps=between_steps, on_token=on_token),
         )
         future.add_done_callback(lambda _: queue.put_nowait(None))  # runs after every queued token
+        # A client gone mid-stream leaves nobody to await the future: mark its _ClientGone as seen.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         tokens = 0
         try:
             while (item := await queue.get()) is not None:
@@ -395,7 +482,7 @@ class API:
 
     # ------------------------------------------------------------------------------------------ endpoints
 
-    async def completions(self, req: CompletionRequest) -> Any:
+    async def completions(self, req: CompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
         prompts = self.completion_prompts(req)
         sampling = self.sampling(req, req.max_tokens, prompts)
@@ -403,7 +490,8 @@ class API:
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model}
         if req.stream:
             return await self.sse(self.completion_chunks(head, prompts, sampling, req.logprobs is not None))
-        out = await self.generate(prompts, sampling)
+        with self.slot():
+            out = await self.generate(prompts, sampling, request)
         choices = []
         for i, c in enumerate(c for g in out for c in g):
             text, finish = self.text_and_finish(c, sampling.stop)
@@ -413,7 +501,7 @@ class API:
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
         return {**head, "choices": choices, "usage": self.usage(prompts, out, sampling.n)}
 
-    async def chat(self, req: ChatRequest) -> Any:
+    async def chat(self, req: ChatRequest, request: Request) -> Any:
         self.check_model(req.model)
         prompt = self.chat_prompt(req)
         sampling = self.sampling(req, req.max_completion_tokens or req.max_tokens, [prompt])
@@ -424,7 +512,8 @@ class API:
             return await self.sse(
                 self.chat_chunks(head, prompt, sampling, req.logprobs, bool(req.top_logprobs))
             )
-        out = await self.generate([prompt], sampling)
+        with self.slot():
+            out = await self.generate([prompt], sampling, request)
         choices = []
         for i, c in enumerate(out[0]):
             text, finish = self.text_and_finish(c, sampling.stop)
@@ -522,7 +611,9 @@ class API:
 
     async def sse(self, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         """Stream chunks as server-sent events. The first chunk is awaited before the response starts, so
-        an engine that rejects the request still gets a proper 400 rather than an in-band error."""
+        an engine that rejects the request still gets a proper 400 rather than an in-band error. The
+        stream holds a generation slot until it ends or the client goes away."""
+        chunks = self._holding_slot(chunks)
         try:
             first = await anext(chunks)
         except ValueError as e:
@@ -541,6 +632,11 @@ class API:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def _holding_slot(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        with self.slot():
+            async for chunk in chunks:
+                yield chunk
+
     def models(self) -> dict[str, Any]:
         return {
             "object": "list",
@@ -551,7 +647,14 @@ class API:
 
 
 class _ClientGone(Exception):
-    """Raised inside the engine's decode loop when a streaming client went away."""
+    """Raised inside the engine's decode loop when the client went away: the rest of the work is dropped."""
+
+
+async def _watch_disconnect(request: Request, cancelled: threading.Event) -> None:
+    """Set ``cancelled`` once the client of ``request`` disconnects (cancel this task to stop watching)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    cancelled.set()
 
 
 def create_app(
@@ -576,23 +679,7 @@ def create_app(
     )
     app = FastAPI(title="tandem rollout server", docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Any:
-        if request.url.path.startswith("/v1/") and http.api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {http.api_key}".encode()):
-                response = error_response(
-                    401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
-                )
-                metrics.requests.labels(route=request.url.path, status="401").inc()
-                return response
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(
-            route=route.path if route is not None else "unmatched", status=str(response.status_code)
-        ).inc()
-        return response
-
+    app.add_middleware(Guard, api_key=http.api_key, metrics=metrics)
     app.add_middleware(BodyLimit, limit=http.max_request_bytes)
 
     @app.exception_handler(APIError)
@@ -615,6 +702,11 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail), "invalid_request_error")
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, e: _ClientGone) -> Response:
+        log.info("%s: the client disconnected; generation cancelled", request.url.path)
+        return Response(status_code=CLIENT_GONE_STATUS)
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""The rollout loop: admit, claim prompts, generate ``n`` samples each, score, append (DESIGN §1, §3).
+"""The rollout loop: admit, claim prompts, generate ``n`` samples each, score, append (docs/design.md §1.3, §3).
 
 One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
 
@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import defaultdict
 
+import redis
 from transformers import PreTrainedTokenizerBase
 
 from buffer.schema import PromptRecord, Trajectory
@@ -35,7 +36,7 @@ from rollout.reward_model import RewardModel
 from tandem.config import Config
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
-from weightsync.base import Subscriber, Update, WeightSyncError
+from weightsync.base import Subscriber, Update, WeightSyncError, weights_key
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class RolloutLoop:
             stop=list(r.stop),
         )
         self.credits = 0  # groups admitted but not yet claimed
-        self.steps = self.groups = 0
+        self.steps = self.groups = self.duplicates = 0
         self.timers: dict[str, float] = defaultdict(float)  # seconds spent since the last log
         self._last_poll = 0.0
 
@@ -92,11 +93,14 @@ class RolloutLoop:
         if not self.admit():
             return 0
         prompts = self.take_prompts()
-        if not prompts or not self.ensure_fresh_weights():
+        if not prompts:
             return 0
-        completions = self.generate(prompts)
-        groups = self.score(prompts, completions)
-        self.put(prompts, groups)
+        with ClaimHeartbeat(self.buffer, [p.id for p in prompts]):  # held prompts stay ours meanwhile
+            if not self.ensure_fresh_weights():
+                return 0
+            completions = self.generate(prompts)
+            groups = self.score(prompts, completions)
+            groups = self.put(prompts, groups)
         self.log(groups)
         return len(groups)
 
@@ -106,11 +110,16 @@ class RolloutLoop:
         """Gain admission for up to ``prompts_per_batch`` groups: wait for the first, take the rest if free."""
         a, n, start = self.cfg.algorithm, self.sampling.n, time.perf_counter()
         while self.credits < self.cfg.rollout.prompts_per_batch:
-            kw = dict(batch_size=a.batch_size, max_staleness=a.max_staleness)
+            kw = dict(batch_size=a.batch_size, max_staleness=self.cfg.max_staleness)
             if self.credits:
                 ok = self.buffer.admit(n, **kw)
             else:
-                ok = self.buffer.wait_admission(n, **kw, timeout_s=POLL_S, should_stop=self.should_stop)
+                ok = self.buffer.wait_admission(
+                    n, **kw, timeout_s=POLL_S, should_stop=self.should_stop,
+                    # The learner may be publishing the very version that opens admission, and a dist
+                    # broadcast waits for this server to join: take weights while waiting.
+                    while_waiting=self.poll_weights, wake_channels=[weights_key(self.cfg.run.name, "announce")],
+                )  # fmt: skip
             if not ok:
                 break
             self.credits += 1
@@ -134,7 +143,7 @@ class RolloutLoop:
         self.apply(self.subscriber.poll(0.0))
         timeout = self.cfg.weightsync.timeout_s
         deadline = start + timeout
-        while self.engine.version < (need := self.buffer.get_version() - self.cfg.algorithm.max_staleness):
+        while self.engine.version < (need := self.buffer.get_version() - self.cfg.max_staleness):
             if self.should_stop():
                 return False
             if time.perf_counter() > deadline:
@@ -176,16 +185,28 @@ class RolloutLoop:
             groups.append(trajs)
         return groups
 
-    def put(self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]) -> None:
-        """One atomic append per group, acknowledging its prompt with it (groups stay contiguous)."""
+    def put(self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+        """One atomic append per group, acknowledging its prompt with it (groups stay contiguous).
+
+        Returns the groups appended: a group whose prompt another server already answered is refused.
+        """
         start = time.perf_counter()
+        appended = []
         for taken, group in zip(prompts, groups, strict=True):
-            self.buffer.put(group, ack_prompts=[taken.id])
+            if self.buffer.put(group, ack_prompts=[taken.id]):
+                appended.append(group)
+            else:
+                self.duplicates += 1
+                log.warning("server-%d: prompt %s was answered by another server; group dropped",
+                            self.server_id, taken.prompt.prompt_id)  # fmt: skip
         self.timers["time/put"] += time.perf_counter() - start
-        self.groups += len(groups)
+        self.groups += len(appended)
+        return appended
 
     def log(self, groups: list[list[Trajectory]]) -> None:
         trajs = [t for g in groups for t in g]
+        if not trajs:
+            return
         tokens = sum(len(t.response_tokens) for t in trajs)
         self.metrics.generated_tokens.labels(source="rollout").inc(tokens)
         self.metrics.rollout_groups.inc(len(groups))
@@ -194,6 +215,7 @@ class RolloutLoop:
             {
                 "rollout/tokens_per_s": tokens / max(self.timers["time/generate"], 1e-9),
                 "rollout/groups": self.groups,
+                "rollout/duplicates_refused": self.duplicates,
                 "rollout/version": self.engine.version,
                 "rollout/response_len": tokens / len(trajs),
                 "rollout/stop_frac": sum(t.finish_reason == "stop" for t in trajs) / len(trajs),
@@ -216,13 +238,18 @@ class RolloutLoop:
         self.metrics.weight_update_seconds.observe(seconds)
         log.info("server-%d: weights v%d applied in %.3fs", self.server_id, update.version, seconds)
 
+    def poll_weights(self) -> None:
+        """Apply a new version if one is on offer, without waiting for one."""
+        start = time.perf_counter()
+        self.apply(self.subscriber.poll(0.0))
+        self.timers["time/weight_sync"] += time.perf_counter() - start
+
     def poll_inflight(self) -> None:
         """The engine's ``between_steps`` hook: a cheap, throttled poll for a new version mid-generation."""
         now = time.perf_counter()
         if now - self._last_poll >= INFLIGHT_POLL_S:
             self._last_poll = now
-            self.apply(self.subscriber.poll(0.0))
-            self.timers["time/weight_sync"] += time.perf_counter() - now
+            self.poll_weights()
 
     def score_reward_model(self, prompts: list[TakenPrompt], texts: list[list[str]]) -> list[float]:
         if self.reward_model is None:
@@ -268,3 +295,33 @@ class RolloutLoop:
             self.buffer.release(self.credits * self.sampling.n)
             self.credits = 0
         log.info("server-%d: rollout loop stopped after %d groups", self.server_id, self.groups)
+
+
+class ClaimHeartbeat:
+    """While a server works on claimed prompts, re-claims them every ``claim_idle_ms / 3`` (XCLAIM JUSTID).
+
+    Without it, a generation that outlasts ``redis.claim_idle_ms`` looks like a dead server's, and another
+    server claims the prompt and generates it again. The buffer's put refuses the second answer anyway;
+    the heartbeat saves the work.
+    """
+
+    def __init__(self, buffer: ReplayBuffer, ids: list[str]) -> None:
+        self.buffer, self.ids = buffer, ids
+        self.every_s = buffer.claim_idle_ms / 3000
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="claim-heartbeat", daemon=True)
+
+    def __enter__(self) -> ClaimHeartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.buffer.keep_prompts(self.ids)
+            except redis.RedisError as e:  # a missed beat only risks a duplicate, which put refuses
+                log.warning("could not refresh the claim on %d prompts: %s", len(self.ids), e)

@@ -1,4 +1,4 @@
-"""``python -m rollout.server``: one long-lived rollout server (DESIGN §1).
+"""``python -m rollout.server``: one long-lived rollout server (docs/design.md §1.3).
 
 Connected to a run (what launch.py starts; Redis URL and everything else from the config file)::
 
@@ -8,7 +8,7 @@ Standalone, a plain OpenAI-compatible inference server with no Redis, no learner
 
     python -m rollout.server --standalone --model DIR [--host 127.0.0.1] [--port 8000] [--api-key K]
 
-Start-up fails fast (STYLE habit 7): Redis must answer, the engine must load and finish one tiny
+Start-up fails fast (docs/design.md §6.5): Redis must answer, the engine must load and finish one tiny
 generation, and the HTTP port must be bound before the server reports ready (``{run}:ready:server-N``
 with its HTTP port). SIGTERM / SIGINT (or the run's stop key) end it cleanly: prompts it took but did not
 answer stay pending in Redis for another server.
@@ -34,7 +34,7 @@ from rollout.api import HTTPServer, ServerMetrics, create_app
 from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HFEngine
-from tandem.config import Config, HTTPConfig, load_config
+from tandem.config import Config, HTTPConfig, load_config, redact
 from tandem.telemetry import Telemetry, setup_logging
 
 log = logging.getLogger("rollout.server")
@@ -171,7 +171,7 @@ def connect_redis(cfg: Config) -> redis.Redis:
     try:
         client.ping()
     except redis.RedisError as e:
-        raise SystemExit(f"Redis at {cfg.redis.url.split('@')[-1]} does not answer: {e}") from None
+        raise SystemExit(f"Redis at {redact(cfg.redis.url)} does not answer: {e}") from None
     return client
 
 

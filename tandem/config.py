@@ -2,13 +2,14 @@
 
 A YAML file plus ``key.sub=value`` overrides becomes a :class:`Config`. Anything wrong (a missing file,
 bad YAML, an unknown key, a wrong type, an out-of-range value) raises :class:`ConfigError` naming the
-field path and the reason, before any process starts (STYLE habit 6, after prime-rl's config package).
+field path and the reason, before any process starts (docs/design.md §7, after prime-rl's config package).
 Every field carries a one-line description; ``python -m tandem config-doc`` prints them all.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -217,6 +218,17 @@ class HTTPConfig(Section):
     api_key: str | None = Field(None, description="Bearer token required on every request when set.")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Requests with larger bodies get 413.")
     max_tokens_limit: int = Field(4096, ge=1, description="Upper bound on max_tokens a request may ask for.")
+    max_prompts_per_request: int = Field(
+        64, ge=1, description="Most prompts one /v1/completions request may hold."
+    )
+    max_total_tokens_per_request: int = Field(
+        65_536,
+        ge=1,
+        description="Most tokens one request may ask the engine to generate: prompts × n × max_tokens.",
+    )
+    max_concurrent_requests: int = Field(
+        16, ge=1, description="Requests generating at once; more are answered 429 at once (retry later)."
+    )
 
 
 class RolloutConfig(Section):
@@ -320,6 +332,11 @@ class AlgorithmConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
     sync_interval: int = Field(1, ge=1, description="Publish actor weights every this many learner steps.")
     normalize_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    prox_forward: Literal["auto", "always"] = Field(
+        "auto",
+        description="auto skips the no-grad proximal forward when a batch gets exactly one optimizer step "
+        "(prox_logp = logp.detach(), the same math) and the KL is not in the reward; always runs it.",
+    )
 
 
 class LearnerConfig(Section):
@@ -425,11 +442,27 @@ class Config(Section):
             )
         if not self.reward.functions and self.model.reward_model is None:
             raise ValueError("reward: give at least one reward.functions entry or a model.reward_model")
+        if a.sync_interval > self.max_staleness + 1:
+            why = "run.mode=sync trains on-policy (max_staleness 0)" if self.run.mode == "sync" else ""
+            raise ValueError(
+                f"algorithm.sync_interval ({a.sync_interval}) must be <= max_staleness + 1 "
+                f"({self.max_staleness + 1}{'; ' + why if why else ''}): weights published every "
+                f"{a.sync_interval} steps make data up to {a.sync_interval - 1} versions stale, which the "
+                "servers' freshness check and the learner's staleness filter refuse"
+            )
         if a.minibatch_size % min(self.learner.micro_batch_size, a.minibatch_size):
             raise ValueError(
                 f"algorithm.minibatch_size ({a.minibatch_size}) must be a multiple of learner.micro_batch_size ({self.learner.micro_batch_size})"
             )
         return self
+
+    @property
+    def max_staleness(self) -> int:
+        """The staleness bound in force: ``algorithm.max_staleness``, or 0 in sync mode (on-policy).
+
+        Every process reads it here, so sync mode is the same code path with one number changed.
+        """
+        return 0 if self.run.mode == "sync" else self.algorithm.max_staleness
 
     def resolve_paths(self, base: Path) -> Config:
         """Make relative file paths (checkpoints, prompts) absolute against ``base`` (the YAML's folder's parent project)."""
@@ -463,6 +496,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         shown = (
             "" if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
         )
+        if not e["loc"]:  # a cross-field check: its message starts with the field it names
+            lines.append(msg.removeprefix("Value error, "))
+            continue
         lines.append(f"{path}: {msg}{shown}")
     return f"invalid config {source}:\n  " + "\n  ".join(lines)
 
@@ -532,6 +568,27 @@ def _deepcopy(d: Any) -> Any:
     if isinstance(d, list):
         return [_deepcopy(v) for v in d]
     return d
+
+
+# user:password@ (or :password@) in any URL, e.g. redis://:secret@host:6379/0.
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/\s]*):[^@/\s]+@")
+REDACTED = "***"
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it replaced, for logs and error messages."""
+    return _URL_CREDENTIALS.sub(rf"\g<scheme>\g<user>:{REDACTED}@", text)
+
+
+def public_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data with every secret (URL passwords, API keys) redacted: what wandb records."""
+    data = cfg.model_dump(mode="json")
+    if data["redis"]["url"] is not None:
+        data["redis"]["url"] = redact(data["redis"]["url"])
+    for section in (data["rollout"]["http"], data["rollout"]["vllm"], data["rollout"]["sglang"]):
+        if section.get("api_key") is not None:
+            section["api_key"] = REDACTED
+    return data
 
 
 def dump_config(cfg: Config) -> str:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class DatasetError(ValueError):
@@ -45,3 +48,22 @@ def write_prompts(path: str | Path, records: list[dict[str, Any]]) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text("".join(json.dumps(r) + "\n" for r in records))
     return p
+
+
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` through the tokenizer's chat template, ending with the generation prompt.
+
+    ``return_dict=True`` pins the return type: transformers 5 returns a ``BatchEncoding`` for
+    ``tokenize=True`` where 4.x returned a list, and iterating that yields its keys, not token ids.
+    """
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return [int(t) for t in encoded["input_ids"]]
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, *, chat_template: bool) -> list[int]:
+    """A dataset prompt as token ids: as a user turn of the chat template, or tokenised as it is."""
+    if chat_template:
+        return chat_token_ids(tokenizer, [{"role": "user", "content": text}])
+    return [int(t) for t in tokenizer(text)["input_ids"]]

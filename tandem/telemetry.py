@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from tandem.config import Config
+from tandem.config import Config, public_dict, redact
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 100_000
@@ -42,10 +42,24 @@ def stop_key(run: str) -> str:
     return f"{run}:stop"
 
 
+class RedactSecrets(logging.Filter):
+    """Replaces URL passwords in every record a handler emits, whoever logged it (our code or a library)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactSecrets) for f in handler.filters):
+            handler.addFilter(RedactSecrets())
     for noisy in ("httpx", "urllib3", "filelock", "DeepSpeed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -76,7 +90,7 @@ class Telemetry:
                 name=f"{os.environ.get('TANDEM_RUN_GROUP', cfg.run.name)}-{proc}",
                 job_type=job_type or proc.split("-")[0],
                 dir=run_dir,
-                config=cfg.model_dump(mode="json"),
+                config=public_dict(cfg),  # never the Redis password or API keys
                 reinit="create_new",
             )
 

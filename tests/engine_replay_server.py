@@ -1,7 +1,7 @@
 """A local HTTP server that replays the documented vLLM 0.33.0 / SGLang 0.5.23 protocol. No GPU engine runs.
 
 It implements the routes our adapters and ``weightsync/engines.py`` use, with the engines' rules (from
-``reference/engine-apis.md`` and the wheels' source): vLLM rejects ``/update_weights`` outside
+``docs/engines.md §5`` and the wheels' source): vLLM rejects ``/update_weights`` outside
 ``start``→``finish`` and generation while paused in ``abort``/``wait`` mode (503); SGLang refuses
 ``/update_weights_from_distributed`` outside ``begin``→``end`` (``success: false``), refuses ``/flush_cache``
 after an ``in_place`` pause, and labels outputs with ``weight_versions`` spans. Generation is a

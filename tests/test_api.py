@@ -248,3 +248,85 @@ def test_standalone_entry_point_answers_http(tiny_ckpt: dict[str, Path]) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------- request limits
+
+
+class SlowEngine(HFEngine):
+    """The real hf engine, slowed to ``step_s`` per decode step, counting the steps it ran."""
+
+    def __init__(self, path: str, step_s: float) -> None:
+        super().__init__(path, device="cpu")
+        self.step_s, self.steps = step_s, 0
+
+    def generate(self, prompts, sampling, *, between_steps=None, on_token=None):
+        def step() -> None:
+            self.steps += 1
+            time.sleep(self.step_s)
+            if between_steps is not None:
+                between_steps()
+
+        return super().generate(prompts, sampling, between_steps=step, on_token=on_token)
+
+
+def test_request_size_limits_name_the_parameter(engine: HFEngine) -> None:
+    server = serve(engine, max_prompts_per_request=2, max_total_tokens_per_request=100)
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    try:
+        r = httpx.post(url, json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "1..2 prompts (got 3)" in r.json()["error"]["message"]
+        r = httpx.post(url, json={"model": MODEL, "prompt": ["a", "b"], "n": 7, "max_tokens": 8})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "2 prompt(s) × n=7 × max_tokens=8 = 112 tokens exceeds" in r.json()["error"]["message"]
+        r = httpx.post(url, json={"model": MODEL, "prompt": ["a", "b"], "n": 6, "max_tokens": 8})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 12  # 96 tokens: within the limit
+    finally:
+        server.stop()
+
+
+def test_requests_past_the_concurrency_limit_get_429(tiny_ckpt) -> None:
+    slow = SlowEngine(str(tiny_ckpt["actor"]), step_s=0.05)
+    server = serve(slow, max_concurrent_requests=1)
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    # 8 seeded rows: the request runs its whole 40 steps (all rows ending early at once is not a risk)
+    body = {"model": MODEL, "prompt": "say a:", "max_tokens": 40, "n": 8, "seed": 3, "temperature": 1.0}
+    try:
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream("POST", url, json={**body, "stream": True}) as first,
+        ):
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: an abandoned iterator closes the stream
+            next(lines)  # the first chunk: the stream holds the only slot now
+            r = httpx.post(url, json=body, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert "max_concurrent_requests" in r.json()["error"]["message"]
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        deadline = time.monotonic() + 10
+        while (r := httpx.post(url, json={**body, "max_tokens": 2}, timeout=30)).status_code == 429:
+            assert time.monotonic() < deadline, "the slot was never released"
+            time.sleep(0.1)
+        assert r.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_client_that_disconnects_cancels_its_generation(tiny_ckpt) -> None:
+    slow = SlowEngine(str(tiny_ckpt["actor"]), step_s=0.05)
+    server = serve(slow)
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    body = {"model": MODEL, "prompt": "say a:", "max_tokens": 60, "n": 8, "seed": 3, "temperature": 1.0}
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after ~0.5 s of a ~3 s generation
+            httpx.post(url, json=body, timeout=0.5)
+        time.sleep(1.0)
+        steps = slow.steps
+        assert 0 < steps < 40, steps  # stopped soon after the disconnect, far short of 60 steps
+        time.sleep(0.5)
+        assert slow.steps == steps  # and does not go on
+        metrics = httpx.get(f"http://127.0.0.1:{server.port}/metrics").text
+        assert 'tandem_http_requests_total{route="/v1/completions",status="499"} 1.0' in metrics
+    finally:
+        server.stop()

@@ -427,6 +427,32 @@ def test_unacked_prompt_goes_to_another_server(redis_client: redis.Redis, run_id
     assert [(p.prompt.prompt_id, p.redelivered) for p in again] == [("p0", True)]
 
 
+def test_a_slow_server_keeps_its_claim_and_a_duplicate_answer_is_refused(
+    redis_client: redis.Redis, run_id: str
+):
+    """A generation outlasting claim_idle_ms: the heartbeat keeps the prompt its own; without it, another
+    server claims and answers it, and the first answer to arrive wins; the other is refused whole."""
+    buffer(redis_client, run_id, "launch").put_prompts(
+        [PromptRecord("p0", "q", [1]), PromptRecord("p1", "q", [1])]
+    )
+    slow = buffer(redis_client, run_id, "slow", claim_idle_ms=200)
+    held = slow.take_prompts(2, timeout_s=1)
+    other = buffer(redis_client, run_id, "other", claim_idle_ms=200)
+    for _ in range(4):  # 0.6 s of generation, three times claim_idle_ms, with a heartbeat on p0 only
+        time.sleep(0.15)
+        slow.keep_prompts([held[0].id])
+    stolen = other.take_prompts(2, timeout_s=0.5)
+    assert [p.prompt.prompt_id for p in stolen] == ["p1"]  # p0 kept its claim; p1 looked abandoned
+
+    learner = buffer(redis_client, run_id, "learner")
+    assert other.put([traj(10), traj(11)], ack_prompts=[stolen[0].id])  # the claimer answers p1 first
+    assert slow.put([traj(20), traj(21)], ack_prompts=[held[1].id]) == []  # the late answer is refused
+    assert slow.put([traj(0), traj(1)], ack_prompts=[held[0].id])
+    got = sorted(t.traj.traj_id for t in learner.take(10, timeout_s=0.5))
+    assert got == ["t0", "t1", "t10", "t11"]  # one group per prompt
+    assert slow.prompts_pending() == 0
+
+
 # -------------------------------------------------------------------------------------------- admission
 
 

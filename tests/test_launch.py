@@ -112,6 +112,10 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
     assert [int(r["learner/version"]) for r in learner] == list(range(1, steps + 1))  # versions advanced
     bound = 0 if mode == "sync" else max_staleness
     assert max(r["staleness/max"] for r in learner) <= bound  # staleness never exceeded the bound
+    if mode == "sync":
+        # The take-time filter alone would also keep staleness in bound, by refusing data: in lock-step
+        # admission must make every trajectory fresh, so none may have been refused.
+        assert learner[-1]["buffer/stale_rejected"] == 0
 
     server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
     assert sum(r.get("rollout/groups", 0) for r in server) >= steps * 2  # trajectories flowed (2 groups/step)
@@ -120,6 +124,12 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
 
     assert leftover_processes(run_dir) == []  # every child exited
     assert not Path(f"/dev/shm/tandem-{run_dir.name}").exists()  # shared weight files freed
+    url = yaml.safe_load((run_dir / "config.yaml").read_text())["redis"]["url"]
+    password = url.split("@")[0].rsplit(":", 1)[1]
+    assert len(password) >= 16
+    for log in [*(run_dir / "logs").iterdir(), *(run_dir / "summary.json",)]:
+        assert password not in log.read_text(errors="replace"), f"{log} holds the Redis password"
+    assert password not in proc.stdout + proc.stderr
     assert (run_dir / "summary.json").exists() and (run_dir / "reward.png").exists()
 
 
@@ -216,3 +226,40 @@ def test_crashed_learner_stops_the_run_and_resume_finishes_it(
     ids = [i for v in final.values() for i in v]
     assert len(ids) == len(set(ids)) == steps * 8  # every trajectory in the final model trained exactly once
     assert leftover_processes(run_dir) == []
+
+
+# The first things a new user tries (issue: every path a user takes first must run). Each finishes its
+# steps: chat templates through transformers 5's tokenizer API, dist weight sync with servers that wait on
+# admission (async and lock-step), the critic and reference of classic PPO, and two servers in sync mode.
+USER_PATHS = {
+    "chat_template": ["data.chat_template=true"],
+    "dist_async": ["weightsync.transport=dist"],
+    "dist_sync": ["weightsync.transport=dist", "--mode", "sync"],
+    "gae_kl": ["algorithm.advantage=gae", "algorithm.kl_coef=0.05"],
+    "two_servers_sync": ["rollout.num_servers=2", "run.mode=sync"],
+}
+
+
+@pytest.mark.parametrize("path", list(USER_PATHS))
+def test_first_user_paths_run(path: str, tiny_ckpt, prompts: Path, tmp_path: Path) -> None:
+    steps = 3
+    cmd = launch_cmd(tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", *USER_PATHS[path])
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"learner finished at step {steps}" in proc.stdout
+    run_dir = run_dir_of(tmp_path)
+    learner = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    assert [int(r["learner/version"]) for r in learner if "reward/mean" in r] == [1, 2, 3]
+    if path == "gae_kl":
+        assert all("loss/value" in r and "policy/kl" in r for r in learner if "reward/mean" in r)
+    assert leftover_processes(run_dir) == []
+
+
+def test_sync_interval_beyond_staleness_is_refused_before_anything_starts(
+    tiny_ckpt, prompts: Path, tmp_path: Path
+) -> None:
+    cmd = launch_cmd(tiny_ckpt, prompts, tmp_path, "algorithm.sync_interval=4", "algorithm.max_staleness=2")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error:") and "algorithm.sync_interval (4)" in proc.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no run directory, no process

@@ -166,6 +166,67 @@ def test_learner_trains_on_fixed_trajectories(
         torch.testing.assert_close(p, live[name].detach())
 
 
+@pytest.mark.parametrize("kl_in_reward", [False, True])
+def test_skipping_the_proximal_forward_is_the_same_math(
+    tiny_ckpt, redis_server, redis_client, tmp_path, kl_in_reward: bool
+) -> None:
+    """One optimizer step per batch: prox_logp = logp.detach() gives the run the separate pass gives."""
+    runs = {}
+    for prox in ("auto", "always"):
+        run = f"prox-{prox}-{kl_in_reward}-{time.monotonic_ns()}"
+        raw = raw_config(
+            tiny_ckpt, redis_server.url, run, tmp_path / prox,
+            algorithm={"kl_coef": 0.1, "kl_in_reward": kl_in_reward, "prox_forward": prox},
+            learner={"total_steps": 3, "save_hf_final": False},
+        )  # fmt: skip
+        cfg = load_config(None, raw=raw)
+        buffer = ReplayBuffer.from_config(redis_client, cfg, "test-producer")
+        for g in range(6):
+            buffer.put(group(g, 4, seed=3))
+        learner = Learner(cfg, tmp_path / prox / "run")
+        # Folding the KL into the reward needs prox before the first backward: never skipped then.
+        assert learner.prox_is_current == (prox == "auto" and not kl_in_reward)
+        learner.run()
+        runs[prox] = history(redis_client, run)
+    for key in ("loss/policy", "loss/kl", "policy/kl", "policy/entropy", "policy/clipfrac", "policy/ess"):
+        if key in runs["always"][0]:
+            got, want = [r[key] for r in runs["auto"]], [r[key] for r in runs["always"]]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=key)
+    assert len({r["loss/policy"] for r in runs["always"]}) == 3  # the steps differ: not vacuous
+
+
+def test_poison_pills_are_dead_lettered_and_training_goes_on(
+    tiny_ckpt, redis_server, redis_client, run_id, tmp_path
+) -> None:
+    """A trajectory that decodes but cannot be trained on (a token outside the vocabulary, an empty prompt)
+    is dead-lettered and counted; the learner trains on the rest, and a restart does not meet it again."""
+    cfg = load_config(
+        None, raw=raw_config(tiny_ckpt, redis_server.url, run_id, tmp_path, learner={"total_steps": 2})
+    )
+    buffer = ReplayBuffer.from_config(redis_client, cfg, "test-producer")
+    out_of_vocab, empty_prompt = group(90, 1), group(91, 1)
+    out_of_vocab[0].response_tokens[-1] = 10_000  # decodes fine: only the learner knows its vocabulary
+    empty_prompt[0].prompt_tokens = np.zeros(0, dtype=np.int32)
+    buffer.put(out_of_vocab)
+    buffer.put(empty_prompt)
+    good = [i for g in range(4) for i in buffer.put(group(g, 4))]
+    Learner(cfg, tmp_path / "run").run()
+
+    rows = history(redis_client, run_id)
+    assert [r["learner/version"] for r in rows] == [1, 2]
+    assert rows[-1]["buffer/dead"] == 2
+    dead = {f[b"reason"].decode() for _, f in redis_client.xrange(f"{run_id}:traj:dead")}
+    assert any("response_tokens: token id 10000 outside the model's vocabulary" in r for r in dead), dead
+    assert any(r.startswith("prompt_tokens: empty prompt") for r in dead), dead
+    trained = [
+        i
+        for line in (tmp_path / "run" / "trained.jsonl").read_text().splitlines()
+        for i in json.loads(line)["ids"]
+    ]
+    assert sorted(trained) == sorted(good)
+    assert buffer.trajectories_pending() == 0
+
+
 def test_start_fails_fast_without_redis(tiny_ckpt, tmp_path) -> None:
     cfg = load_config(None, raw=raw_config(tiny_ckpt, f"redis://127.0.0.1:{free_port()}", "down", tmp_path))
     with pytest.raises(ConnectionError, match="does not answer"):
@@ -199,7 +260,11 @@ def run_with_admission_producer(cfg: Config, redis_client, tmp_path: Path) -> li
         try:
             while not stop.is_set():
                 if buffer.wait_admission(
-                    n, batch_size=batch_size, max_staleness=0, timeout_s=0.5, should_stop=stop.is_set
+                    n,
+                    batch_size=batch_size,
+                    max_staleness=cfg.max_staleness,
+                    timeout_s=0.5,
+                    should_stop=stop.is_set,
                 ):
                     buffer.put(group(g, n, version=buffer.get_version(), seed=7))
                     g += 1

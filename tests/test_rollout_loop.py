@@ -25,7 +25,7 @@ import rollout.loop
 from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ReplayBuffer
 from rollout.engines.hf import HFEngine
-from rollout.loop import RolloutLoop
+from rollout.loop import ClaimHeartbeat, RolloutLoop
 from tandem.config import Config, load_config
 from tandem.rewards import RewardFunctions
 from tandem.tasks import make_records
@@ -377,3 +377,17 @@ def test_missing_weights_fail_with_a_clear_error_and_prompts_stay_claimable(
     time.sleep(0.2)
     claimed = other.take_prompts(2, timeout_s=5)
     assert len(claimed) == 2 and all(p.redelivered for p in claimed)
+
+
+def test_claim_heartbeat_keeps_prompts_through_a_long_generation(redis_client, run_id) -> None:
+    def buf(consumer: str) -> ReplayBuffer:
+        return ReplayBuffer(redis_client, run_id, consumer=consumer, claim_idle_ms=300)
+
+    buf("launch").put_prompts([PromptRecord("p0", "q", [1])])
+    server = buf("server-0")
+    held = server.take_prompts(1, timeout_s=1)
+    with ClaimHeartbeat(server, [p.id for p in held]):
+        time.sleep(1.0)  # over three times claim_idle_ms
+        assert buf("server-1").take_prompts(1, timeout_s=0.2) == []
+    time.sleep(0.4)  # the heartbeat stopped: now the prompt looks abandoned, and is claimed
+    assert [p.prompt.prompt_id for p in buf("server-1").take_prompts(1, timeout_s=1)] == ["p0"]

@@ -1,4 +1,4 @@
-"""The weight-sync boundary: a Publisher on learner rank 0, a Subscriber on each rollout server (DESIGN §5).
+"""The weight-sync boundary: a Publisher on learner rank 0, a Subscriber on each rollout server (docs/design.md §5).
 
 Transports (``shm``, ``dist``) implement these two Protocols and pass the same tests; the config chooses
 one. An :class:`Update` is what a subscriber hands to an engine's ``update_weights``: the version, the

@@ -1,6 +1,6 @@
 """Learner side of the ``dist`` weight path into vLLM and SGLang servers: one Publisher feeds a mix of both.
 
-The split (DESIGN §5-6). An engine receives weights inside its own worker processes, through its own NCCL
+The split (docs/design.md §5.5, docs/engines.md §5). An engine receives weights inside its own worker processes, through its own NCCL
 group, while its HTTP ``update`` route blocks; so the sender must drive that route and broadcast at the same
 time. :class:`EnginePublisher` (learner rank 0) therefore owns the whole update sequence against each
 engine's control URL, pause and resume included. The rollout server's adapter never touches the data: with
@@ -15,7 +15,7 @@ engine kind from the servers it has not met yet: learner rank 0, then each serve
 next publish, so servers may join during a run; a failed update drops that group and raises, and its
 surviving members are re-grouped at the next publish.
 
-Per engine (API facts from ``reference/engine-apis.md``, checked by ``tests/test_engines_contract.py``):
+Per engine (API facts read from the vLLM 0.33.0 and SGLang 0.5.23 sources, checked by ``tests/test_engines_contract.py``):
 
 - vLLM 0.33.0 (``--weight-transfer-config '{"backend": "nccl"}'``): ``/init_weight_transfer_engine
   {init_info: {master_address, master_port, rank_offset, world_size, packed: false}}`` while the learner opens

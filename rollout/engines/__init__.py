@@ -1,4 +1,4 @@
-"""Inference engines behind one Protocol (DESIGN §6); :func:`make_engine` picks one from the config."""
+"""Inference engines behind one Protocol (docs/design.md §8); :func:`make_engine` picks one from the config."""
 
 from __future__ import annotations
 

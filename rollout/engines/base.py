@@ -1,4 +1,4 @@
-"""The Engine Protocol every inference backend implements (DESIGN §6).
+"""The Engine Protocol every inference backend implements (docs/design.md §8).
 
 ``generate`` takes token ids and returns, per prompt, ``n`` completions with the behaviour log-probability
 of each sampled token under the distribution actually sampled from (after temperature / top-k / top-p,

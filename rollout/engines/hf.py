@@ -4,7 +4,7 @@ Owns one causal LM and its tokenizer. ``generate`` left-pads the prompts (positi
 only), prefills once, then decodes one token per step on a ``DynamicCache``, dropping finished rows from
 the batch. Each sampled token's behaviour logprob is read from the distribution it was drawn from
 (temperature, then top-k, then top-p, renormalised), so the learner's importance weights see exactly
-what was sampled (AReaL's decoupled PPO needs ``behav_logp``, DESIGN §4).
+what was sampled (AReaL's decoupled PPO needs ``behav_logp``, docs/design.md §8.2).
 
 Writing the loop ourselves buys PipelineRL's in-flight weight updates: the ``between_steps`` hook runs
 between decode steps and may swap the weights in place; later tokens carry the new version. The KV cache

@@ -18,7 +18,7 @@ adapter therefore refuses ``top_p < 1`` or ``top_k > 0`` at startup and per call
 ``rollout.sglang.allow_truncated_sampling`` accepts the bias knowingly. (0.5.23 also has an experimental
 ``return_sampling_mask`` that reports the truncated-distribution logprob; unverified without a GPU, unused.)
 
-Weight updates (DESIGN §5-6):
+Weight updates (docs/design.md §5.5, docs/engines.md §5):
 - ``update.path`` set (shm transport): ``/pause_generation {mode}`` → ``/update_weights_from_disk
   {model_path, weight_version, flush_cache}`` → ``/continue_generation``.
 - ``update.path`` None (dist transport): the learner's ``weightsync.engines.EnginePublisher`` has run

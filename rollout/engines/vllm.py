@@ -14,12 +14,13 @@ from silently adding a repetition penalty or a top-p the learner knows nothing a
 the engine's ``weight_versions`` spans, so a request that straddles an update (pause mode ``keep``) is stamped
 exactly.
 
-Weight updates (docs/engines.md §5):
+Weight updates (docs/design.md §5.5, docs/engines.md §5):
 - ``update.path`` set (shm transport): ``/pause?mode=<pause_mode>`` → ``/collective_rpc
-  tandem_load_weights {weights_path}`` (``rollout/engines/vllm_worker.py``: the model's own ``load_weights``
-  in every worker, in place; it says why not vLLM's ``reload_weights``) → ``/reset_prefix_cache`` (KV from
-  old weights is dropped and recomputed) → ``/update_weight_version`` → ``/resume``. This is the only path
-  the CPU build takes: its weight-transfer backends (nccl, ipc, ...) all need CUDA.
+  tandem_load_weights {weights_path}`` (``rollout/engines/vllm_worker.py``: vLLM's in-place
+  ``reload_weights`` in every worker, then a tied ``lm_head`` re-tied to the new embedding; it says why) →
+  ``/reset_prefix_cache`` (KV from old weights is dropped and recomputed) → ``/update_weight_version`` →
+  ``/resume``. This is the only path the CPU build takes: its weight-transfer backends (nccl, ipc, ...) all
+  need CUDA.
 - ``update.path`` None (dist transport, GPU only): the learner's ``weightsync.engines.EnginePublisher`` has
   already run pause → ``/start_weight_update`` → ``/update_weights`` per bucket (NCCL broadcast) →
   ``/finish_weight_update {weight_version}`` → ``/resume`` against this server's URL, because the broadcast

@@ -1,0 +1,79 @@
+"""launch.py's command line and its checks before anything starts (no process is started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import launch
+from tandem.config import ConfigError, load_config
+from tandem.data import write_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_args(tiny_ckpt: dict[str, Path], prompts: Path, *extra: str) -> list[str]:
+    return [
+        str(ROOT / "configs/tiny.yaml"),
+        f"model.actor={tiny_ckpt['actor']}",
+        f"model.critic={tiny_ckpt['critic']}",
+        f"data.prompts={prompts}",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> Path:
+    return write_prompts(tmp_path / "p.jsonl", [{"prompt": "say b:"}, {"prompt": "say c:"}])
+
+
+def test_chat_template_prompts_are_token_ids_of_the_templated_text(tiny_ckpt, prompts: Path) -> None:
+    args = tiny_args(tiny_ckpt, prompts, "data.chat_template=true")
+    cfg = load_config(args[0], args[1:])
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt["actor"])
+    expected = tok("user: say b:\nassistant: ", add_special_tokens=False).input_ids  # the template by hand
+    got = launch.PromptSet.load(cfg)
+    assert got.tokens[0] == expected
+    assert all(isinstance(t, int) for t in got.tokens[1])
+
+
+def test_plain_prompts_are_tokenised_as_they_are(tiny_ckpt, prompts: Path) -> None:
+    args = tiny_args(tiny_ckpt, prompts)
+    got = launch.PromptSet.load(load_config(args[0], args[1:]))
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt["actor"])
+    assert got.tokens == [tok("say b:").input_ids, tok("say c:").input_ids]
+
+
+def test_overrides_are_accepted_after_flags(tiny_ckpt, prompts: Path, capsys) -> None:
+    args = tiny_args(tiny_ckpt, prompts)
+    code = launch.main([args[0], "--dry-run", *args[1:], "--no-console", "rollout.max_new_tokens=5"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "max_new_tokens: 5" in out and str(prompts) in out
+
+
+def test_prompt_problems_are_one_error_line_naming_the_field(tiny_ckpt, prompts: Path, capsys) -> None:
+    code = launch.main([*tiny_args(tiny_ckpt, prompts), "data.max_prompt_tokens=3"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data.max_prompt_tokens:") and "Traceback" not in err
+
+    broken = prompts.with_name("broken.jsonl")
+    broken.write_text('{"prompt": "ok"}\nnot json\n')
+    assert launch.main(tiny_args(tiny_ckpt, broken)) == 2
+    assert capsys.readouterr().err.startswith(f"error: data.prompts: {broken}:2: not valid JSON")
+
+
+def test_a_chat_template_the_tokenizer_lacks_is_refused(tiny_ckpt, prompts: Path, tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt["actor"])
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "actor")
+    for f in Path(tiny_ckpt["actor"]).iterdir():  # the weights and config, as they are
+        if not (tmp_path / "actor" / f.name).exists():
+            (tmp_path / "actor" / f.name).symlink_to(f)
+    (tmp_path / "actor" / "chat_template.jinja").unlink(missing_ok=True)
+    args = tiny_args(tiny_ckpt, prompts, f"model.actor={tmp_path / 'actor'}", "data.chat_template=true")
+    with pytest.raises(ConfigError, match=r"data\.chat_template: the tokenizer"):
+        launch.PromptSet.load(load_config(args[0], args[1:]))
