@@ -453,3 +453,39 @@ def test_reward_part_means_by_hand() -> None:
         [t({"reverse/exact": 1.0, "reverse/digits": 0.5}), t({"reverse/exact": 0.0, "reverse/digits": 1.0})]
     )
     assert means == {"reward/reverse/exact": 0.5, "reward/reverse/digits": 0.75}
+
+
+def test_truncated_sampling_shows_as_an_importance_weight_equal_to_the_kept_mass(
+    grpo_learner: Learner, tiny_ckpt
+) -> None:
+    """The chosen treatment of top-k/top-p (docs/design.md §4.2): the engine's behav_logp is of the
+    truncated, renormalised distribution, the learner's prox_logp of the full one, so on-policy the
+    importance weight exp(prox_logp - behav_logp) is exactly the probability mass the sampler kept."""
+    from rollout.engines.base import SamplingParams
+    from rollout.engines.hf import HFEngine
+
+    engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu")  # the same weights as the learner's actor
+    prompt = engine.tokenizer("say q:").input_ids
+    top_k = 3
+    (group,) = engine.generate(
+        [prompt], SamplingParams(n=4, max_new_tokens=6, temperature=1.0, top_k=top_k, seed=2)
+    )
+    trajs = [
+        Trajectory(
+            traj_id=str(i), group_id="g", prompt_id="p", prompt_tokens=prompt, response_tokens=c.token_ids,
+            behav_logp=c.logprobs, token_versions=[0] * len(c.token_ids), reward=0.0,
+        )
+        for i, c in enumerate(group)
+    ]  # fmt: skip
+    batch = make_batch(trajs, 0)
+    prox_logp, _, _ = grpo_learner.score(batch)
+    module = grpo_learner.models.actor.module
+    for i, t in enumerate(trajs):
+        ids = torch.tensor([*prompt, *t.response_tokens.tolist()])[None]
+        with torch.no_grad():
+            probs = module(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().softmax(-1)  # (R, V)
+        kept_mass = probs.topk(top_k, dim=-1).values.sum(-1)  # naive: the sampler's top-k at each step
+        r = len(t.response_tokens)
+        weight = torch.exp(prox_logp[i, :r] - batch.behav_logp[i, :r])
+        torch.testing.assert_close(weight, kept_mass, atol=1e-4, rtol=1e-4)
+        assert torch.all(weight < 1.0)  # below 1 on-policy: truncation, not staleness
