@@ -75,14 +75,19 @@ def _free_port() -> int:
 
 def init_distributed(device: torch.device) -> dist.ProcessGroup:
     """Join (or, alone, create) the process group; returns a gloo group for control messages."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if "RANK" not in os.environ:  # a single process started without torchrun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # DeepSpeed checks it is set; never bound
+        if not dist.is_initialized():
+            # An in-memory store: a TCP rendezvous on a port picked in advance can lose a race with
+            # another process taking the same port between the pick and the bind.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not dist.is_initialized() or deepspeed.comm.cdb is None:
+        deepspeed.init_distributed(dist_backend=backend)  # wraps a group that exists, or joins torchrun's
     return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
 
 
