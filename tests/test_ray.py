@@ -1,7 +1,7 @@
 """The ``ray`` launcher backend on a real local multi-node Ray cluster (``ray.cluster_utils.Cluster``).
 
 One cluster for the module: a head node with no CPUs (the launcher and Redis live beside it), two learner
-nodes (custom resource ``learner``) and two rollout nodes (``rollout``), so the learner and the servers
+nodes (custom resource ``learner``) and three rollout nodes (``rollout``), so the learner and the servers
 are on different Ray nodes, each with its own raylet. Every run is ``python launch.py ... --ray ADDRESS``
 as a user types it. Weights cross nodes over ``dist`` (gloo on CPU). The fault tests remove Ray nodes
 (their raylets and every worker on them die, as when a host goes away) while a run is in flight.
@@ -38,7 +38,7 @@ def add_node(c: Cluster, resources: dict) -> None:
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for res in (LEARNER, LEARNER, ROLLOUT, ROLLOUT):
+    for res in (LEARNER, LEARNER, ROLLOUT, ROLLOUT, ROLLOUT):
         add_node(c, res)
     c.wait_for_nodes()
     yield c
@@ -97,13 +97,26 @@ def node_of(cluster: Cluster, label: str):
 def test_unsatisfiable_placement_is_refused_before_anything_starts(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
-    # Three servers that each need a `rollout` resource: the cluster has two.
-    cmd = ray_cmd(cluster, tiny_ckpt, prompts, tmp_path, *SMALL, "rollout.num_servers=3")
+    # Four servers that each need a `rollout` resource: the cluster has three.
+    cmd = ray_cmd(cluster, tiny_ckpt, prompts, tmp_path, *SMALL, "rollout.num_servers=4")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()[-1]
-    assert err.startswith("error: cluster: 3 rollout servers needs 3 slots") and "room for 2" in err
+    assert err.startswith("error: cluster: 4 rollout servers needs 4 slots") and "room for 3" in err
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no run directory, nothing started
+
+
+def test_shm_across_nodes_is_refused_before_any_process_runs(
+    cluster, tiny_ckpt, prompts: Path, tmp_path: Path
+) -> None:
+    cmd = ray_cmd(cluster, tiny_ckpt, prompts, tmp_path, *SMALL, "weightsync.transport=shm")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "could not start: weightsync.transport=shm: server-0 is on node" in proc.stdout
+    assert "set weightsync.transport=dist" in proc.stdout
+    run_dir = run_dir_of(tmp_path)
+    assert not list((run_dir / "logs").iterdir())  # no role ever ran: no log was opened
+    assert not (run_dir / "learner_history.jsonl").read_text()
 
 
 def test_async_demo_learns_across_nodes_over_dist(cluster, tiny_ckpt, prompts: Path, tmp_path: Path) -> None:
@@ -168,6 +181,11 @@ def test_killed_server_node_moves_the_server_and_loses_no_prompt(
         *SMALL,
         f"learner.total_steps={steps}",
         "rollout.restart_limit=2",
+        # Two servers: with dist a restarted server gets the next version the learner publishes, which
+        # needs a batch the other server makes (docs/design.md §5.7). A dead registered peer holds a
+        # publish for at most weightsync.timeout_s.
+        "rollout.num_servers=2",
+        "weightsync.timeout_s=15",
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -194,7 +212,10 @@ def test_killed_server_node_moves_the_server_and_loses_no_prompt(
     assert f"learner finished at step {steps}" in out
     after = placement(run_dir)["server-0"]
     assert after != before and KIND[node_of(cluster, after).node_id] == ROLLOUT
+    assert after != placement(run_dir)["server-1"]  # on the third rollout node: the one with room
     assert "server-0 restarted on node" in out
+    history = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    assert max(r.get("rollout/version", 0) for r in history) > killed_at  # weights reached the new one
 
     server, client, run = inspect_redis(run_dir)
     try:
@@ -205,6 +226,7 @@ def test_killed_server_node_moves_the_server_and_loses_no_prompt(
         counts = {k.decode(): int(v) for k, v in client.hgetall(f"{run}:counts").items()}
         refused = counts.get(f"{run}:traj:stale", 0) + counts.get(f"{run}:traj:dead", 0)
         assert (fed - len(left)) * 4 == steps * 8 + refused + client.xlen(f"{run}:traj")
+        assert fed - len(left) > steps * 2  # the account is not vacuous: prompts were answered
     finally:
         client.close()
         server.stop()
