@@ -107,6 +107,15 @@ def supervise(
         time.sleep(SUPERVISE_TICK_S)
 
 
+def forget_dead_publisher(client: redis.Redis, run: str) -> None:
+    """A resumed run's servers must not join the crashed learner's last ``dist`` offer: its store is gone
+    (a connect would wait out ``weightsync.timeout_s``) and its ``go`` names versions past the checkpoint
+    (joiners of the resumed versions would think they came too late). The new learner offers afresh."""
+    from weightsync.base import weights_key
+
+    client.delete(weights_key(run, "offer"), weights_key(run, "go"))
+
+
 def remove_shared_weights(cfg: Config, run_dir: Path) -> None:
     """The shm transport's files live outside the run dir (in /dev/shm, i.e. RAM): free them at the end.
     A later --resume re-publishes the checkpoint's weights, so nothing is lost."""
@@ -156,6 +165,7 @@ def _run(
         client = redis.Redis.from_url(cfg.redis.url, socket_timeout=30)
         client.ping()
         client.delete(stop_key(cfg.run.name))
+        forget_dead_publisher(client, cfg.run.name)
         config_path = write_process_config(cfg, run_dir)
 
         from buffer.streams import ReplayBuffer
