@@ -186,6 +186,10 @@ def test_killed_server_node_moves_the_server_and_loses_no_prompt(
         # publish for at most weightsync.timeout_s.
         "rollout.num_servers=2",
         "weightsync.timeout_s=15",
+        # The restarted server-0 re-reads server-0's pending prompts by name; no claim is needed, and a
+        # short claim_idle_ms would let the two servers claim each other's slow (loaded-machine) prompts
+        # and answer them twice (at-least-once, buffer/streams.py), which the exact account below counts.
+        "redis.claim_idle_ms=60000",
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -32,12 +32,12 @@ from pathlib import Path
 
 import ray
 import redis
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.backends import Outcome, StartError
-from launcher.plan import Role, RunPlan
+from launcher.plan import Role, RunPlan, server_tp
 from tandem.config import Config, ConfigError, dump_config, load_config
 from tandem.telemetry import ready_key
 
@@ -179,8 +179,6 @@ class RayBackend:
         self._connect(cfg)
         gpu = cfg.run.device != "cpu"
         per_node = ranks // c.learner_nodes
-        from launcher.plan import server_tp
-
         nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
         check_fits(
             [
@@ -193,9 +191,8 @@ class RayBackend:
             ],
             nodes,
         )
-        threads = cfg.rollout.threads or max(
-            1, int(c.server_cpus)
-        )  # the server's reservation, not the node's
+        # A server's torch threads: what it reserved, not the whole node's cores.
+        threads = cfg.rollout.threads or max(1, int(c.server_cpus))
         return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"threads": threads})})
 
     def _learner_bundle(self, cfg: Config, per_node: int, gpu: bool) -> dict[str, float]:
@@ -397,15 +394,25 @@ class RayBackend:
             if not isinstance(self._error(name), RayActorError):
                 ray.kill(self.servers[name], no_restart=False)  # a fresh process, as after a crash
             self.client.delete(ready_key(self.cfg.run.name, name))
-            where = self.servers[name].where.remote()  # before run(): the actor takes one call at a time
-            self._run_server(name)
             try:
-                self.where[name] = ray.get(where, timeout=self.cfg.cluster.start_timeout_s)
+                self.where[name] = self._await_restart(name)
             except RayError as e:
                 return Outcome(False, f"{name} could not be restarted: {str(e).splitlines()[0]}")
+            self._run_server(name)
             self._record_placement()
             log.warning("%s restarted on node %s", name, _node_label(self.where[name]))
         return None
+
+    def _await_restart(self, name: str) -> dict:
+        """Where the restarted actor runs, once Ray has it back (calls fail while it is restarting)."""
+        deadline = time.monotonic() + self.cfg.cluster.start_timeout_s
+        while True:
+            try:
+                return ray.get(self.servers[name].where.remote(), timeout=self.cfg.cluster.start_timeout_s)
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def _error(self, name: str) -> Exception | None:
         try:
