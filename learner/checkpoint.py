@@ -110,8 +110,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(ckpt_dir: Path, models: Models, state: LearnerState, *, keep: int = 2) -> None:
-    """Collective: every rank calls it. Returns once the checkpoint is committed (``latest.json``)."""
+    """Collective: every rank calls it. Returns once the checkpoint is committed (``latest.json``).
+
+    No shared filesystem is needed (docs/ray.md §4): every rank writes its own files on its node (DeepSpeed's
+    ``checkpoint.use_node_local_storage`` makes each node's first rank write the model states too);
+    rank 0's ``latest.json`` is the commit point, and each other node's first rank then writes its copy.
+    """
     tag, rank = _tag(state.version), dist.get_rank()
+    node_lead = rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0
     models.actor.save_checkpoint(str(ckpt_dir / "actor"), tag=tag)
     if models.critic is not None:
         models.critic.save_checkpoint(str(ckpt_dir / "critic"), tag=tag)
@@ -120,12 +126,17 @@ def save(ckpt_dir: Path, models: Models, state: LearnerState, *, keep: int = 2) 
     _write_json(state_dir / f"rng_rank{rank}.json", rng_state())
     if rank == 0:
         _write_json(state_dir / "learner.json", {"version": state.version, "trained_ids": state.trained_ids})
-    dist.barrier()
-    if rank == 0:
+    if node_lead:
         for sub in ("actor", "critic", "state"):
             if (ckpt_dir / sub / tag).exists():
                 _fsync_tree(ckpt_dir / sub / tag)
+    dist.barrier()
+    if rank == 0:
         _write_json(ckpt_dir / LATEST, {"tag": tag, "version": state.version})
+    dist.barrier()
+    if node_lead:
+        if rank != 0:
+            _write_json(ckpt_dir / LATEST, {"tag": tag, "version": state.version})
         _prune(ckpt_dir, keep)
     dist.barrier()
 
@@ -137,12 +148,25 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
             shutil.rmtree(ckpt_dir / sub / old, ignore_errors=True)
 
 
+def _committed_version(ckpt_dir: Path) -> int:
+    """The committed version by rank 0's ``latest.json`` (-1: none), told to every rank, so all load
+    the same tag even where a node's own copy lags (a crash between the commit and the copies)."""
+    latest = ckpt_dir / LATEST
+    version = json.loads(latest.read_text())["version"] if dist.get_rank() == 0 and latest.exists() else -1
+    if dist.get_world_size() == 1:
+        return version
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor([version], dtype=torch.int64, device=device)
+    dist.broadcast(t, 0)
+    return int(t.item())
+
+
 def load(ckpt_dir: Path, models: Models) -> LearnerState | None:
     """Restore the newest committed checkpoint into ``models`` and the RNGs; None when there is none."""
-    latest = ckpt_dir / LATEST
-    if not latest.exists():
+    version = _committed_version(ckpt_dir)
+    if version < 0:
         return None
-    tag = json.loads(latest.read_text())["tag"]
+    tag = _tag(version)
     for name, engine in (("actor", models.actor), ("critic", models.critic)):
         if engine is None:
             continue

@@ -465,6 +465,35 @@ class LoggingConfig(Section):
     )
 
 
+class ClusterConfig(Section):
+    """Placement on a Ray cluster (``launch.py --ray``; docs/ray.md). The local backend ignores it."""
+
+    learner_nodes: int = Field(
+        1, ge=1, description="Nodes the learner's ranks spread over (learner.num_ranks must divide evenly)."
+    )
+    learner_cpus: float = Field(1.0, gt=0, description="CPUs reserved per learner rank.")
+    learner_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each learner node must offer, e.g. {learner: 1} (one bundle per node).",
+    )
+    server_cpus: float = Field(1.0, gt=0, description="CPUs reserved per rollout server.")
+    server_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each rollout server takes, e.g. {rollout: 1}.",
+    )
+    redis_host: str | None = Field(
+        None,
+        description="Address the embedded Redis binds to under Ray; null: the head node's Ray address (never 0.0.0.0 unless set).",
+    )
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="How long to wait for the placement group and the actors to be scheduled."
+    )
+    placement: dict[str, str] = Field(
+        default_factory=dict,
+        description="Written by the launcher, not by you: process -> node, recorded in wandb and summary.json.",
+    )
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and mode.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="The buffer and control plane.")
@@ -480,6 +509,7 @@ class Config(Section):
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation on the servers.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, logs and wandb.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Placement on a Ray cluster.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -1,0 +1,118 @@
+"""What the user sees: the live progress line during a run and the summary at its end."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from tandem.config import Config
+from tandem.telemetry import history_key, stats_key
+
+
+class Console:
+    """A live progress bar over learner steps with reward, staleness and throughput (rich)."""
+
+    def __init__(self, cfg: Config, enabled: bool) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.enabled = enabled and sys.stdout.isatty()
+        self.plain_every, self.last_plain = 10.0, 0.0
+        self.total = cfg.learner.total_steps
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[stats]}"),
+        )
+        self.task = self.progress.add_task("train", total=self.total, stats="starting")
+        if self.enabled:
+            self.progress.start()
+
+    def update(self, step: int, stats: str) -> None:
+        self.progress.update(self.task, completed=min(step, self.total), stats=stats)
+        if not self.enabled and time.monotonic() - self.last_plain > self.plain_every:
+            self.last_plain = time.monotonic()
+            print(f"[launch] step {step}/{self.total} {stats}", flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+
+def _read_stats(client: redis.Redis, run: str, proc: str) -> dict[str, float]:
+    raw = client.hgetall(stats_key(run, proc))
+    return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+def status_line(client: redis.Redis, cfg: Config) -> tuple[int, str]:
+    """The learner's step and one line of its latest reward, staleness and throughput."""
+    learner = _read_stats(client, cfg.run.name, "learner")
+    servers = [_read_stats(client, cfg.run.name, f"server-{i}") for i in range(cfg.rollout.num_servers)]
+    gen = sum(s.get("rollout/tokens_per_s", 0.0) for s in servers)
+    step = int(learner.get("learner/version", 0))
+    stats = (
+        f"reward {learner.get('reward/mean', float('nan')):.3f} | staleness {learner.get('staleness/mean', 0.0):.2f}"
+        f" | gen {gen:,.0f} tok/s | train {learner.get('throughput/train_tokens_per_s', 0.0):,.0f} tok/s"
+    )
+    return step, stats
+
+
+def summarize(
+    cfg: Config, client: redis.Redis, run_dir: Path, placement: dict[str, str] | None = None
+) -> dict:
+    """Reward curve summary from the learner's history, a PNG plot, where each process ran, and where
+    everything lives. Writes ``summary.json``."""
+    for proc in ["learner"] + [f"server-{i}" for i in range(cfg.rollout.num_servers)]:
+        raw = client.lrange(history_key(cfg.run.name, proc), 0, -1)
+        (run_dir / f"{proc}_history.jsonl").write_text("".join(r.decode() + "\n" for r in raw))
+    if placement:
+        print("[launch] placement: " + "; ".join(f"{p} on {node}" for p, node in placement.items()))
+    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward/mean" in r]
+    if not rows:
+        print("[launch] no learner steps were logged")
+        if placement:
+            (run_dir / "summary.json").write_text(json.dumps({"placement": placement}, indent=2))
+        return {}
+    rewards = [r["reward/mean"] for r in rows]
+    k = max(1, len(rewards) // 10)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    t0 = rows[0]["time"]
+    summary: dict = {
+        "steps": len(rows),
+        "reward_first": first,
+        "reward_last": last,
+        "wall_s": rows[-1]["time"] - t0,
+    }
+    if placement:
+        summary["placement"] = placement
+    print(
+        f"[launch] reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} over {len(rows)} steps ({summary['wall_s']:.0f}s)"
+    )
+    n_marks = min(10, len(rows))
+    marks = [rows[round(i * (len(rows) - 1) / max(1, n_marks - 1))] for i in range(n_marks)]
+    print("[launch] reward curve: " + "  ".join(f"{int(r['step'])}:{r['reward/mean']:.2f}" for r in marks))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["time"] - t0 for r in rows], rewards)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("reward/mean")
+        ax.set_title(f"{run_dir.name} ({cfg.run.mode})")
+        fig.tight_layout()
+        fig.savefig(run_dir / "reward.png", dpi=100)
+        plt.close(fig)
+        print(f"[launch] plot: {run_dir / 'reward.png'}")
+    except ImportError:
+        pass
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

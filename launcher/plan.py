@@ -1,0 +1,94 @@
+"""The run plan: which roles a run has, how each is started, what it needs, and when it counts as ready.
+
+Computed from the config alone, so every backend starts the same thing and ``--dry-run`` can show it.
+A role is ready when its ``{run}:ready:<name>`` key exists (``tandem/telemetry.py``); the learner's
+processes are its ranks (rank 0 marks it ready); a server is one process. Restart policy: a server
+is restarted up to ``rollout.restart_limit`` times; a learner that exits ends the run (docs/design.md §1.5).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.config import Config
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str  # "learner" or "server-<i>": the name of its ready, stats and history keys and of its log
+    module: str  # entry point: ``python -m <module> *argv`` or ``<module>.main(argv)`` in-process
+    argv: tuple[str, ...]
+    processes: int  # learner ranks; 1 for a server
+    threads: int  # CPU threads per process (OMP_NUM_THREADS) when on CPU
+    gpus: int  # GPUs per process: 1 per learner rank on CUDA, the tensor-parallel degree per server
+    restart_limit: int  # restarts after a crash before the run fails; 0 for the learner
+
+    @property
+    def is_learner(self) -> bool:
+        return self.name == "learner"
+
+
+@dataclass
+class RunPlan:
+    cfg: Config
+    run_dir: Path
+    config_path: Path  # the resolved per-process config (mode 0600; it holds the Redis password)
+    roles: list[Role]
+    env: dict[str, str] = field(default_factory=dict)  # what every process gets on top of its environment
+
+    @property
+    def learner(self) -> Role:
+        return self.roles[0]
+
+    @property
+    def servers(self) -> list[Role]:
+        return self.roles[1:]
+
+
+def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
+    """CPU threads for each server and for the learner: servers first, the learner takes what is left."""
+    cores = cores or os.cpu_count() or 1
+    per_server = cfg.rollout.threads or max(1, cores // (cfg.rollout.num_servers + 1))
+    learner = max(1, cores - per_server * cfg.rollout.num_servers)
+    return per_server, learner
+
+
+def server_tp(cfg: Config) -> int:
+    """GPUs per rollout server: the engine's tensor-parallel degree (1 for hf)."""
+    return {"vllm": cfg.rollout.vllm.tensor_parallel_size, "sglang": cfg.rollout.sglang.tp_size}.get(
+        cfg.rollout.engine, 1
+    )
+
+
+def plan_run(
+    cfg: Config, run_dir: Path, config_path: Path, *, resume: bool, cores: int | None = None
+) -> RunPlan:
+    """The learner first, then the servers, with entry points, resources and restart policy."""
+    server_threads, learner_threads = thread_split(cfg, cores)
+    on_gpu = cfg.run.device != "cpu"
+    common = ("--config", str(config_path), "--run-dir", str(run_dir))
+    learner = Role(
+        name="learner",
+        module="learner.train",
+        argv=(*common, *(["--resume"] if resume else [])),
+        processes=cfg.learner.num_ranks,
+        threads=learner_threads,
+        gpus=1 if on_gpu else 0,
+        restart_limit=0,
+    )
+    servers = [
+        Role(
+            name=f"server-{i}",
+            module="rollout.server",
+            argv=("--config", str(config_path), "--server-id", str(i), "--run-dir", str(run_dir)),
+            processes=1,
+            threads=server_threads,
+            gpus=server_tp(cfg) if on_gpu else 0,
+            restart_limit=cfg.rollout.restart_limit,
+        )
+        for i in range(cfg.rollout.num_servers)
+    ]
+    env = {"TANDEM_RUN_GROUP": run_dir.name, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return RunPlan(cfg, run_dir, config_path, [learner, *servers], env)
