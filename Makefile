@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install assets demo test test-fast lint format bench engines-env clean
+.PHONY: install assets demo test test-fast lint format bench bench-trl engines-env clean
 
 install: $(STAMP)
 
@@ -57,6 +57,10 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/buffer.py && $(PY) bench/weightsync.py && $(PY) bench/rollout.py && $(PY) bench/learner.py && $(PY) bench/overlap.py
+
+# tandem against TRL's GRPOTrainer (installs TRL under .venv-trl on first use; ~25 min on 2 cores).
+bench-trl: $(STAMP) $(ASSETS)
+	$(PY) bench/vs_trl.py
 
 assets: $(ASSETS)
 

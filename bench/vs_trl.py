@@ -3,8 +3,15 @@
     python bench/vs_trl.py [--workload tiny|heavy|both] [--steps N] [--target R] [--trl-env DIR]
 
 Per workload it runs, one after the other in the same invocation: TRL 1.16 ``GRPOTrainer`` (one process),
-``launch.py --mode sync`` and ``launch.py --mode async``, and prints s/step, time to ``--target`` reward
-(5-step moving average) and final reward for each, as ratios to TRL. The last line is one JSON object.
+``launch.py --mode sync``, ``launch.py --mode async`` and ``sync-all`` (sync mode with every process
+given all the cores, a what-if for issue #17's fair sync baseline, made by replacing launch's thread split
+for that run), and prints s/step, time to ``--target`` reward (5-step moving average) and final reward
+for each, as ratios to TRL. The last line is one JSON object.
+
+On a machine other jobs keep busy, runs that use several torch threads per process (TRL, ``sync-all``)
+slow down far more than single-threaded ones: an OpenMP region waits at its barrier for every thread to
+be scheduled. Ratios from a loaded machine favour tandem's one-thread-per-process split; say which
+load a figure was measured under.
 
 Workloads (both the echo task, ``tandem.tasks.echo:reward``, 4 prompts × 8 completions per step,
 temperature 1, one optimizer step per batch):
@@ -40,6 +47,7 @@ TRL's generation/training split per step is taken at its reward call, which come
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,8 +58,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from overlap import figures, moving_average, read_history, run_mode  # noqa: E402
+# bench/buffer.py and bench/weightsync.py would shadow the packages of the same name.
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)
+_spec = importlib.util.spec_from_file_location("bench_overlap", ROOT / "bench" / "overlap.py")
+overlap = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(overlap)
+figures, moving_average, read_history, run_mode = (
+    overlap.figures,
+    overlap.moving_average,
+    overlap.read_history,
+    overlap.run_mode,
+)
 
 # Exactly what `pip install --dry-run trl==1.16.0` adds over this venv (torch, transformers, accelerate
 # and the rest are already pinned here and must stay the project's).
@@ -332,7 +350,7 @@ def main() -> None:
     ap.add_argument("--trl-env", type=Path, default=ROOT / ".venv-trl", help="where TRL is installed")
     ap.add_argument("--out", type=Path, default=None, help="directory for the runs (default: a temp dir)")
     ap.add_argument(
-        "--runs", default="trl,sync,sync-all,async", help="comma-separated subset of trl,sync,sync-all,async"
+        "--runs", default="trl,sync,async,sync-all", help="comma-separated subset of trl,sync,async,sync-all"
     )
     args = ap.parse_args()
 
@@ -356,6 +374,7 @@ def main() -> None:
                 res[run] = trl_figures(run_trl(env, w, steps, out / name / "trl"), target)
             else:
                 res[run] = run_tandem(run, w, steps, out / name / run, target)
+            (out / name / "results.json").write_text(json.dumps(res))  # what finished, should a run die
         if "trl" in res:
             summary.update(report(name, w, steps, target, res))
     print(json.dumps(summary))
