@@ -40,6 +40,9 @@ Remaining differences, none of which changes the work per step:
   - s/step and time to target count from the end of the first step in all three runs (start-up, model
     loading and the first generation are excluded alike). TRL is one process using every core; tandem
     runs as ``launch.py`` starts it (its own process per role, threads split as launch splits them).
+Columns T_gen and T_train: for tandem, the servers' and the learner's busy time per step as in
+bench/overlap.py (wall time minus waiting on the other side, so Redis, weight sync and scoring count);
+for TRL, the time from the step's start to its reward call and from there to the step's end.
 TRL's generation/training split per step is taken at its reward call, which comes right after generation
 (no old-logprob pass with one iteration per generation).
 """
@@ -200,7 +203,7 @@ def trl_child(args: argparse.Namespace) -> None:
     args.history.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run_trl(env: dict[str, str], w: dict[str, Any], steps: int, out: Path) -> list[dict]:
+def run_trl(env: dict[str, str], w: dict[str, Any], steps: int, out: Path, threads: int) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     history = out / "trl_history.jsonl"
     cmd = [
@@ -219,7 +222,10 @@ def run_trl(env: dict[str, str], w: dict[str, Any], steps: int, out: Path) -> li
         str(history),
     ]
     print(f"[vs_trl] trl: {' '.join(cmd[2:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**env, "TOKENIZERS_PARALLELISM": "false"})
+    env = {**env, "TOKENIZERS_PARALLELISM": "false"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     return [json.loads(line) for line in history.read_text().splitlines()]
 
 
@@ -348,6 +354,12 @@ def main() -> None:
         "--target", type=float, default=None, help="reward to reach (default: 0.5 tiny, 0.1 heavy)"
     )
     ap.add_argument("--trl-env", type=Path, default=ROOT / ".venv-trl", help="where TRL is installed")
+    ap.add_argument(
+        "--trl-threads",
+        type=int,
+        default=0,
+        help="torch threads of the TRL run (0: torch's default, all cores)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="directory for the runs (default: a temp dir)")
     ap.add_argument(
         "--runs", default="trl,sync,async,sync-all", help="comma-separated subset of trl,sync,async,sync-all"
@@ -371,7 +383,7 @@ def main() -> None:
         res: dict[str, dict] = {}
         for run in runs:
             if run == "trl":
-                res[run] = trl_figures(run_trl(env, w, steps, out / name / "trl"), target)
+                res[run] = trl_figures(run_trl(env, w, steps, out / name / "trl", args.trl_threads), target)
             else:
                 res[run] = run_tandem(run, w, steps, out / name / run, target)
             (out / name / "results.json").write_text(json.dumps(res))  # what finished, should a run die
