@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install assets demo test test-fast test-ray test-vllm lint format bench engines-env vllm-env demo-vllm clean
+.PHONY: install assets demo test test-fast test-ray test-vllm lint format bench bench-trl engines-env vllm-env demo-vllm clean
 
 install: $(STAMP)
 
@@ -61,6 +61,10 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/buffer.py && $(PY) bench/weightsync.py && $(PY) bench/rollout.py && $(PY) bench/learner.py && $(PY) bench/overlap.py
+
+# tandem against TRL's GRPOTrainer (installs TRL under .venv-trl on first use; ~25 min on 2 cores).
+bench-trl: $(STAMP) $(ASSETS)
+	$(PY) bench/vs_trl.py
 
 assets: $(ASSETS)
 

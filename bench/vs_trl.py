@@ -1,0 +1,406 @@
+"""tandem against TRL's ``GRPOTrainer`` on the same checkpoint, prompts, reward and hyper-parameters.
+
+    python bench/vs_trl.py [--workload tiny|heavy|both] [--steps N] [--target R] [--trl-env DIR]
+
+Per workload it runs, one after the other in the same invocation: TRL 1.16 ``GRPOTrainer`` (one process),
+``launch.py --mode sync``, ``launch.py --mode async`` and ``sync-all`` (sync mode with every process
+given all the cores, a what-if for issue #17's fair sync baseline, made by replacing launch's thread split
+for that run), and prints s/step, time to ``--target`` reward (5-step moving average) and final reward
+for each, as ratios to TRL. The last line is one JSON object.
+
+On a machine other jobs keep busy, runs that use several torch threads per process (TRL, ``sync-all``)
+slow down far more than single-threaded ones: an OpenMP region waits at its barrier for every thread to
+be scheduled. Ratios from a loaded machine favour tandem's one-thread-per-process split; say which
+load a figure was measured under.
+
+Workloads (both the echo task, ``tandem.tasks.echo:reward``, 4 prompts × 8 completions per step,
+temperature 1, one optimizer step per batch):
+  tiny   assets/tiny/actor (the demo's ~80k-parameter model), 8 new tokens, lr 1e-3, 200 steps;
+  heavy  a ~3.6M-parameter model from ``python -m tandem make-tiny DIR --hidden 256 --layers 6``
+         (built under assets/heavy when missing), 64 new tokens, lr 3e-4, 30 steps: generation dominates.
+
+TRL is installed on first use with ``pip install --no-deps --target DIR`` (default ``.venv-trl``, git-ignored)
+and layered over this venv through ``PYTHONPATH``, so it runs on the project's own CPU torch and
+transformers; the pinned set below is exactly what ``pip install --dry-run trl==1.16.0`` adds to this
+venv. Nothing touches a hub: the model is a local directory and the dataset an in-memory
+``datasets.Dataset`` built from the same prompt file tandem reads.
+
+How the TRL run is made to match tandem's (learner/models.py, learner/losses.py, learner/advantages.py):
+  fp32 on CPU, ``per_device_train_batch_size=32``, ``num_generations=8``, ``steps_per_generation=1``,
+  ``num_iterations=1``, no gradient accumulation, no gradient checkpointing (TRL's default is on); AdamW (torch, not fused) with tandem's defaults
+  (β=(0.9, 0.999), ε=1e-8, no weight decay), constant learning rate, gradient clip 1.0; ``beta=0`` (no
+  reference model, tandem's ``kl_coef: 0``); ``loss_type="dapo"`` (a token-level mean over the whole
+  batch, which is tandem's loss aggregation); ε_low 0.2 / ε_high 0.28 as tandem's defaults; GRPO
+  advantages scaled by the group std.
+Remaining differences, none of which changes the work per step:
+  - tandem's std is the unbiased one plus 1e-6 and a constant group gets 0; TRL adds 1e-4 to the std.
+  - tandem's loss carries a truncated importance weight exp(prox − behav) ≤ 5 (engine vs learner logprobs);
+    TRL, generating with the same model it trains, takes the ratio to the detached current logprobs.
+  - TRL's dataloader and tandem's feeder shuffle the prompts with different generators.
+  - s/step and time to target count from the end of the first step in all three runs (start-up, model
+    loading and the first generation are excluded alike). TRL is one process using every core; tandem
+    runs as ``launch.py`` starts it (its own process per role, threads split as launch splits them).
+Columns T_gen and T_train: for tandem, the servers' and the learner's busy time per step as in
+bench/overlap.py (wall time minus waiting on the other side, so Redis, weight sync and scoring count);
+for TRL, the time from the step's start to its reward call and from there to the step's end.
+TRL's generation/training split per step is taken at its reward call, which comes right after generation
+(no old-logprob pass with one iteration per generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# bench/buffer.py and bench/weightsync.py would shadow the packages of the same name.
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)
+_spec = importlib.util.spec_from_file_location("bench_overlap", ROOT / "bench" / "overlap.py")
+overlap = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(overlap)
+figures, moving_average, read_history, run_mode = (
+    overlap.figures,
+    overlap.moving_average,
+    overlap.read_history,
+    overlap.run_mode,
+)
+
+# Exactly what `pip install --dry-run trl==1.16.0` adds over this venv (torch, transformers, accelerate
+# and the rest are already pinned here and must stay the project's).
+TRL_PACKAGES = [
+    "trl==1.16.0",
+    "datasets==5.2.0",
+    "dill==0.4.1",
+    "multiprocess==0.70.19",
+    "pandas==3.1.1",
+    "pyarrow==26.0.1",
+]
+
+PROMPTS_PER_STEP = 4
+GROUP = 8
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "tiny": {"model": "assets/tiny/actor", "max_new_tokens": 8, "lr": 1e-3, "steps": 200, "target": 0.5},
+    "heavy": {"model": "assets/heavy/actor", "max_new_tokens": 64, "lr": 3e-4, "steps": 30, "target": 0.1},
+}
+
+
+# ------------------------------------------------------------------------------------------------ setup
+
+
+def ensure_trl(env_dir: Path) -> dict[str, str]:
+    """The environment for the TRL child: TRL installed under ``env_dir`` if missing, layered over this venv."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(env_dir), str(ROOT)])}
+    probe = [sys.executable, "-c", "import trl, datasets; assert trl.__version__ == '1.16.0'"]
+    if subprocess.run(probe, env=env, capture_output=True).returncode != 0:
+        print(f"[vs_trl] installing {' '.join(TRL_PACKAGES)} into {env_dir}", flush=True)
+        pip = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps"]
+        subprocess.run([*pip, "--target", str(env_dir), *TRL_PACKAGES], check=True)
+        subprocess.run(probe, env=env, check=True)
+    return env
+
+
+def ensure_heavy_model(path: Path) -> None:
+    if not (path / "config.json").exists():
+        out = path.parent
+        print(f"[vs_trl] building the heavy model in {out}", flush=True)
+        cmd = [sys.executable, "-m", "tandem", "make-tiny", str(out), "--hidden", "256", "--layers", "6"]
+        subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+# ------------------------------------------------------------------------------------------------ TRL
+
+
+def trl_child(args: argparse.Namespace) -> None:
+    """Runs inside the TRL environment: train, and write one JSON row per step to ``args.history``."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tandem.data import load_prompts
+    from tandem.tasks.echo import reward as echo_reward
+
+    records = load_prompts(ROOT / "assets/echo.jsonl")
+    dataset = Dataset.from_list(records)
+    columns = [c for c in dataset.column_names if c != "prompt"]
+    marks: dict[str, float] = {}
+
+    def echo(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        """tandem's reward through TRL's signature: each record's other columns come as kwargs lists."""
+        marks.setdefault("gen_end", time.perf_counter())
+        return [
+            echo_reward(p, c, {k: kwargs[k][i] for k in columns})
+            for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+        ]
+
+    rows: list[dict[str, float]] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            marks.clear()
+            marks["begin"] = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            end = time.perf_counter()
+            gen_end = marks.get("gen_end", marks["begin"])
+            rows.append({"time": time.time(), "t_gen": gen_end - marks["begin"], "t_train": end - gen_end})
+
+        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None, **__: Any) -> None:
+            if logs and "reward" in logs and rows:
+                rows[-1]["reward/mean"] = float(logs["reward"])
+
+    config = GRPOConfig(
+        output_dir=args.history.parent / "trl-out",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,  # TRL defaults to True; tandem to False
+        seed=0,
+        max_steps=args.steps,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+        gradient_accumulation_steps=1,
+        num_generations=GROUP,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        scale_rewards="group",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=echo,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Timer()],
+    )
+    trainer.train()
+    args.history.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def run_trl(env: dict[str, str], w: dict[str, Any], steps: int, out: Path, threads: int) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    history = out / "trl_history.jsonl"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "_trl",
+        "--model",
+        str(ROOT / w["model"]),
+        "--steps",
+        str(steps),
+        "--max-new-tokens",
+        str(w["max_new_tokens"]),
+        "--lr",
+        str(w["lr"]),
+        "--history",
+        str(history),
+    ]
+    print(f"[vs_trl] trl: {' '.join(cmd[2:])}", flush=True)
+    env = {**env, "TOKENIZERS_PARALLELISM": "false"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    return [json.loads(line) for line in history.read_text().splitlines()]
+
+
+def trl_figures(rows: list[dict], target: float) -> dict[str, float | None]:
+    """The same figures as bench/overlap.py's, from TRL's per-step rows (counted from the first step's end)."""
+    t0 = rows[0]["time"]
+    rewards = moving_average([r["reward/mean"] for r in rows])
+    hit = next((r["time"] - t0 for r, m in zip(rows, rewards, strict=True) if m >= target), None)
+    k = max(1, len(rows) // 10)
+    rest = rows[1:]
+    return {
+        "s_per_step": (rows[-1]["time"] - t0) / (len(rows) - 1),
+        "time_to_target_s": hit,
+        "final_reward": sum(r["reward/mean"] for r in rows[-k:]) / k,
+        "t_gen": sum(r["t_gen"] for r in rest) / len(rest),
+        "t_train": sum(r["t_train"] for r in rest) / len(rest),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ tandem
+
+
+def tandem_overrides(w: dict[str, Any]) -> list[str]:
+    return [
+        f"model.actor={w['model']}",
+        "model.critic=null",
+        f"rollout.max_new_tokens={w['max_new_tokens']}",
+        f"rollout.n_samples={GROUP}",
+        f"rollout.prompts_per_batch={PROMPTS_PER_STEP}",
+        "rollout.temperature=1.0",
+        f"algorithm.batch_size={PROMPTS_PER_STEP * GROUP}",
+        f"algorithm.minibatch_size={PROMPTS_PER_STEP * GROUP}",
+        "algorithm.ppo_epochs=1",
+        f"learner.micro_batch_size={PROMPTS_PER_STEP * GROUP}",
+        f"learner.actor_lr={w['lr']}",
+        "logging.wandb_mode=disabled",
+    ]
+
+
+# ``sync-all``: launch.py's sync mode with every process given all the cores (the phases alternate, so
+# they do not compete), by replacing launch's thread split for this one run. A what-if for issue #17's
+# "each phase gets all cores in sync mode", measured here until launch does it itself.
+ALL_CORES_LAUNCH = """
+import os, sys
+import launch
+if not hasattr(launch, "_thread_split"):
+    sys.exit("bench/vs_trl.py sync-all: launch._thread_split is gone; drop sync-all from --runs")
+launch._thread_split = lambda cfg: (os.cpu_count() or 1, os.cpu_count() or 1)
+sys.exit(launch.main(sys.argv[1:]))
+"""
+
+
+def run_all_cores(steps: int, out: Path, overrides: list[str]) -> Path:
+    cmd = [
+        sys.executable,
+        "-c",
+        ALL_CORES_LAUNCH,
+        "configs/tiny.yaml",
+        f"learner.total_steps={steps}",
+        f"run.output_dir={out}",
+        *overrides,
+        f"rollout.threads={os.cpu_count() or 1}",  # the server sets its own torch threads from this
+        "--mode",
+        "sync",
+        "--no-console",
+    ]
+    print(f"[vs_trl] sync-all: launch.py {' '.join(cmd[3:])} (every process gets all cores)", flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def run_tandem(mode: str, w: dict[str, Any], steps: int, out: Path, target: float) -> dict[str, Any]:
+    if mode == "sync-all":
+        run_dir = run_all_cores(steps, out, tandem_overrides(w))
+    else:
+        run_dir = run_mode(mode, "configs/tiny.yaml", steps, out, tandem_overrides(w))
+    learner, servers = read_history(run_dir)
+    f = figures(learner, servers, PROMPTS_PER_STEP * GROUP, target)
+    return {**f, "s_per_step": PROMPTS_PER_STEP * GROUP / f["samples_per_s"]}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _ratio(x: float | None, ref: float | None) -> float | None:
+    return None if x is None or ref is None or ref == 0 else round(x / ref, 3)
+
+
+def _s(x: float | None) -> str:
+    return "not reached" if x is None else f"{x:.1f} s"
+
+
+def report(name: str, w: dict[str, Any], steps: int, target: float, res: dict[str, dict]) -> dict[str, Any]:
+    ref = res["trl"]
+    print(
+        f"\n[vs_trl] {name}: {w['model']}, {PROMPTS_PER_STEP}×{GROUP} completions, {w['max_new_tokens']} new "
+        f"tokens, lr {w['lr']}, {steps} steps, target reward {target}"
+    )
+    print("| run | s/step | ×TRL | T_gen ms | T_train ms | time to target | ×TRL | final reward |")
+    print("|---|---|---|---|---|---|---|---|")
+    out: dict[str, Any] = {}
+    for run, r in res.items():
+        sp = _ratio(r["s_per_step"], ref["s_per_step"])
+        tt = _ratio(r["time_to_target_s"], ref["time_to_target_s"])
+        print(
+            f"| {run} | {r['s_per_step']:.3f} | {sp:.2f} | {1000 * r['t_gen']:.0f} | {1000 * r['t_train']:.0f} "
+            f"| {_s(r['time_to_target_s'])} | {'—' if tt is None else f'{tt:.2f}'} | {r['final_reward']:.3f} |"
+        )
+        out[f"{name}_{run}_s_per_step"] = round(r["s_per_step"], 4)
+        out[f"{name}_{run}_time_to_target_s"] = (
+            None if r["time_to_target_s"] is None else round(r["time_to_target_s"], 2)
+        )
+        out[f"{name}_{run}_final_reward"] = round(r["final_reward"], 3)
+        if run != "trl":
+            out[f"{name}_{run}_s_per_step_vs_trl"] = sp
+            out[f"{name}_{run}_time_to_target_vs_trl"] = tt
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=["tiny", "heavy", "both"], default="both")
+    ap.add_argument("--steps", type=int, default=None, help="learner steps (default: 200 tiny, 30 heavy)")
+    ap.add_argument(
+        "--target", type=float, default=None, help="reward to reach (default: 0.5 tiny, 0.1 heavy)"
+    )
+    ap.add_argument("--trl-env", type=Path, default=ROOT / ".venv-trl", help="where TRL is installed")
+    ap.add_argument(
+        "--trl-threads",
+        type=int,
+        default=0,
+        help="torch threads of the TRL run (0: torch's default, all cores)",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="directory for the runs (default: a temp dir)")
+    ap.add_argument(
+        "--runs", default="trl,sync,async,sync-all", help="comma-separated subset of trl,sync,async,sync-all"
+    )
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    from tandem.tiny import ensure_demo_assets
+
+    ensure_demo_assets(ROOT)
+    env = ensure_trl(args.trl_env)
+    out = args.out or Path(tempfile.mkdtemp(prefix="tandem-vs-trl-"))
+    runs = args.runs.split(",")
+    summary: dict[str, Any] = {}
+    for name in ["tiny", "heavy"] if args.workload == "both" else [args.workload]:
+        w = WORKLOADS[name]
+        if name == "heavy":
+            ensure_heavy_model(ROOT / w["model"])
+        steps = args.steps or w["steps"]
+        target = w["target"] if args.target is None else args.target
+        res: dict[str, dict] = {}
+        for run in runs:
+            if run == "trl":
+                res[run] = trl_figures(run_trl(env, w, steps, out / name / "trl", args.trl_threads), target)
+            else:
+                res[run] = run_tandem(run, w, steps, out / name / run, target)
+            (out / name / "results.json").write_text(json.dumps(res))  # what finished, should a run die
+        if "trl" in res:
+            summary.update(report(name, w, steps, target, res))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_trl":
+        child = argparse.ArgumentParser()
+        child.add_argument("_trl")
+        child.add_argument("--model", required=True)
+        child.add_argument("--steps", type=int, required=True)
+        child.add_argument("--max-new-tokens", type=int, required=True)
+        child.add_argument("--lr", type=float, required=True)
+        child.add_argument("--history", type=Path, required=True)
+        trl_child(child.parse_args())
+    else:
+        main()
