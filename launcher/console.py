@@ -114,5 +114,29 @@ def summarize(
         print(f"[launch] plot: {run_dir / 'reward.png'}")
     except ImportError:
         pass
+    evals = eval_history(client, cfg.run.name)
+    if evals:
+        (run_dir / "eval_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+        k = next(key for key in evals[0] if key.startswith("eval/pass@") and key != "eval/pass@1")
+        summary["eval"] = [
+            {"version": int(r["eval/version"]), "reward_mean": r["eval/reward_mean"],
+             "pass@1": r["eval/pass@1"], k.removeprefix("eval/"): r[k]}
+            for r in evals
+        ]  # fmt: skip
+        print(
+            "[launch] eval (held-out): "
+            + "  ".join(
+                f"v{int(r['eval/version'])}:{r['eval/reward_mean']:.2f}/{r['eval/pass@1']:.2f}" for r in evals
+            )
+            + "  (version:reward/pass@1)"
+        )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def eval_history(client: redis.Redis, run: str) -> list[dict]:
+    """Every server's held-out evaluations (``eval-server-i``), one row per version, in version order."""
+    rows = []
+    for key in client.scan_iter(match=history_key(run, "eval-server-*")):
+        rows += [json.loads(r) for r in client.lrange(key, 0, -1)]
+    return sorted(rows, key=lambda r: r["eval/version"])

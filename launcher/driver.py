@@ -45,6 +45,8 @@ def check_inputs(cfg: Config) -> None:
             )
     if not Path(cfg.data.prompts).is_file():
         raise ConfigError(f"data.prompts: {cfg.data.prompts} not found")
+    if cfg.eval.prompts is not None and not Path(cfg.eval.prompts).is_file():
+        raise ConfigError(f"eval.prompts: {cfg.eval.prompts} not found")
 
 
 def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:

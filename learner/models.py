@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from learner.batch import MicroBatch
 from tandem.config import Config
+from tandem.prebuild import prepare_extensions
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ def init_distributed(device: torch.device) -> dist.ProcessGroup:
             # another process taking the same port between the pick and the bind.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not dist.is_initialized() or deepspeed.comm.cdb is None:
+        if device.type == "cpu":
+            prepare_extensions()  # DeepSpeed loads its CPU collective op here (tandem/prebuild.py)
         deepspeed.init_distributed(dist_backend=backend)  # wraps a group that exists, or joins torchrun's
     return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
 

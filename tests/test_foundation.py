@@ -166,3 +166,29 @@ def test_demo_assets_are_built_when_missing(tmp_path: Path) -> None:
     before = (tmp_path / "assets/echo.jsonl").stat().st_mtime_ns
     ensure_demo_assets(tmp_path)  # present: left as they are
     assert (tmp_path / "assets/echo.jsonl").stat().st_mtime_ns == before
+
+
+def test_a_stale_extension_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path, monkeypatch) -> None:
+    import os
+    import time
+
+    from tandem.prebuild import prepare_extensions
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, live = tmp_path / "py311_cpu/old_op/lock", tmp_path / "py311_cpu/building_op/lock"
+    for lock in (stale, live):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))  # left by a process killed while it held the lock
+    assert prepare_extensions() == tmp_path
+    assert not stale.exists() and live.exists()
+
+
+def test_extensions_build_in_this_environment_by_default(monkeypatch) -> None:
+    import sys
+
+    from tandem.prebuild import prepare_extensions
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert prepare_extensions() == Path(sys.prefix) / "torch_extensions"

@@ -263,3 +263,26 @@ def test_sync_interval_beyond_staleness_is_refused_before_anything_starts(
     assert proc.returncode == 2
     assert proc.stderr.startswith("error:") and "algorithm.sync_interval (4)" in proc.stderr
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # no run directory, no process
+
+
+def test_eval_and_sampling_switches_run_end_to_end(tiny_ckpt, prompts: Path, tmp_path: Path) -> None:
+    """Held-out evaluation, dynamic sampling and over-long shaping through launch.py: the summary and the
+    console carry the evaluation of every version, the servers report what they dropped and shaped."""
+    steps = 3
+    cmd = launch_cmd(
+        tiny_ckpt, prompts, tmp_path / "runs", f"learner.total_steps={steps}",
+        f"eval.prompts={prompts}", "eval.interval=1", "eval.n_samples=2",
+        "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer=2",
+    )  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = run_dir_of(tmp_path / "runs")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    versions = [e["version"] for e in summary["eval"]]
+    assert versions[0] == 0 and versions == sorted(set(versions)) and len(versions) >= 2
+    assert all(0.0 <= e["pass@1"] <= e["pass@2"] <= 1.0 for e in summary["eval"])
+    assert "[launch] eval (held-out): v0:" in proc.stdout
+    server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    assert "rollout/uniform_groups_dropped" in server[-1]
+    learner = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    assert all("reward/overlong" in r for r in learner if "reward/mean" in r)  # the shaped part arrived
