@@ -160,6 +160,34 @@ def _causal_lm(path: str, cfg: Config, dtype: torch.dtype) -> nn.Module:
     )
 
 
+def load_policy(cfg: Config, path: str, dtype: torch.dtype) -> nn.Module:
+    """A trainable causal LM (the actor of any recipe), with gradient checkpointing when configured."""
+    model = _causal_lm(path, cfg, dtype)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def load_frozen(cfg: Config, path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A frozen causal LM (a reference policy): eval mode, no gradients, no optimizer state."""
+    return _causal_lm(path, cfg, dtype).eval().requires_grad_(False).to(device)
+
+
+def load_scalar_head(cfg: Config, path: str, dtype: torch.dtype, *, zero_head: bool) -> ValueModel:
+    """A scalar-head model on ``path``'s architecture (a critic or reward model), read per position.
+
+    From a causal LM the head is new: ``zero_head`` starts it at 0, so first scores are 0, not noise.
+    """
+    seq_cls = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
+    )
+    if zero_head:
+        nn.init.zeros_(seq_cls.score.weight)
+    if cfg.model.gradient_checkpointing:
+        seq_cls.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return ValueModel(seq_cls)
+
+
 @dataclass
 class Models:
     actor: deepspeed.DeepSpeedEngine
