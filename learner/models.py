@@ -16,6 +16,8 @@ What this module owns and why it looks the way it does:
   Initialised from ``model.critic``, else from the reward model or the actor's trunk (``critic_init``);
   from the actor the fresh head starts at zero, so the first values are 0 rather than noise. Only built
   for ``algorithm.advantage == "gae"``.
+- **LoRA.** With ``learner.lora.rank > 0`` the actor (of ppo, sft, dpo) is wrapped in peft adapters and
+  only they train (``learner/lora.py``); the reference stays the plain base model.
 - **Reference.** A frozen plain module (no optimizer state, nothing to partition), loaded only when
   ``kl_coef > 0``; with ``reference_on_cpu`` it lives on CPU and visits the device for its forward pass.
   The reward model itself is scored on the rollout servers, not here; the learner only reads it as a
@@ -165,6 +167,10 @@ def load_policy(cfg: Config, path: str, dtype: torch.dtype) -> nn.Module:
     model = _causal_lm(path, cfg, dtype)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.learner.lora.rank:
+        from learner import lora
+
+        model = lora.wrap(model, cfg.learner.lora)
     return model
 
 
@@ -206,9 +212,7 @@ class Models:
 
 def load_models(cfg: Config, device: torch.device) -> Models:
     dtype = resolve_dtype(cfg, device)
-    actor = _causal_lm(cfg.model.actor, cfg, dtype)
-    if cfg.model.gradient_checkpointing:
-        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    actor = load_policy(cfg, cfg.model.actor, dtype)
     critic = None
     if cfg.algorithm.advantage == "gae":
         critic = load_critic(cfg, dtype)

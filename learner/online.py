@@ -17,6 +17,9 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
   honouring admission the learner then trains only on data of its current version.
 - **Stopping**: after ``learner.total_steps``, on ``Telemetry.stop_requested()``, or on SIGTERM/SIGINT: the
   current step finishes, then a final checkpoint (and the final actor as a HF directory).
+- **What is published**: the actor's full weights; for a LoRA actor only its adapter tensors
+  (``learner.lora.sync: adapter``, applied by the hf engine, ``weightsync/adapters.py``) or its merged
+  weights. ``weightsync/bytes`` logs the size of each sync.
 - **Audit trail**: rank 0 appends ``{"version", "ids"}`` per step to ``<run dir>/trained.jsonl``; after a
   resume the last line of each version is the one the surviving model contains.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -36,7 +40,7 @@ import torch.distributed as dist
 import weightsync
 from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer, Taken
-from learner import checkpoint
+from learner import checkpoint, lora
 from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
 from learner.models import Models
 from learner.runtime import Runtime
@@ -64,6 +68,7 @@ class OnlineRuntime(Runtime):
         self.buffer: ReplayBuffer | None = None
         self.publisher: weightsync.Publisher = weightsync.DrainPublisher()
         self.trained_log: TextIO | None = None
+        self.sync_bytes = 0  # bytes of the last published version (weightsync/bytes)
 
     def load_models(self) -> Models:
         raise NotImplementedError
@@ -167,11 +172,24 @@ class OnlineRuntime(Runtime):
 
     def sync_weights(self, *, force: bool = False) -> None:
         """Publish version ``v`` (when due), *then* announce it: admission opens only once weights exist."""
+        self.sync_bytes = 0
         if force or self.version % self.cfg.algorithm.sync_interval == 0:
             # A collective under ZeRO-3: every rank gathers; ranks other than 0 hold a draining publisher.
-            self.publisher.publish(weightsync.named_full_parameters(self.models.actor), self.version)
+            counted = Counted(self.published_tensors())
+            self.publisher.publish(counted, self.version)
+            self.sync_bytes = counted.bytes
         if self.lead:
             self.buffer.set_version(self.version)
+
+    def published_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's full weights, or for a LoRA actor its adapters (or merged weights), by HF name."""
+        named = weightsync.named_full_parameters(self.models.actor)
+        module = self.models.actor.module
+        if not lora.is_lora(module):
+            return named
+        if self.cfg.learner.lora.sync == "adapter":
+            return lora.adapter_tensors(module, named)
+        return lora.merged_tensors(module, named)
 
     def commit(self, ids: list[str]) -> None:
         """Record the step's ids; checkpoint when due and only then ack (exactly-once, learner/checkpoint.py)."""
@@ -219,6 +237,18 @@ class OnlineRuntime(Runtime):
         self.telemetry.close()
         if self.client is not None:
             self.client.close()
+
+
+class Counted:
+    """An iterable of named tensors that counts the bytes that went through it."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.named, self.bytes = named, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.named:
+            self.bytes += t.numel() * t.element_size()
+            yield name, t
 
 
 def connect(cfg: Config) -> redis.Redis:

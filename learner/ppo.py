@@ -110,6 +110,7 @@ class PPOLearner(OnlineRuntime):
                 "time/wait_for_data": t1 - t0,
                 "time/train": t2 - t1,
                 "time/weight_sync": t3 - t2,
+                "weightsync/bytes": float(self.sync_bytes),
                 "time/checkpoint": t4 - t3,
                 "throughput/train_tokens_per_s": batch.num_tokens / (t2 - t1),
                 "learner/version": self.version,

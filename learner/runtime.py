@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
 
 import weightsync
+from learner import lora
 from learner.batch import Batch, Layout, MicroBatch, micro_batches
 from learner.models import init_distributed, resolve_device
 from tandem.config import Config
@@ -131,11 +133,26 @@ class Runtime:
     # ---------------------------------------------------------------------------------------- HF export
 
     def save_hf(self, engine: Any, out: Path, tokenizer: Any) -> None:
-        """Write ``engine``'s model as a Hugging Face directory (every rank calls it: a ZeRO-3 collective)."""
+        """Write ``engine``'s model as a Hugging Face directory (every rank calls it: a ZeRO-3 collective).
+
+        A LoRA model is written with its adapters merged (a plain checkpoint every engine loads), or, with
+        ``learner.lora.merge_final: false``, as the adapter alone (``python -m learner.lora merge``).
+        """
         module: nn.Module = engine.module
-        state = dict(weightsync.named_full_parameters(engine))  # collective under ZeRO-3
+        named = weightsync.named_full_parameters(engine)  # collective under ZeRO-3
+        if lora.is_lora(module) and self.cfg.learner.lora.merge_final:
+            state = dict(lora.merged_tensors(module, named))
+            if self.lead:
+                plain = AutoModelForCausalLM.from_config(module.get_base_model().config)
+                missing, unexpected = plain.load_state_dict(state, strict=False)
+                if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is no tensor of its own
+                    raise RuntimeError(f"merging LoRA: missing {missing[:3]}, unexpected {unexpected[:3]}")
+                plain.save_pretrained(out)
+        else:
+            state = dict(named)
+            if self.lead:
+                module.save_pretrained(out, state_dict=state)
         if self.lead:
-            module.save_pretrained(out, state_dict=state)
             tokenizer.save_pretrained(out)
             log.info("model (step %d) saved to %s", self.version, out)
         dist.barrier()

@@ -419,6 +419,31 @@ Algorithm = Annotated[
 OFFLINE_RECIPES = ("sft", "rm", "dpo")
 
 
+class LoRAConfig(Section):
+    rank: int = Field(
+        0, ge=0, description="LoRA rank r of the actor's adapters (sft, dpo, ppo); 0 trains every weight."
+    )
+    alpha: float = Field(16.0, gt=0, description="LoRA α: the adapters' update is scaled by α/r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Names of the linear layers that get adapters.",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full beside the adapters (name suffixes, e.g. norm: every RMSNorm); synced whole.",
+    )
+    sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="ppo: publish only the adapter tensors (hf engine applies W0 + B·A·α/r) or the merged full weights (any engine).",
+    )
+    merge_final: bool = Field(
+        True,
+        description="Write the final model with adapters merged (a plain HF directory); false writes the adapter alone.",
+    )
+
+
 class LearnerConfig(Section):
     total_steps: int = Field(
         100, ge=1, description="Learner steps (optimizer-version increments) before the run ends."
@@ -431,7 +456,10 @@ class LearnerConfig(Section):
         8, ge=1, description="Trajectories per forward/backward; minibatches accumulate micro-batches."
     )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of actor and critic.")
-    offload_optimizer: bool = Field(False, description="Keep optimizer state on CPU (ZeRO-Offload).")
+    offload_optimizer: bool = Field(
+        False,
+        description="Keep optimizer state and step on CPU (ZeRO-Offload, zero_stage >= 1): pays on GPU when Adam state does not fit (docs/stages.md §6).",
+    )
     reference_on_cpu: bool = Field(False, description="Keep the frozen reference model on CPU between uses.")
     num_ranks: int = Field(1, ge=1, description="Learner ranks (processes); >1 launches through torchrun.")
     take_timeout_s: float = Field(
@@ -451,6 +479,9 @@ class LearnerConfig(Section):
     deepspeed: dict[str, Any] = Field(
         default_factory=dict,
         description="Raw DeepSpeed config merged over the generated one (for anything not modelled here).",
+    )
+    lora: LoRAConfig = Field(
+        default_factory=LoRAConfig, description="LoRA adapters on the actor (docs/stages.md §5)."
     )
 
 
@@ -511,6 +542,10 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         a, r = self.algorithm, self.rollout
+        if self.learner.offload_optimizer and self.learner.zero_stage == 0:
+            raise ValueError(
+                "learner.offload_optimizer needs learner.zero_stage >= 1 (ZeRO-Offload; DeepSpeed ignores it at stage 0)"
+            )
         if a.recipe in OFFLINE_RECIPES:
             return self._offline_checks()
         if a.batch_size % r.n_samples:
@@ -527,6 +562,12 @@ class Config(Section):
             )
         if not self.reward.functions and self.model.reward_model is None:
             raise ValueError("reward: give at least one reward.functions entry or a model.reward_model")
+        lora = self.learner.lora
+        if lora.rank and lora.sync == "adapter" and r.engine != "hf":
+            raise ValueError(
+                f"learner.lora.sync=adapter needs rollout.engine=hf (got {r.engine}): only the hf engine applies "
+                "adapter-only updates; use learner.lora.sync=merged"
+            )
         if a.sync_interval > self.max_staleness + 1:
             why = "run.mode=sync trains on-policy (max_staleness 0)" if self.run.mode == "sync" else ""
             raise ValueError(
