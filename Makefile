@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install assets demo test test-fast lint format bench engines-env clean
+.PHONY: install assets demo test test-fast test-stages lint format bench engines-env clean
 
 install: $(STAMP)
 
@@ -44,10 +44,13 @@ demo: $(STAMP) $(ASSETS)
 	$(PY) launch.py configs/tiny.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not stages"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not stages"
+
+test-stages: $(STAMP) $(ASSETS)
+	$(PY) -m pytest -m stages
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -44,7 +44,7 @@ def test_a_bad_stage_override_names_the_field(tmp_path: Path) -> None:
         load_pipeline(REPO / "configs/pipeline-tiny.yaml", ["sft=3"])
 
 
-@pytest.mark.slow
+@pytest.mark.stages  # minutes: its own tier (make test-stages), not make test
 @pytest.mark.timeout(1200)
 def test_shorter_pipeline_runs_end_to_end_and_skips_finished_stages(tmp_path: Path) -> None:
     overrides = [

@@ -45,6 +45,6 @@ def apply_adapter(
                 f"adapter update for {layer!r}: B @ A is {(b.shape[0], a.shape[1])}, the weight {tuple(target.shape)}"
             )
         w0 = base.setdefault(layer, target.detach().clone())
-        delta = scaling * (b.to(target.device, torch.float32) @ a.to(target.device, torch.float32))
-        target.copy_((w0.float() + delta).to(target.dtype))
+        target.copy_(w0)
+        target.addmm_(b.to(target), a.to(target), alpha=scaling)  # fused: no (out, in) temporaries
     return layers
