@@ -77,14 +77,23 @@ def _free_port() -> int:
 
 def init_distributed(device: torch.device) -> dist.ProcessGroup:
     """Join (or, alone, create) the process group; returns a gloo group for control messages."""
+    own_port = "RANK" not in os.environ and "MASTER_PORT" not in os.environ
     if "RANK" not in os.environ:  # a single process started without torchrun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    for attempt in range(3):
+        if dist.is_initialized():
+            break
+        try:
+            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        except dist.DistNetworkError as e:
+            # The free port we picked alone was taken before the store bound it (busy machines): pick again.
+            if not own_port or attempt == 2 or "EADDRINUSE" not in str(e):
+                raise
+            os.environ["MASTER_PORT"] = str(_free_port())
     return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
 
 
