@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install assets demo test test-fast test-ray test-vllm lint format bench bench-trl engines-env vllm-env demo-vllm clean
+.PHONY: install assets demo test test-fast test-ray test-stages test-vllm lint format bench bench-trl engines-env vllm-env demo-vllm clean
 
 install: $(STAMP)
 
@@ -44,14 +44,19 @@ demo: $(STAMP) $(ASSETS)
 	$(PY) launch.py configs/tiny.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not ray"
+	$(PY) -m pytest -m "not ray and not stages"
 
-# The Ray tier: multi-node runs and fault tests on a local Ray cluster (several minutes; .ci/run runs it).
+# The slower tiers, each its own target (.ci/run runs them after `make test`):
+# multi-node runs and fault tests on a local Ray cluster,
 test-ray: $(STAMP)
 	$(PY) -m pytest -m ray
 
+# and the SFT -> RM -> PPO pipeline end to end.
+test-stages: $(STAMP) $(ASSETS)
+	$(PY) -m pytest -m stages
+
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow and not ray"
+	$(PY) -m pytest -m "not slow and not ray and not stages"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -37,7 +37,7 @@ import torch
 from buffer.schema import Trajectory
 from learner.batch import make_batch
 from learner.models import load_models
-from learner.train import Learner
+from learner.ppo import PPOLearner as Learner
 from tandem.config import load_config
 from tandem.tiny import make_tiny
 

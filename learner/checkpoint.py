@@ -1,6 +1,7 @@
 """Learner checkpoints and the exactly-once contract with the trajectory stream (docs/design.md §6.2).
 
-A checkpoint at version ``v`` is: the DeepSpeed checkpoints of actor and critic (``engine.save_checkpoint``,
+A checkpoint at version ``v`` is: the DeepSpeed checkpoints of the recipe's trained engines (PPO's actor and
+critic, an offline trainer's one model; ``engine.save_checkpoint``,
 tag ``v{v:08d}``, optimizer state included), each rank's RNG states (torch, numpy, python; JSON, no
 pickle), and rank 0's learner state: the version and the stream ids trained on since the previous
 checkpoint. ``latest.json`` names the newest complete checkpoint; it is replaced atomically (write, fsync,
@@ -32,15 +33,13 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from learner.models import Models
 
 LATEST = "latest.json"
 
@@ -49,6 +48,7 @@ LATEST = "latest.json"
 class LearnerState:
     version: int
     trained_ids: list[str]  # stream ids whose update this checkpoint contains and that may be unacked
+    extra: dict[str, Any] = field(default_factory=dict)  # recipe state (JSON-able)
 
 
 def _tag(version: int) -> str:
@@ -109,25 +109,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
         )
 
 
-def save(ckpt_dir: Path, models: Models, state: LearnerState, *, keep: int = 2) -> None:
+def save(ckpt_dir: Path, engines: dict[str, Any], state: LearnerState, *, keep: int = 2) -> None:
     """Collective: every rank calls it. Returns once the checkpoint is committed (``latest.json``).
 
-    No shared filesystem is needed (docs/ray.md §4): every rank writes its own files on its node (DeepSpeed's
+    ``engines`` are the DeepSpeed engines by name (their sub-directory); ``state.extra`` is recipe state
+    stored with the version (e.g. an offline trainer's best validation metric). No shared filesystem is
+    needed (docs/ray.md §4): every rank writes its own files on its node (DeepSpeed's
     ``checkpoint.use_node_local_storage`` makes each node's first rank write the model states too);
     rank 0's ``latest.json`` is the commit point, and each other node's first rank then writes its copy.
     """
     tag, rank = _tag(state.version), dist.get_rank()
     node_lead = rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0
-    models.actor.save_checkpoint(str(ckpt_dir / "actor"), tag=tag)
-    if models.critic is not None:
-        models.critic.save_checkpoint(str(ckpt_dir / "critic"), tag=tag)
+    for name, engine in engines.items():
+        engine.save_checkpoint(str(ckpt_dir / name), tag=tag)
     state_dir = ckpt_dir / "state" / tag
     state_dir.mkdir(parents=True, exist_ok=True)
     _write_json(state_dir / f"rng_rank{rank}.json", rng_state())
     if rank == 0:
-        _write_json(state_dir / "learner.json", {"version": state.version, "trained_ids": state.trained_ids})
+        learner = {"version": state.version, "trained_ids": state.trained_ids, "extra": state.extra}
+        _write_json(state_dir / "learner.json", learner)
     if node_lead:
-        for sub in ("actor", "critic", "state"):
+        for sub in [*engines, "state"]:
             if (ckpt_dir / sub / tag).exists():
                 _fsync_tree(ckpt_dir / sub / tag)
     dist.barrier()
@@ -137,14 +139,14 @@ def save(ckpt_dir: Path, models: Models, state: LearnerState, *, keep: int = 2) 
     if node_lead:
         if rank != 0:
             _write_json(ckpt_dir / LATEST, {"tag": tag, "version": state.version})
-        _prune(ckpt_dir, keep)
+        _prune(ckpt_dir, [*engines, "state"], keep)
     dist.barrier()
 
 
-def _prune(ckpt_dir: Path, keep: int) -> None:
+def _prune(ckpt_dir: Path, subs: list[str], keep: int) -> None:
     tags = sorted(p.name for p in (ckpt_dir / "state").iterdir() if p.name.startswith("v"))
     for old in tags[:-keep]:
-        for sub in ("actor", "critic", "state"):
+        for sub in subs:
             shutil.rmtree(ckpt_dir / sub / old, ignore_errors=True)
 
 
@@ -161,15 +163,13 @@ def _committed_version(ckpt_dir: Path) -> int:
     return int(t.item())
 
 
-def load(ckpt_dir: Path, models: Models) -> LearnerState | None:
-    """Restore the newest committed checkpoint into ``models`` and the RNGs; None when there is none."""
+def load(ckpt_dir: Path, engines: dict[str, Any]) -> LearnerState | None:
+    """Restore the newest committed checkpoint into ``engines`` and the RNGs; None when there is none."""
     version = _committed_version(ckpt_dir)
     if version < 0:
         return None
     tag = _tag(version)
-    for name, engine in (("actor", models.actor), ("critic", models.critic)):
-        if engine is None:
-            continue
+    for name, engine in engines.items():
         path, _ = engine.load_checkpoint(str(ckpt_dir / name), tag=tag)
         if path is None:
             raise FileNotFoundError(f"checkpoint {ckpt_dir / name / tag} is missing or unreadable")
@@ -178,4 +178,8 @@ def load(ckpt_dir: Path, models: Models) -> LearnerState | None:
     if rng_file.exists():  # absent when resuming with more ranks than the checkpoint had
         set_rng_state(json.loads(rng_file.read_text()))
     learner = json.loads((state_dir / "learner.json").read_text())
-    return LearnerState(version=int(learner["version"]), trained_ids=list(learner["trained_ids"]))
+    return LearnerState(
+        version=int(learner["version"]),
+        trained_ids=list(learner["trained_ids"]),
+        extra=learner.get("extra") or {},
+    )

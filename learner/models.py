@@ -16,6 +16,8 @@ What this module owns and why it looks the way it does:
   Initialised from ``model.critic``, else from the reward model or the actor's trunk (``critic_init``);
   from the actor the fresh head starts at zero, so the first values are 0 rather than noise. Only built
   for ``algorithm.advantage == "gae"``.
+- **LoRA.** With ``learner.lora.rank > 0`` the actor (of ppo, sft, dpo) is wrapped in peft adapters and
+  only they train (``learner/lora.py``); the reference stays the plain base model.
 - **Reference.** A frozen plain module (no optimizer state, nothing to partition), loaded only when
   ``kl_coef > 0``; with ``reference_on_cpu`` it lives on CPU and visits the device for its forward pass.
   The reward model itself is scored on the rollout servers, not here; the learner only reads it as a
@@ -168,6 +170,38 @@ def _causal_lm(path: str, cfg: Config, dtype: torch.dtype) -> nn.Module:
     )
 
 
+def load_policy(cfg: Config, path: str, dtype: torch.dtype) -> nn.Module:
+    """A trainable causal LM (the actor of any recipe), with gradient checkpointing when configured."""
+    model = _causal_lm(path, cfg, dtype)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.learner.lora.rank:
+        from learner import lora
+
+        model = lora.wrap(model, cfg.learner.lora)
+    return model
+
+
+def load_frozen(cfg: Config, path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A frozen causal LM (a reference policy): eval mode, no gradients, no optimizer state."""
+    return _causal_lm(path, cfg, dtype).eval().requires_grad_(False).to(device)
+
+
+def load_scalar_head(cfg: Config, path: str, dtype: torch.dtype, *, zero_head: bool) -> ValueModel:
+    """A scalar-head model on ``path``'s architecture (a critic or reward model), read per position.
+
+    From a causal LM the head is new: ``zero_head`` starts it at 0, so first scores are 0, not noise.
+    """
+    seq_cls = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
+    )
+    if zero_head:
+        nn.init.zeros_(seq_cls.score.weight)
+    if cfg.model.gradient_checkpointing:
+        seq_cls.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return ValueModel(seq_cls)
+
+
 @dataclass
 class Models:
     actor: deepspeed.DeepSpeedEngine
@@ -186,9 +220,7 @@ class Models:
 
 def load_models(cfg: Config, device: torch.device) -> Models:
     dtype = resolve_dtype(cfg, device)
-    actor = _causal_lm(cfg.model.actor, cfg, dtype)
-    if cfg.model.gradient_checkpointing:
-        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    actor = load_policy(cfg, cfg.model.actor, dtype)
     critic = None
     if cfg.algorithm.advantage == "gae":
         critic = load_critic(cfg, dtype)

@@ -21,15 +21,20 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 def _make_data(args: argparse.Namespace) -> int:
     from tandem.data import write_prompts
-    from tandem.tasks import make_records
+    from tandem.tasks import make_records, write_demonstrations, write_preferences
 
-    p = write_prompts(args.out, make_records(args.task, args.n, seed=args.seed))
-    print(f"{args.n} {args.task} prompts: {p}")
+    if args.kind == "sft":
+        p = write_demonstrations(args.task, args.out, args.n, seed=args.seed)
+    elif args.kind == "prefs":
+        p = write_preferences(args.task, args.out, args.n, seed=args.seed)
+    else:
+        p = write_prompts(args.out, make_records(args.task, args.n, seed=args.seed))
+    print(f"{args.n} {args.task} {args.kind} records: {p}")
     return 0
 
 
 def _warmstart(args: argparse.Namespace) -> int:
-    from tandem.warmstart import warmstart
+    from learner.sft import warmstart
 
     warmstart(args.task, args.model, args.out, steps=args.steps, seed=args.seed)
     return 0
@@ -42,7 +47,8 @@ def _check_config(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"{args.config}: ok (run {cfg.run.name}, engine {cfg.rollout.engine}, advantage {cfg.algorithm.advantage})"
+        f"{args.config}: ok (run {cfg.run.name}, recipe {cfg.recipe}, engine {cfg.rollout.engine}"
+        f"{', advantage ' + cfg.algorithm.advantage if cfg.recipe == 'ppo' else ''})"
     )
     return 0
 
@@ -73,9 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(fn=_make_tiny)
 
-    p = sub.add_parser("make-data", help="write a toy task's prompts as JSONL")
+    p = sub.add_parser(
+        "make-data", help="write a toy task's prompts, demonstrations or preference pairs as JSONL"
+    )
     p.add_argument("task", choices=["echo", "reverse", "calc"])
     p.add_argument("out")
+    p.add_argument(
+        "--kind",
+        choices=["prompts", "sft", "prefs"],
+        default="prompts",
+        help="prompts (ppo), demonstrations (sft) or preference pairs (rm, dpo); docs/stages.md §2",
+    )
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_make_data)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -316,6 +316,12 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
+    """The ``ppo`` recipe: online PPO and its variants against the replay buffer (``learner/ppo.py``)."""
+
+    recipe: Literal["ppo"] = Field(
+        "ppo",
+        description="Training recipe: ppo (online, rollout servers), sft, rm or dpo (offline, docs/stages.md).",
+    )
     advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
         "grpo", description="Advantage estimator; gae trains a critic."
     )
@@ -376,6 +382,116 @@ class AlgorithmConfig(Section):
     )
 
 
+PPOConfig = AlgorithmConfig
+
+
+class OfflineConfig(Section):
+    """What every offline recipe (sft, rm, dpo) reads: a fixed JSONL dataset, its held-out split, early stop."""
+
+    train_file: str = Field(
+        ..., min_length=1, description="JSONL training set in the recipe's schema (docs/stages.md §2)."
+    )
+    eval_file: str | None = Field(
+        None,
+        description="Held-out JSONL set (same schema) for validation metrics and early stopping; null skips evaluation.",
+    )
+    batch_size: int = Field(32, ge=1, description="Examples (pairs for rm and dpo) per optimizer step.")
+    epochs: int = Field(
+        1, ge=1, description="Passes over train_file (training also stops at learner.total_steps)."
+    )
+    eval_interval: int = Field(
+        20, ge=1, description="Evaluate on eval_file every this many steps, and once more at the end."
+    )
+    early_stop_patience: int = Field(
+        0,
+        ge=0,
+        description="Stop after this many evaluations in a row without a better validation loss; 0 never stops early.",
+    )
+    max_tokens: int = Field(
+        1024,
+        ge=2,
+        description="Examples longer than this (prompt + response tokens) are rejected at load, naming the line.",
+    )
+    chat_template: bool = Field(
+        False,
+        description="Wrap a prompt/response record's prompt as a user turn of the tokenizer's chat template (messages records always are).",
+    )
+
+
+class SFTConfig(OfflineConfig):
+    """The ``sft`` recipe: supervised fine-tuning, loss on response tokens only (``learner/sft.py``)."""
+
+    recipe: Literal["sft"] = Field(..., description="Training recipe: sft.")
+    packing: bool = Field(
+        False,
+        description="Pack each micro-batch into one row (no padding; pays with a varlen attention kernel on GPU, ~9x slower on CPU).",
+    )
+
+
+class RMConfig(OfflineConfig):
+    """The ``rm`` recipe: a Bradley–Terry reward model on chosen/rejected pairs (``learner/rm.py``)."""
+
+    recipe: Literal["rm"] = Field(..., description="Training recipe: rm.")
+    init: str | None = Field(
+        None,
+        description="Checkpoint the reward model starts from (a causal LM or scalar-head directory); null is model.actor.",
+    )
+
+
+class DPOConfig(OfflineConfig):
+    """The ``dpo`` recipe: direct preference optimisation against a frozen reference (``learner/dpo.py``)."""
+
+    recipe: Literal["dpo"] = Field(..., description="Training recipe: dpo.")
+    beta: float = Field(0.1, gt=0, description="DPO β: the strength of the implicit KL to the reference.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Conservative DPO ε: the assumed rate of flipped preference labels."
+    )
+
+
+def _recipe_tag(value: Any) -> str:
+    """The recipe of an ``algorithm`` section; ppo when the key is absent (every pre-recipe config)."""
+    if isinstance(value, dict):
+        return value.get("recipe", "ppo")
+    return getattr(value, "recipe", "ppo")
+
+
+Algorithm = Annotated[
+    Union[  # noqa: UP007 (Tag annotations need the Union spelling)
+        Annotated[AlgorithmConfig, Tag("ppo")],
+        Annotated[SFTConfig, Tag("sft")],
+        Annotated[RMConfig, Tag("rm")],
+        Annotated[DPOConfig, Tag("dpo")],
+    ],
+    Discriminator(_recipe_tag),
+]
+OFFLINE_RECIPES = ("sft", "rm", "dpo")
+
+
+class LoRAConfig(Section):
+    rank: int = Field(
+        0, ge=0, description="LoRA rank r of the actor's adapters (sft, dpo, ppo); 0 trains every weight."
+    )
+    alpha: float = Field(16.0, gt=0, description="LoRA α: the adapters' update is scaled by α/r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Names of the linear layers that get adapters.",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full beside the adapters (name suffixes, e.g. norm: every RMSNorm); synced whole.",
+    )
+    sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="ppo: publish only the adapter tensors (hf engine applies W0 + B·A·α/r) or the merged full weights (any engine).",
+    )
+    merge_final: bool = Field(
+        True,
+        description="Write the final model with adapters merged (a plain HF directory); false writes the adapter alone.",
+    )
+
+
 class LearnerConfig(Section):
     total_steps: int = Field(
         100, ge=1, description="Learner steps (optimizer-version increments) before the run ends."
@@ -388,7 +504,10 @@ class LearnerConfig(Section):
         8, ge=1, description="Trajectories per forward/backward; minibatches accumulate micro-batches."
     )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of actor and critic.")
-    offload_optimizer: bool = Field(False, description="Keep optimizer state on CPU (ZeRO-Offload).")
+    offload_optimizer: bool = Field(
+        False,
+        description="Keep optimizer state and step on CPU (ZeRO-Offload, zero_stage >= 1): pays on GPU when Adam state does not fit (docs/stages.md §6).",
+    )
     reference_on_cpu: bool = Field(False, description="Keep the frozen reference model on CPU between uses.")
     num_ranks: int = Field(1, ge=1, description="Learner ranks (processes); >1 launches through torchrun.")
     take_timeout_s: float = Field(
@@ -408,6 +527,9 @@ class LearnerConfig(Section):
     deepspeed: dict[str, Any] = Field(
         default_factory=dict,
         description="Raw DeepSpeed config merged over the generated one (for anything not modelled here).",
+    )
+    lora: LoRAConfig = Field(
+        default_factory=LoRAConfig, description="LoRA adapters on the actor (docs/stages.md §5)."
     )
 
 
@@ -502,7 +624,10 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout servers.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn environment (off by default).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward functions and model.")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="PPO and its variants.")
+    algorithm: Algorithm = Field(
+        default_factory=AlgorithmConfig,
+        description="The training recipe and its settings: ppo (default) or the offline sft, rm, dpo.",
+    )
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The DeepSpeed learner.")
     weightsync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="Actor-weight broadcast."
@@ -514,6 +639,12 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         a, r = self.algorithm, self.rollout
+        if self.learner.offload_optimizer and self.learner.zero_stage == 0:
+            raise ValueError(
+                "learner.offload_optimizer needs learner.zero_stage >= 1 (ZeRO-Offload; DeepSpeed ignores it at stage 0)"
+            )
+        if a.recipe in OFFLINE_RECIPES:
+            return self._offline_checks()
         if a.batch_size % r.n_samples:
             raise ValueError(
                 f"algorithm.batch_size ({a.batch_size}) must be a multiple of rollout.n_samples ({r.n_samples}) so groups stay whole"
@@ -534,6 +665,12 @@ class Config(Section):
             raise ValueError(
                 f"algorithm.overlong_buffer ({a.overlong_buffer}) must be <= rollout.max_new_tokens ({r.max_new_tokens})"
             )
+        lora = self.learner.lora
+        if lora.rank and lora.sync == "adapter" and r.engine != "hf":
+            raise ValueError(
+                f"learner.lora.sync=adapter needs rollout.engine=hf (got {r.engine}): only the hf engine applies "
+                "adapter-only updates; use learner.lora.sync=merged"
+            )
         if a.sync_interval > self.max_staleness + 1:
             why = "run.mode=sync trains on-policy (max_staleness 0)" if self.run.mode == "sync" else ""
             raise ValueError(
@@ -548,13 +685,27 @@ class Config(Section):
             )
         return self
 
+    def _offline_checks(self) -> Config:
+        a = self.algorithm
+        if a.batch_size % min(self.learner.micro_batch_size, a.batch_size):
+            raise ValueError(
+                f"algorithm.batch_size ({a.batch_size}) must be a multiple of learner.micro_batch_size ({self.learner.micro_batch_size})"
+            )
+        return self
+
+    @property
+    def recipe(self) -> str:
+        return self.algorithm.recipe
+
     @property
     def max_staleness(self) -> int:
         """The staleness bound in force: ``algorithm.max_staleness``, or 0 in sync mode (on-policy).
 
         Every process reads it here, so sync mode is the same code path with one number changed.
         """
-        return 0 if self.run.mode == "sync" else self.algorithm.max_staleness
+        if self.run.mode == "sync" or self.algorithm.recipe != "ppo":
+            return 0
+        return self.algorithm.max_staleness
 
     def resolve_paths(self, base: Path) -> Config:
         """Make relative file paths (checkpoints, prompts) absolute against ``base`` (the YAML's folder's parent project)."""
@@ -572,6 +723,12 @@ class Config(Section):
             "data": self.data.model_copy(update={"prompts": fix(self.data.prompts)}),
             "eval": self.eval.model_copy(update={"prompts": fix(self.eval.prompts)}),
         }
+        a = self.algorithm
+        if a.recipe in OFFLINE_RECIPES:
+            files = {k: fix(getattr(a, k)) for k in ("train_file", "eval_file")}
+            if a.recipe == "rm":
+                files["init"] = fix(a.init)
+            update["algorithm"] = a.model_copy(update=files)
         return self.model_copy(update=update)
 
 
@@ -581,8 +738,18 @@ class Config(Section):
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        loc = list(e["loc"])
+        if loc[:1] == ["algorithm"] and len(loc) > 1 and loc[1] in ("ppo", *OFFLINE_RECIPES):
+            del loc[1]  # the union's tag: the user wrote algorithm.x, not algorithm.ppo.x
+        path = ".".join(str(p) for p in loc) or "<root>"
         msg = e["msg"]
+        if e["type"] == "union_tag_invalid":  # the discriminator names its own field
+            path, msg = (
+                f"{path}.recipe",
+                f"unknown recipe {e['ctx']['tag']!r}; choose from {e['ctx']['expected_tags']}",
+            )
+            lines.append(f"{path}: {msg}")
+            continue
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         got = e.get("input")
@@ -698,6 +865,39 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[t
         if isinstance(ann, type) and issubclass(ann, Section):
             rows.extend(describe_fields(ann, path + "."))
             continue
+        if get_origin(ann) is Union and all(_is_section(a) for a in get_args(ann)):
+            rows.extend(_describe_union([_section_of(a) for a in get_args(ann)], path + "."))
+            continue
         default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
         rows.append((path, default, field.description or ""))
+    return rows
+
+
+def _section_of(ann: Any) -> Any:
+    return get_args(ann)[0] if get_origin(ann) is Annotated else ann
+
+
+def _is_section(ann: Any) -> bool:
+    cls = _section_of(ann)
+    return isinstance(cls, type) and issubclass(cls, Section)
+
+
+def _describe_union(members: list[type[BaseModel]], prefix: str) -> list[tuple[str, str, str]]:
+    """A discriminated union's fields, each once, each description prefixed by the recipes that read it."""
+    seen: dict[str, dict[tuple[str, str], list[str]]] = {}
+    for member in members:
+        recipe = get_args(member.model_fields["recipe"].annotation)[0]
+        for path, default, desc in describe_fields(member, prefix):
+            if path.endswith(".recipe"):
+                default, desc = "'ppo'", "Training recipe: ppo (default), sft, rm or dpo (docs/stages.md)."
+            seen.setdefault(path, {}).setdefault((default, desc), []).append(recipe)
+    rows = []
+    for path, variants in seen.items():
+        if len(variants) == 1 and len(next(iter(variants.values()))) == len(members):
+            (default, desc), _ = next(iter(variants.items()))
+            rows.append((path, default, desc))
+            continue
+        defaults = " / ".join(dict.fromkeys(d for d, _ in variants))
+        desc = " ".join(f"[{', '.join(r)}] {d}" for (_, d), r in variants.items())
+        rows.append((path, defaults, desc))
     return rows

@@ -5,7 +5,8 @@ import pytest
 from tandem.config import Config, ConfigError, describe_fields, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
+# Pipeline configs (pipeline-*.yaml) have their own schema: learner/pipeline.py, tests/test_pipeline.py.
+SHIPPED = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("pipeline-"))
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])

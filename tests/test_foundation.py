@@ -136,7 +136,7 @@ def test_prompt_dataset_round_trip_and_errors(tmp_path: Path) -> None:
 
 def test_warmstart_teaches_the_reverse_format(tiny_ckpt: dict[str, Path], tmp_path: Path) -> None:
     """A short supervised warm-start moves the tiny model from noise toward well-formed digit answers."""
-    from tandem.warmstart import warmstart
+    from learner.sft import warmstart
 
     def mean_nll(path: Path) -> float:
         tok = AutoTokenizer.from_pretrained(path)

@@ -1,6 +1,6 @@
 """The DeepSpeed learner against a real Redis, real DeepSpeed engines and the tiny real checkpoints.
 
-In-process tests build a :class:`learner.train.Learner` (one gloo rank); the slow ones start
+In-process tests build a :class:`learner.ppo.PPOLearner` (one gloo rank); the slow ones start
 ``python -m learner.train`` (and torchrun) as subprocesses, as launch.py does.
 """
 
@@ -26,7 +26,7 @@ from buffer.streams import ReplayBuffer
 from learner.batch import decode_batch, encode_batch, make_batch
 from learner.losses import logprobs_from_logits
 from learner.models import load_models
-from learner.train import Learner
+from learner.ppo import PPOLearner as Learner
 from tandem.config import Config, load_config
 from tandem.telemetry import history_key, ready_key, stop_key
 
@@ -441,7 +441,7 @@ def test_two_ranks_on_cpu(tiny_ckpt, redis_server, redis_client, run_id, tmp_pat
 
 
 def test_reward_part_means_by_hand() -> None:
-    from learner.train import reward_part_means
+    from learner.ppo import reward_part_means
 
     def t(parts: dict[str, float]) -> Trajectory:
         return Trajectory(

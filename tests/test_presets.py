@@ -27,8 +27,15 @@ STEPS = 3
 pytestmark = pytest.mark.slow
 
 
-def is_launch_config(raw: dict) -> bool:
-    return "model" in raw and "data" in raw  # e.g. a pipeline of stages is run by its own test
+OFFLINE = {"sft": "write_demonstrations", "rm": "write_preferences", "dpo": "write_preferences"}
+
+
+def is_run_config(raw: dict) -> bool:
+    return "model" in raw and "data" in raw  # a pipeline of stages (its own schema) is run by its own test
+
+
+def recipe_of(raw: dict) -> str:
+    return raw.get("algorithm", {}).get("recipe", "ppo")
 
 
 def task_of(raw: dict) -> str:
@@ -75,8 +82,13 @@ def tiny_overrides(raw: dict, tiny: dict[str, Path], prompts: Path, out: Path) -
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
 def test_every_shipped_preset_runs_its_code_paths(preset: Path, tiny_ckpt, tmp_path: Path) -> None:
     raw = yaml.safe_load(preset.read_text())
-    if not is_launch_config(raw):
-        pytest.skip(f"{preset.name} is not a launch.py run config (no model/data sections)")
+    if not is_run_config(raw):
+        pytest.skip(
+            f"{preset.name} is a pipeline of stages: tests/test_pipeline.py runs it (make test-stages)"
+        )
+    if recipe_of(raw) in OFFLINE:
+        run_offline_preset(preset, raw, tiny_ckpt, tmp_path)
+        return
     task = task_of(raw)
     prompts = write_prompts(tmp_path / f"{task}.jsonl", make_records(task, 64))
     cmd = [sys.executable, str(ROOT / "launch.py"), str(preset), "--no-console"]
@@ -89,3 +101,27 @@ def test_every_shipped_preset_runs_its_code_paths(preset: Path, tiny_ckpt, tmp_p
     assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
     if raw.get("algorithm", {}).get("advantage") == "gae":
         assert all("loss/value" in r for r in rows if "reward/mean" in r)  # the critic trained
+
+
+def run_offline_preset(preset: Path, raw: dict, tiny: dict[str, Path], tmp_path: Path) -> None:
+    """An sft / rm / dpo preset through ``python -m learner.train``, on data built here, for a few steps."""
+    import tandem.tasks
+
+    write = getattr(tandem.tasks, OFFLINE[recipe_of(raw)])
+    train, held_out = (
+        write("echo", tmp_path / "train.jsonl", 64),
+        write("echo", tmp_path / "eval.jsonl", 16, seed=1),
+    )
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "learner.train", "--config", str(preset), "--run-dir", str(run_dir),
+        f"model.actor={tiny['actor']}", "run.device=cpu", f"data.prompts={train}",
+        f"algorithm.train_file={train}", f"algorithm.eval_file={held_out}", "algorithm.batch_size=8",
+        "algorithm.eval_interval=2", f"learner.total_steps={STEPS}", "learner.micro_batch_size=8",
+        "logging.wandb_mode=disabled",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary, "the recipe wrote an empty summary"
+    assert (run_dir / "final" / "config.json").is_file()

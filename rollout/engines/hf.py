@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
 from rollout.engines.base import BetweenSteps, Completion, OnToken, SamplingParams
+from weightsync.adapters import apply_adapter, is_adapter_tensor
 from weightsync.base import Update, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class HFEngine:
             **dict(self.model.named_parameters(remove_duplicate=False)),
             **dict(self.model.named_buffers(remove_duplicate=False)),
         }
+        self._lora_base: dict[str, torch.Tensor] = {}  # each adapted layer's W0 (weightsync/adapters.py)
         self._lock = threading.Lock()
         self._running = threading.Event()
         self._running.set()
@@ -250,11 +252,19 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, update: Update) -> None:
-        """Copy ``update.tensors()`` into the model by state_dict name; tied aliases may be absent."""
+        """Copy ``update.tensors()`` into the model by state_dict name; tied aliases may be absent.
+
+        An adapter-only update (a LoRA actor's ``lora_A``/``lora_B``/``lora_scaling`` tensors) instead sets
+        each adapted weight to ``W0 + scaling · B @ A`` from the weights this engine loaded.
+        """
         start = time.perf_counter()
         with self._lock:
             seen: set[int] = set()
+            adapter: dict[str, torch.Tensor] = {}
             for name, tensor in update.tensors():
+                if is_adapter_tensor(name):  # a LoRA actor's adapter-only update (weightsync/adapters.py)
+                    adapter[name] = tensor
+                    continue
                 target = self._tensors.get(name)
                 if target is None:
                     raise WeightSyncError(f"update v{update.version}: the model has no tensor named {name!r}")
@@ -265,8 +275,13 @@ class HFEngine:
                     )
                 target.copy_(tensor)  # converts dtype and device
                 seen.add(id(target))
+            if adapter:
+                try:
+                    apply_adapter(adapter, self._tensors, self._lora_base)
+                except (KeyError, ValueError) as e:
+                    raise WeightSyncError(f"update v{update.version}: {e}") from None
             missing = [n for n, p in self.model.named_parameters() if id(p) not in seen]
-            if missing:
+            if missing and not adapter:
                 raise WeightSyncError(
                     f"update v{update.version}: {len(missing)} parameters missing, e.g. {missing[:3]}; "
                     "the model now mixes versions"

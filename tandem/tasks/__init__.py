@@ -4,12 +4,19 @@ A task is a prompt generator (records for the JSONL dataset) plus reward functio
 ``fn(prompt, completion, record) -> float | dict[str, float]`` that return 0 for malformed output and never
 raise. ``echo`` is learned from scratch under RL; ``reverse`` (digit reversal) comes with a supervised
 warm-start on synthetic demonstrations (``python -m tandem warmstart``).
+
+Each task also makes offline data for the training stages (docs/stages.md §2): demonstrations (prompt,
+ideal completion) for ``sft``, and preference pairs for ``rm`` and ``dpo`` whose ``chosen`` is the ideal
+completion and whose ``rejected`` is a realistic near-miss (``near_miss``: a few wrong characters, a
+truncation, a swap), always scoring strictly lower under the task's own reward.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rollout.envs import calculator
@@ -33,3 +40,33 @@ def demonstrations(task: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 
 RewardFn = Callable[[str, str, dict[str, Any]], "float | dict[str, float]"]
+
+
+def demonstration_records(task: str, n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``{"prompt", "response"}`` records (the sft schema)."""
+    return [{"prompt": p, "response": a} for p, a in demonstrations(task, n, seed)]
+
+
+def preference_records(task: str, n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``{"prompt", "chosen", "rejected"}`` records (the rm/dpo schema): chosen is the ideal completion."""
+    rng = random.Random(seed * 7919 + 1)
+    out = []
+    for r in make_records(task, n, seed):
+        rejected = TASKS[task].near_miss(rng, r)
+        out.append({"prompt": r["prompt"], "chosen": r["answer"], "rejected": rejected})
+    return out
+
+
+def _write(path: str | Path, records: list[dict[str, Any]]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return p
+
+
+def write_demonstrations(task: str, path: str | Path, n: int, seed: int = 0) -> Path:
+    return _write(path, demonstration_records(task, n, seed))
+
+
+def write_preferences(task: str, path: str | Path, n: int, seed: int = 0) -> Path:
+    return _write(path, preference_records(task, n, seed))

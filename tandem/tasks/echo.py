@@ -27,3 +27,15 @@ def reward(prompt: str, completion: str, record: dict[str, Any]) -> float:
         return 0.0
     head = completion[:TARGET_LEN]
     return sum(ch == letter for ch in head) / TARGET_LEN
+
+
+def near_miss(rng: random.Random, record: dict[str, Any]) -> str:
+    """A plausible wrong answer: 1..8 positions turned into other letters, or the right letter cut short."""
+    letter, answer = record["letter"], record["answer"]
+    if rng.random() < 0.25:
+        return letter * rng.randint(2, TARGET_LEN - 1)
+    out = list(answer)
+    others = [c for c in LETTERS if c != letter]
+    for i in rng.sample(range(TARGET_LEN), rng.randint(1, TARGET_LEN)):
+        out[i] = rng.choice(others)
+    return "".join(out)

@@ -28,3 +28,15 @@ def reward(prompt: str, completion: str, record: dict[str, Any]) -> dict[str, fl
     well_formed = text.isdigit() and len(text) == len(answer)
     right = sum(a == b for a, b in zip(text, answer, strict=False)) / len(answer)
     return {"exact": float(text == answer), "digits": right, "format": float(well_formed)}
+
+
+def near_miss(rng: random.Random, record: dict[str, Any]) -> str:
+    """A plausible wrong answer: the digits unreversed, two neighbours swapped, one digit wrong, or one dropped."""
+    answer = record["answer"]
+    candidates = [answer[::-1], answer[:-1]]
+    i = rng.randrange(len(answer) - 1)
+    candidates.append(answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :])
+    j = rng.randrange(len(answer))
+    candidates.append(answer[:j] + rng.choice([d for d in "0123456789" if d != answer[j]]) + answer[j + 1 :])
+    wrong = [c for c in candidates if c != answer]
+    return rng.choice(wrong)

@@ -1,0 +1,271 @@
+"""The online learner runtime: batches from the replay buffer, weights to the rollout servers, exactly-once.
+
+What PPO (``learner/ppo.py``) and any future online recipe share, around their own ``train(batch)``:
+
+- **Multi-rank: rank 0 reads, everyone trains.** Rank 0 alone talks to Redis (buffer, telemetry, weight
+  publisher) under the stable consumer name ``learner-0``, and broadcasts each batch as msgpack bytes
+  (``learner/batch.py``; no pickle) over a gloo group; an empty broadcast means stop. Every rank then
+  holds the whole batch, so advantages (group statistics, batch whitening) need no extra communication.
+  This puts one reader on the stream, so exactly-once stays a single-consumer problem
+  (``learner/checkpoint.py``).
+- **Order after the optimizer step** (synchronous equivalence, docs/design.md §3.5, §3.6): version ``v += 1``;
+  publish version-``v`` weights if ``v % sync_interval == 0``; *then* ``buffer.set_version(v)``, which opens
+  admission, so no server starts a group for ``v`` before its weights exist. At start-up (and on resume)
+  the current weights are published before anything waits for them, so a broken weight path fails at
+  step 0.
+- **Sync mode is the same code**: ``run.mode == "sync"`` only makes ``Config.max_staleness`` 0; with servers
+  honouring admission the learner then trains only on data of its current version.
+- **Stopping**: after ``learner.total_steps``, on ``Telemetry.stop_requested()``, or on SIGTERM/SIGINT: the
+  current step finishes, then a final checkpoint (and the final actor as a HF directory).
+- **What is published**: the actor's full weights; for a LoRA actor only its adapter tensors
+  (``learner.lora.sync: adapter``, applied by the hf engine, ``weightsync/adapters.py``) or its merged
+  weights. ``weightsync/bytes`` logs the size of each sync.
+- **Audit trail**: rank 0 appends ``{"version", "ids"}`` per step to ``<run dir>/trained.jsonl``; after a
+  resume the last line of each version is the one the surviving model contains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TextIO
+
+import redis
+import torch
+import torch.distributed as dist
+
+import weightsync
+from buffer.schema import Trajectory
+from buffer.streams import ReplayBuffer, Taken
+from learner import checkpoint, lora
+from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
+from learner.models import Models
+from learner.runtime import Runtime
+from tandem.config import Config, redact
+from tandem.telemetry import Telemetry
+
+log = logging.getLogger("learner")
+
+CONSUMER = "learner-0"  # stable across restarts: the buffer re-delivers this consumer's pending entries
+POLL_S = 1.0  # how often a wait for data re-checks for a stop request
+
+
+class OnlineRuntime(Runtime):
+    """A learner rank fed by the replay buffer; on rank 0 the buffer, the weight publisher and telemetry."""
+
+    models: Models
+
+    def __init__(
+        self, cfg: Config, run_dir: str | Path, *, resume: bool = False, layout: Layout = "pad"
+    ) -> None:
+        super().__init__(cfg, run_dir, resume=resume, layout=layout)
+        self.pending: list[str] = []  # trained on, not yet in a committed checkpoint, so not acked
+        self.acked_through = 0  # trajectories (counted over versions) whose ids are acked
+        self.client: redis.Redis | None = None
+        self.buffer: ReplayBuffer | None = None
+        self.publisher: weightsync.Publisher = weightsync.DrainPublisher()
+        self.trained_log: TextIO | None = None
+        self.sync_bytes = 0  # bytes of the last published version (weightsync/bytes)
+
+    def load_models(self) -> Models:
+        raise NotImplementedError
+
+    def smoke_test(self) -> None:
+        """A tiny forward of every model, so a broken checkpoint fails at start-up."""
+
+    # ------------------------------------------------------------------------------------------ start-up
+
+    def start(self) -> None:
+        """Fail here, not at step 1,000: Redis answers, every model loads and runs, weights publish."""
+        if self.lead:
+            self.client = connect(self.cfg)
+            self.buffer = ReplayBuffer.from_config(self.client, self.cfg, CONSUMER)
+            self.publisher = weightsync.make_publisher(self.cfg, self.client, run_dir=str(self.run_dir))
+            self.telemetry = Telemetry(self.cfg, "learner", self.client, run_dir=str(self.run_dir))
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.trained_log = open(self.run_dir / "trained.jsonl", "a")  # noqa: SIM115 (closed in close())
+        self.models = self.load_models()
+        self.smoke_test()
+        state = checkpoint.load(self.ckpt_dir, self.engines()) if self.resume else None
+        if state is not None:
+            self.version = self.checkpointed_version = state.version
+            self.acked_through = self.version * self.cfg.algorithm.batch_size
+            if self.lead:  # their update is in the checkpoint: never train on them again
+                self.buffer.ack(state.trained_ids)
+                a = self.cfg.algorithm
+                self.buffer.recount_admission(
+                    self.version, batch_size=a.batch_size, n_samples=self.cfg.rollout.n_samples
+                )
+            log.info("resumed at version %d from %s", self.version, self.ckpt_dir)
+        elif self.resume:
+            log.warning("--resume: no checkpoint in %s, starting fresh", self.ckpt_dir)
+        self.sync_weights(force=True)
+        self.telemetry.mark_ready(version=self.version)
+        self.install_signal_handlers()
+
+    def engines(self) -> dict[str, object]:
+        """The trained engines a checkpoint holds, by name."""
+        m = self.models
+        return {"actor": m.actor} | ({"critic": m.critic} if m.critic is not None else {})
+
+    # ---------------------------------------------------------------------------------------------- loop
+
+    def run(self) -> None:
+        self.start()
+        try:
+            while self.version < self.cfg.learner.total_steps and self.step():
+                pass
+            self.finish()
+        finally:
+            self.close()
+
+    def step(self) -> bool:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------------------------- data
+
+    def take_batch(self) -> list[Taken] | None:
+        """Exactly ``batch_size`` trajectories, or None when a stop is requested first (on every rank)."""
+        taken = self.take_from_buffer() if self.lead else None
+        if self.world == 1:
+            return taken
+        data = (
+            encode_batch([t.traj for t in taken]) if taken is not None else torch.empty(0, dtype=torch.uint8)
+        )
+        size = torch.tensor([data.numel()])
+        dist.broadcast(size, 0, group=self.ctrl)
+        if not self.lead:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        if int(size) == 0:
+            return None
+        dist.broadcast(data, 0, group=self.ctrl)
+        return taken if self.lead else [Taken("", t) for t in decode_batch(data)]
+
+    def take_from_buffer(self) -> list[Taken] | None:
+        need, taken = self.cfg.algorithm.batch_size, []
+        timeout = self.cfg.learner.take_timeout_s
+        deadline = time.monotonic() + timeout
+        while len(taken) < need:
+            if self.stop_requested():
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"learner: {len(taken)}/{need} trajectories arrived within learner.take_timeout_s={timeout:g}s "
+                    f"at version {self.version}: are rollout servers running and receiving weights?"
+                )
+            taken += self.buffer.take(
+                need - len(taken),
+                min(remaining, POLL_S),
+                max_staleness=self.cfg.max_staleness,
+                validate=self.unusable,
+            )
+        return taken
+
+    def unusable(self, t: Trajectory) -> str | None:
+        return trajectory_problem(t, self.models.vocab_size)
+
+    # ------------------------------------------------------------------------------ weights and commits
+
+    def sync_weights(self, *, force: bool = False) -> None:
+        """Publish version ``v`` (when due), *then* announce it: admission opens only once weights exist."""
+        self.sync_bytes = 0
+        if force or self.version % self.cfg.algorithm.sync_interval == 0:
+            # A collective under ZeRO-3: every rank gathers; ranks other than 0 hold a draining publisher.
+            counted = Counted(self.published_tensors())
+            try:
+                self.publisher.publish(counted, self.version)
+            except weightsync.WeightSyncError as e:
+                if force:  # at start-up a broken weight path fails at step 0
+                    raise
+                # A server died during the hand-off (docs/design.md §6.3): the launcher restarts it and it
+                # joins the next version; the live servers keep generating meanwhile.
+                log.warning("weights v%d did not reach every server: %s", self.version, e)
+            self.sync_bytes = counted.bytes
+        if self.lead:
+            self.buffer.set_version(self.version)
+
+    def published_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's full weights, or for a LoRA actor its adapters (or merged weights), by HF name."""
+        named = weightsync.named_full_parameters(self.models.actor)
+        module = self.models.actor.module
+        if not lora.is_lora(module):
+            return named
+        if self.cfg.learner.lora.sync == "adapter":
+            return lora.adapter_tensors(module, named)
+        return lora.merged_tensors(module, named)
+
+    def commit(self, ids: list[str]) -> None:
+        """Record the step's ids; checkpoint when due and only then ack (exactly-once, learner/checkpoint.py)."""
+        if self.lead:
+            self.pending.extend(ids)
+            self.trained_log.write(json.dumps({"version": self.version, "ids": ids}) + "\n")
+            self.trained_log.flush()
+        interval = self.cfg.learner.checkpoint_interval
+        # Unacked ids occupy the stream (ack deletes): checkpoint early rather than let producers block.
+        crowded = (
+            self.version * self.cfg.algorithm.batch_size - self.acked_through
+        ) * 2 > self.cfg.redis.stream_maxlen
+        if (interval and self.version % interval == 0) or crowded:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        checkpoint.save(
+            self.ckpt_dir, self.engines(), checkpoint.LearnerState(self.version, list(self.pending))
+        )
+        if self.lead:
+            self.buffer.ack(self.pending)
+            self.pending.clear()
+        self.checkpointed_version = self.version
+        self.acked_through = self.version * self.cfg.algorithm.batch_size
+
+    def finish(self) -> None:
+        """Final checkpoint and, when configured, the final actor as a Hugging Face directory."""
+        if self.checkpointed_version != self.version or self.pending:
+            self.save_checkpoint()
+        if self.cfg.learner.save_hf_final:
+            self.save_hf(self.models.actor, self.run_dir / "final", self.models.tokenizer)
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def buffer_metrics(self) -> dict[str, float]:
+        if self.buffer is None:
+            return {}
+        return {k: v for k, v in self.buffer.metrics().items() if k.startswith("buffer/")}
+
+    def close(self) -> None:
+        self.restore_signal_handlers()
+        self.publisher.close()
+        if self.trained_log is not None:
+            self.trained_log.close()
+        self.telemetry.close()
+        if self.client is not None:
+            self.client.close()
+
+
+class Counted:
+    """An iterable of named tensors that counts the bytes that went through it."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.named, self.bytes = named, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.named:
+            self.bytes += t.numel() * t.element_size()
+            yield name, t
+
+
+def connect(cfg: Config) -> redis.Redis:
+    if cfg.redis.url is None:
+        raise ValueError(
+            "redis.url is not set: launch.py writes the embedded Redis URL into the learner's config"
+        )
+    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=30, socket_connect_timeout=10)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise ConnectionError(f"learner: Redis at {redact(cfg.redis.url)} does not answer: {e}") from None
+    return client

@@ -1,0 +1,261 @@
+"""The PPO recipe (and its GRPO / RLOO / REINFORCE++ variants): score a batch, estimate advantages, PPO epochs.
+
+:meth:`PPOLearner.step` is the whole algorithm, top to bottom; the buffer, weight sync and exactly-once
+commits around it are ``learner/online.py``'s, the ranks and stopping ``learner/runtime.py``'s.
+
+Design decisions:
+
+- **Three policies** (AReaL's decoupled PPO, docs/design.md §4.2): ``behav_logp`` comes with the trajectory,
+  ``prox_logp`` is the actor recomputed once at the start of the step (no grad), ``logp`` is the actor
+  with gradient inside the PPO epochs. Math lives in ``learner/advantages.py`` and ``learner/losses.py``;
+  the estimator is chosen once at setup from ``ADVANTAGE_ESTIMATORS``.
+- **Losses are token-level means over each minibatch**, however it is split: every micro-batch's loss is
+  divided by the minibatch's token count (all ranks know it: every rank holds the whole batch), and
+  multiplied by the world size because DeepSpeed averages gradients over ranks. One rank and N ranks
+  compute the same update.
+- **No-grad passes are split by rows** (length-balanced) and assembled with one all-reduce; each minibatch
+  is split the same way. All ranks run the same number of forward passes, which ZeRO-3 needs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from buffer.schema import Trajectory
+from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
+from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
+from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
+from learner.models import Models, load_models, policy_logits, values, visiting
+from learner.online import OnlineRuntime
+from learner.runtime import Stats
+from tandem.config import Config
+
+
+def reward_part_means(trajs: list[Trajectory]) -> dict[str, float]:
+    """``reward/<part>``: the batch mean of each named reward part (e.g. exact match, format)."""
+    totals: dict[str, float] = {}
+    for t in trajs:
+        for name, value in t.reward_parts.items():
+            totals[name] = totals.get(name, 0.0) + value
+    return {f"reward/{name}": total / len(trajs) for name, total in totals.items()}
+
+
+class PPOLearner(OnlineRuntime):
+    """The PPO recipe on the online runtime: actor, optional critic (gae) and reference (kl_coef > 0)."""
+
+    def __init__(
+        self, cfg: Config, run_dir: str | Path, *, resume: bool = False, layout: Layout = "pad"
+    ) -> None:
+        super().__init__(cfg, run_dir, resume=resume, layout=layout)
+        a = cfg.algorithm
+        self.estimate = ADVANTAGE_ESTIMATORS[a.advantage]
+        self.kl_estimator = KL_ESTIMATORS[a.kl_estimator]
+        self.require_multiple_of_ranks(
+            **{"algorithm.batch_size": a.batch_size, "algorithm.minibatch_size": a.minibatch_size}
+        )
+        # One optimizer step per batch starts from the proximal policy, so its forward pass is the
+        # actor's own (detached) and a separate no-grad pass would compute the same numbers again. Not
+        # when the KL is folded into the reward: advantages need it before the first backward.
+        self.prox_is_current = (
+            a.prox_forward == "auto"
+            and a.ppo_epochs == 1
+            and a.minibatch_size == a.batch_size
+            and not (a.kl_in_reward and a.kl_coef > 0)
+        )
+        self.models: Models | None = None
+
+    def load_models(self) -> Models:
+        return load_models(self.cfg, self.device)
+
+    def smoke_test(self) -> None:
+        """One tiny forward of every model (on every rank: a collective under ZeRO-3)."""
+        tok = self.models.tokenizer
+        token = tok.eos_token_id if tok.eos_token_id is not None else 0
+        dummy = Trajectory(
+            traj_id="smoke", group_id="smoke", prompt_id="smoke", prompt_tokens=[token], response_tokens=[token],
+            behav_logp=[0.0], token_versions=[0], reward=0.0,
+        )  # fmt: skip
+        prox_logp, ref_logp, old_values = self.score(make_batch([dummy] * self.world, 0).to(self.device))
+        for name, t in (("actor", prox_logp), ("reference", ref_logp), ("critic", old_values)):
+            if t is not None and not torch.isfinite(t).all():
+                raise RuntimeError(f"start-up forward of the {name} gave non-finite outputs")
+
+    # --------------------------------------------------------------------------------------------- step
+
+    def step(self) -> bool:
+        """One learner step; False when asked to stop before a batch arrived."""
+        t0 = time.perf_counter()
+        taken = self.take_batch()  # rank 0 reads the buffer; every rank receives the batch
+        if taken is None:
+            return False
+        batch = make_batch([t.traj for t in taken], self.version).to(self.device)
+        t1 = time.perf_counter()
+        stats = self.train(batch)  # no-grad passes, advantages, PPO epochs, optimizer steps
+        self.version += 1
+        t2 = time.perf_counter()
+        self.sync_weights()  # publish version v, then open admission for it
+        t3 = time.perf_counter()
+        self.commit([t.id for t in taken])  # checkpoint when due, then ack what it contains
+        t4 = time.perf_counter()
+        stats.update(
+            {
+                "reward/mean": float(batch.rewards.mean()),
+                **reward_part_means(batch.trajs),
+                "staleness/mean": float(batch.staleness.float().mean()),
+                "staleness/max": float(batch.staleness.max()),
+                "time/wait_for_data": t1 - t0,
+                "time/train": t2 - t1,
+                "time/weight_sync": t3 - t2,
+                "weightsync/bytes": float(self.sync_bytes),
+                "time/checkpoint": t4 - t3,
+                "throughput/train_tokens_per_s": batch.num_tokens / (t2 - t1),
+                "learner/version": self.version,
+            }
+        )
+        if self.version % self.cfg.logging.log_interval == 0:
+            self.telemetry.log({**stats, **self.buffer_metrics()}, step=self.version)
+        return True
+
+    def train(self, batch: Batch) -> dict[str, float]:
+        """Everything between a batch and its optimizer steps; every rank, the same code."""
+        a = self.cfg.algorithm
+        # (B, R) each; ref/values None without a reference/critic, prox None when it would equal logp
+        prox_logp, ref_logp, old_values = self.score(batch, actor=not self.prox_is_current)
+        kl_reward = None
+        if a.kl_in_reward and ref_logp is not None:
+            kl_reward = self.kl_estimator(prox_logp, ref_logp)  # (B, R)
+        rewards = token_rewards(batch.rewards, batch.mask, kl_reward, a.kl_coef)  # (B, R)
+        adv, returns = self.estimate(
+            AdvantageInputs(
+                rewards,
+                batch.mask,
+                batch.group_index,
+                old_values,
+                a.gamma,
+                a.lam,
+                a.normalize_std,
+                a.whiten_advantages,
+            )
+        )
+        return self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values)
+
+    # --------------------------------------------------------------------------------------------- math
+
+    @torch.no_grad()
+    def score(
+        self, batch: Batch, *, actor: bool = True
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """``prox_logp`` (None unless ``actor``), reference logprobs and critic values of every response
+        token. Shape: (B, R) each."""
+        m, temperature = self.models, self.models.temperature
+        prox_logp = torch.zeros_like(batch.behav_logp) if actor else None
+        ref_logp = None if m.reference is None else torch.zeros_like(batch.behav_logp)
+        old_values = None if m.critic is None else torch.zeros_like(batch.behav_logp)
+        m.actor.eval()
+        if m.critic is not None:
+            m.critic.eval()
+        for mb in self.micro(batch, torch.arange(len(batch))):
+            if prox_logp is not None:
+                prox_logp[mb.rows] = logprobs_from_logits(
+                    response_view(policy_logits(m.actor, mb, temperature), mb), mb.targets
+                )
+            if ref_logp is not None:
+                with visiting(m.reference, self.device, m.reference_on_cpu) as ref:
+                    ref_logp[mb.rows] = logprobs_from_logits(
+                        response_view(policy_logits(ref, mb, temperature), mb), mb.targets
+                    )
+            if old_values is not None:
+                old_values[mb.rows] = response_view(values(m.critic, mb), mb)
+        # Each row was filled by exactly one rank (zeros elsewhere): a sum assembles the whole batch.
+        return tuple(
+            None if t is None else self.all_sum(t * batch.mask) for t in (prox_logp, ref_logp, old_values)
+        )
+
+    def ppo_update(
+        self,
+        batch: Batch,
+        prox_logp: Tensor | None,
+        ref_logp: Tensor | None,
+        adv: Tensor,
+        returns: Tensor | None,
+        old_values: Tensor | None,
+    ) -> dict[str, float]:
+        """``ppo_epochs`` passes over shuffled minibatches; one optimizer step per minibatch per model."""
+        a, m, stats = self.cfg.algorithm, self.models, Stats()
+        # Same permutation on every rank; a function of (seed, version), so a resumed run repeats it.
+        order = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.version)
+        m.actor.train()
+        if m.critic is not None:
+            m.critic.train()
+        for _ in range(a.ppo_epochs):
+            for rows in torch.randperm(len(batch), generator=order).split(a.minibatch_size):
+                num_tokens = batch.mask[rows].sum()  # the whole minibatch's, on all ranks
+                for mb in self.micro(batch, rows):
+                    self.actor_backward(mb, batch, prox_logp, ref_logp, adv, num_tokens, stats)
+                    if m.critic is not None:
+                        self.critic_backward(mb, batch, old_values, returns, num_tokens, stats)
+                m.actor.step()
+                if m.critic is not None:
+                    m.critic.step()
+        return stats.reduce()
+
+    def actor_backward(
+        self,
+        mb: MicroBatch,
+        batch: Batch,
+        prox_logp: Tensor | None,
+        ref_logp: Tensor | None,
+        adv: Tensor,
+        num_tokens: Tensor,
+        stats: Stats,
+    ) -> None:
+        a, rows = self.cfg.algorithm, mb.rows
+        mask = batch.mask[rows]  # (b, R)
+        logits = response_view(policy_logits(self.models.actor, mb, self.models.temperature), mb)  # (b, R, V)
+        logp = logprobs_from_logits(logits, mb.targets)  # (b, R)
+        # The batch's only optimizer step starts from the proximal policy: logp *is* prox_logp here.
+        prox = logp.detach() if prox_logp is None else prox_logp[rows]
+        loss, metrics = policy_loss(
+            logp, prox, batch.behav_logp[rows], adv[rows], mask,
+            eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high, is_cap=a.is_cap,
+            dual_clip=a.dual_clip, num_tokens=num_tokens,
+        )  # fmt: skip
+        n = mask.sum()
+        stats.add("loss/policy", loss * num_tokens, n)
+        stats.add_means(metrics, n)
+        with torch.set_grad_enabled(a.entropy_coef > 0):
+            entropy = masked_mean(entropy_from_logits(logits), mask, num_tokens)
+        stats.add("policy/entropy", entropy * num_tokens, n)
+        loss = loss - a.entropy_coef * entropy if a.entropy_coef > 0 else loss
+        if ref_logp is not None:
+            kl = masked_mean(self.kl_estimator(prox, ref_logp[rows]), mask, num_tokens)
+            stats.add("policy/kl", kl * num_tokens, n)
+        if ref_logp is not None and not a.kl_in_reward:
+            kl_loss = masked_mean(self.kl_estimator(logp, ref_logp[rows]), mask, num_tokens)
+            stats.add("loss/kl", kl_loss * num_tokens, n)
+            loss = loss + a.kl_coef * kl_loss
+        # DeepSpeed averages gradients over ranks; the loss is already a mean over the whole minibatch.
+        self.models.actor.backward(loss * self.world)
+
+    def critic_backward(
+        self,
+        mb: MicroBatch,
+        batch: Batch,
+        old_values: Tensor,
+        returns: Tensor,
+        num_tokens: Tensor,
+        stats: Stats,
+    ) -> None:
+        a, rows = self.cfg.algorithm, mb.rows
+        mask = batch.mask[rows]
+        v = response_view(values(self.models.critic, mb), mb)  # (b, R)
+        loss, metrics = value_loss(
+            v, old_values[rows], returns[rows], mask, value_clip=a.value_clip, num_tokens=num_tokens
+        )
+        stats.add("loss/value", loss * num_tokens, mask.sum())
+        stats.add_means(metrics, mask.sum())
+        self.models.critic.backward(a.vf_coef * loss * self.world)

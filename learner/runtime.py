@@ -1,0 +1,158 @@
+"""The learner runtime every recipe shares: ranks, device, telemetry, stopping, micro-batches, HF export.
+
+A recipe (``learner/ppo.py``, ``learner/sft.py``, ``learner/rm.py``, ``learner/dpo.py``) subclasses
+:class:`Runtime` (through ``learner/online.py`` for PPO, which reads a replay buffer, or
+``learner/offline.py`` for the trainers on a fixed dataset) and adds its models and one ``step``. What is
+here is what none of them should have to think about (docs/design.md §4.1, docs/stages.md):
+
+- **Ranks.** One process per rank (torchrun, or a plain ``python -m`` for one rank); every rank runs the
+  same code on the same batch, and :meth:`Runtime.micro` deals each rank its share of a batch's rows
+  (sorted by length, round-robin, so shares balance). :meth:`Runtime.all_sum` assembles per-row results.
+- **Telemetry.** A null object off rank 0; the recipe replaces it on rank 0 once it knows where metrics go.
+- **Stopping.** SIGTERM/SIGINT set a flag; the current step finishes, then the final checkpoint.
+- **HF export.** :meth:`Runtime.save_hf` gathers the full weights (a collective under ZeRO-3) and writes a
+  Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
+
+import weightsync
+from learner import lora
+from learner.batch import Batch, Layout, MicroBatch, micro_batches
+from learner.models import init_distributed, resolve_device
+from tandem.config import Config
+from tandem.telemetry import Telemetry
+
+log = logging.getLogger("learner")
+
+
+class Stats:
+    """Weighted means accumulated over micro-batches and reduced over ranks once per step."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}
+        self.weights: dict[str, Tensor] = {}
+
+    def add(self, key: str, total: Tensor, weight: Tensor) -> None:
+        total, weight = total.detach().float(), weight.detach().float()
+        finite = torch.isfinite(total)  # not e.g. the explained variance of constant returns
+        self.sums[key] = self.sums.get(key, 0.0) + torch.where(finite, total, 0.0)
+        self.weights[key] = self.weights.get(key, 0.0) + torch.where(finite, weight, 0.0)
+
+    def add_means(self, metrics: dict[str, Tensor], weight: Tensor) -> None:
+        for key, mean in metrics.items():
+            self.add(key, mean * weight, weight)
+
+    def reduce(self) -> dict[str, float]:
+        """One all-reduce for every metric; only the keys with weight (a metric of no token is left out)."""
+        keys = sorted(self.sums)  # the same keys on every rank: the same code ran
+        if not keys:
+            return {}
+        packed = torch.stack([torch.stack([self.sums[k], self.weights[k]]) for k in keys])  # (K, 2)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        return {k: s / w for k, (s, w) in zip(keys, packed.tolist(), strict=True) if w > 0}
+
+
+class Runtime:
+    """One learner rank of any recipe: device, process group, telemetry, signals."""
+
+    def __init__(
+        self, cfg: Config, run_dir: str | Path, *, resume: bool = False, layout: Layout = "pad"
+    ) -> None:
+        self.cfg, self.run_dir, self.resume, self.layout = cfg, Path(run_dir), resume, layout
+        self.ckpt_dir = Path(cfg.learner.checkpoint_dir or self.run_dir / "checkpoints")
+        self.device = resolve_device(cfg)
+        self.ctrl = init_distributed(self.device)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.lead = self.rank == 0
+        torch.manual_seed(cfg.run.seed + self.rank)
+        self.version = 0  # optimizer-step count: PPO's policy version, the offline trainers' step
+        self.checkpointed_version = -1
+        self._signalled = False
+        self._old_handlers: dict[int, object] = {}
+        quiet = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"wandb_mode": "disabled"})})
+        self.telemetry = Telemetry(quiet, f"learner-{self.rank}")  # a null object off rank 0
+
+    def require_multiple_of_ranks(self, **sizes: int) -> None:
+        for name, size in sizes.items():
+            if size % self.world:
+                raise ValueError(f"{name} ({size}) must be a multiple of the learner ranks ({self.world})")
+
+    # ------------------------------------------------------------------------------------------ stopping
+
+    def install_signal_handlers(self) -> None:
+        self._old_handlers = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        log.info("signal %d: finishing the current step, then a final checkpoint", signum)
+        self._signalled = True
+
+    def stop_requested(self) -> bool:
+        return self._signalled or self.telemetry.stop_requested()
+
+    def any_rank_stopping(self) -> bool:
+        """A stop seen on any rank stops them all (one all-reduce): ranks must run the same steps."""
+        flag = torch.tensor([float(self.stop_requested())])
+        if self.world > 1:
+            dist.all_reduce(flag, group=self.ctrl)
+        return bool(flag.item() > 0)
+
+    def restore_signal_handlers(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            if handler is not None:  # None: installed outside Python, nothing to restore
+                signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    # ------------------------------------------------------------------------------------------ batches
+
+    def micro(self, batch: Batch, rows: Tensor) -> list[MicroBatch]:
+        """This rank's micro-batches of ``rows``: sorted by length and dealt round-robin, so shares balance."""
+        rows = rows[torch.argsort(batch.seq_lens[rows], descending=True, stable=True)][
+            self.rank :: self.world
+        ]
+        return micro_batches(batch, rows, self.cfg.learner.micro_batch_size, self.layout, self.device)
+
+    def all_sum(self, t: Tensor) -> Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    # ---------------------------------------------------------------------------------------- HF export
+
+    def save_hf(self, engine: Any, out: Path, tokenizer: Any) -> None:
+        """Write ``engine``'s model as a Hugging Face directory (every rank calls it: a ZeRO-3 collective).
+
+        A LoRA model is written with its adapters merged (a plain checkpoint every engine loads), or, with
+        ``learner.lora.merge_final: false``, as the adapter alone (``python -m learner.lora merge``).
+        """
+        module: nn.Module = engine.module
+        named = weightsync.named_full_parameters(engine)  # collective under ZeRO-3
+        if lora.is_lora(module) and self.cfg.learner.lora.merge_final:
+            state = dict(lora.merged_tensors(module, named))
+            if self.lead:
+                plain = AutoModelForCausalLM.from_config(module.get_base_model().config)
+                missing, unexpected = plain.load_state_dict(state, strict=False)
+                if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is no tensor of its own
+                    raise RuntimeError(f"merging LoRA: missing {missing[:3]}, unexpected {unexpected[:3]}")
+                plain.save_pretrained(out)
+        else:
+            state = dict(named)
+            if self.lead:
+                module.save_pretrained(out, state_dict=state)
+        if self.lead:
+            tokenizer.save_pretrained(out)
+            log.info("model (step %d) saved to %s", self.version, out)
+        dist.barrier()

@@ -1,0 +1,124 @@
+"""The ``sft`` recipe: supervised fine-tuning on demonstrations, loss on response tokens only.
+
+:meth:`SFTTrainer.train_step` is the algorithm: the mean negative log-likelihood of every response token of
+the batch (prompt tokens are context, never targets), one optimizer step. Demonstrations are
+prompt/response pairs or chat messages through the tokenizer's chat template (``learner/examples.py``).
+``algorithm.packing`` concatenates each micro-batch into one row with restarting position ids
+(``learner/batch.py``): no padding, which pays only with a varlen attention kernel (GPU), not on CPU.
+
+This replaces the old ``tandem/warmstart.py``: :func:`warmstart` is the same supervised warm-start on a toy
+task's demonstrations, now a one-rank run of this recipe (docs/stages.md §3.1).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from learner.batch import Layout, make_batch, response_view
+from learner.examples import Demonstration, as_trajectory, load_demonstrations
+from learner.losses import logprobs_from_logits
+from learner.models import load_policy, make_engine, policy_logits, resolve_dtype
+from learner.offline import OfflineRuntime
+from learner.runtime import Stats
+from tandem.config import Config, load_config
+
+
+class SFTTrainer(OfflineRuntime):
+    headline = "eval/loss"
+
+    def __init__(
+        self, cfg: Config, run_dir: str | Path, *, resume: bool = False, layout: Layout = "pad"
+    ) -> None:
+        super().__init__(cfg, run_dir, resume=resume, layout="pack" if cfg.algorithm.packing else layout)
+
+    def load_models(self) -> None:
+        dtype = resolve_dtype(self.cfg, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.cfg.model.actor, trust_remote_code=self.cfg.model.trust_remote_code
+        )
+        self.actor = make_engine(
+            load_policy(self.cfg, self.cfg.model.actor, dtype), self.cfg, dtype, self.cfg.learner.actor_lr
+        )
+
+    def load_examples(self, path: str) -> list[Demonstration]:
+        a = self.cfg.algorithm
+        return load_demonstrations(
+            path, self.tokenizer, max_tokens=a.max_tokens, chat_template=a.chat_template
+        )
+
+    def engines(self) -> dict[str, Any]:
+        return {"actor": self.actor}
+
+    def train_step(self, examples: list[Demonstration]) -> dict[str, float]:
+        batch = make_batch([as_trajectory(d.prompt, d.response, str(i)) for i, d in enumerate(examples)], 0)
+        batch = batch.to(self.device)
+        num_tokens, stats = batch.mask.sum(), Stats()  # the whole batch's response tokens, on all ranks
+        self.actor.train()
+        for mb in self.micro(batch, torch.arange(len(batch))):
+            mask = batch.mask[mb.rows]
+            logp = logprobs_from_logits(response_view(policy_logits(self.actor, mb, 1.0), mb), mb.targets)
+            nll = -(logp * mask).sum()
+            stats.add("loss/sft", nll, mask.sum())
+            # A token mean over the whole batch; DeepSpeed averages gradients over ranks.
+            self.actor.backward(nll / num_tokens * self.world)
+        self.actor.step()
+        return stats.reduce()
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[Demonstration]) -> dict[str, float]:
+        self.actor.eval()
+        stats = Stats()
+        batch = make_batch([as_trajectory(d.prompt, d.response, str(i)) for i, d in enumerate(examples)], 0)
+        batch = batch.to(self.device)
+        for mb in self.micro(batch, torch.arange(len(batch))):
+            mask = batch.mask[mb.rows]
+            logits = response_view(policy_logits(self.actor, mb, 1.0), mb)  # (b, R, V)
+            logp = logprobs_from_logits(logits, mb.targets)
+            stats.add("eval/loss", -(logp * mask).sum(), mask.sum())
+            # Teacher-forced: how often the most likely next token is the demonstrated one.
+            stats.add("eval/token_accuracy", ((logits.argmax(-1) == mb.targets) * mask).sum(), mask.sum())
+        return stats.reduce()
+
+    def save_final(self, out: Path) -> None:
+        self.save_hf(self.actor, out, self.tokenizer)
+
+
+def warmstart(
+    task: str,
+    model_path: str,
+    out: str,
+    *,
+    steps: int = 300,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> Path:
+    """Supervised warm-start of ``model_path`` on ``steps × batch_size`` demonstrations of a toy task."""
+    from tandem.tasks import write_demonstrations
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = write_demonstrations(task, Path(tmp) / "demos.jsonl", steps * batch_size, seed=seed + 1)
+        raw = {
+            "run": {"name": f"warmstart-{task}", "seed": seed, "device": "cpu"},
+            "model": {"actor": model_path},
+            "data": {"prompts": str(data)},
+            "algorithm": {"recipe": "sft", "train_file": str(data), "batch_size": batch_size},
+            "learner": {
+                "total_steps": steps,
+                "actor_lr": lr,
+                "micro_batch_size": batch_size,
+                "checkpoint_interval": 0,
+            },
+            "logging": {"wandb_mode": "disabled", "log_interval": 50},
+        }
+        SFTTrainer(load_config(None, raw=raw), Path(tmp) / "run").run()
+        path = Path(out)
+        import shutil
+
+        shutil.copytree(Path(tmp) / "run" / "final", path, dirs_exist_ok=True)
+    return path
