@@ -3,6 +3,7 @@
     python launch.py configs/tiny.yaml [key.sub=value ...] [--mode sync|async] [--dry-run]
     python launch.py --resume runs/tiny-20261122-101500
     python launch.py configs/tiny.yaml --ray [auto|local|ADDRESS]     # on a Ray cluster
+    python launch.py pipeline configs/pipeline-tiny.yaml               # SFT -> RM -> PPO (learner/pipeline.py)
 
 A thin command line over the ``launcher`` package (docs/design.md §1.5): validate the config and the
 prompts, pick a backend (``local`` subprocesses by default; ``--ray`` or ``--backend NAME``), and run.
@@ -66,6 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pipeline"]:  # the training stages in one command (docs/stages.md §4)
+        from learner.pipeline import main as pipeline
+
+        return pipeline(argv[1:])
     args = parse_args(argv)
     setup_logging()
     overrides = list(args.overrides) + ([f"run.mode={args.mode}"] if args.mode else [])
