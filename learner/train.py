@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     setup_logging(cfg.logging.level)
-    recipe = getattr(cfg.algorithm, "recipe", "ppo")
-    recipe_class(recipe)(cfg, args.run_dir, resume=args.resume, layout=args.layout).run()
+    recipe_class(cfg.algorithm.recipe)(cfg, args.run_dir, resume=args.resume, layout=args.layout).run()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
