@@ -120,10 +120,11 @@ def test_shm_across_nodes_is_refused_before_any_process_runs(
 
 
 def test_async_demo_learns_across_nodes_over_dist(cluster, tiny_ckpt, prompts: Path, tmp_path: Path) -> None:
-    cmd = ray_cmd(cluster, tiny_ckpt, prompts, tmp_path, "learner.total_steps=200")
+    # 300 steps: the async demo crosses 0.8 between steps 170 and 260 from run to run (nondeterministic).
+    cmd = ray_cmd(cluster, tiny_ckpt, prompts, tmp_path, "learner.total_steps=300")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "learner finished at step 200" in proc.stdout
+    assert "learner finished at step 300" in proc.stdout
     run_dir = run_dir_of(tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_last"] >= 0.8, summary
