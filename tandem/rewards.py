@@ -19,16 +19,16 @@ from tandem.config import RewardConfig
 log = logging.getLogger(__name__)
 
 
-def load_callable(path: str) -> Callable[..., Any]:
-    """Import ``module:attr``; a clear error names the path when either part is missing."""
+def load_callable(path: str, what: str = "reward function") -> Callable[..., Any]:
+    """Import ``module:attr``; a clear error names ``what`` and the path when either part is missing."""
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: {e}") from None
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward function {path!r}: module {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}")
     return fn
 
 

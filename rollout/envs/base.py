@@ -17,10 +17,11 @@ shipped ones answer with an error observation so the model can react.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tandem.rewards import load_callable
 
 Observation = str | list[int]
 
@@ -71,12 +72,5 @@ class Env:
 
 def load_env_factory(path: str, kwargs: dict[str, Any]) -> Any:
     """``module:Class`` (or a factory function) to a zero-argument callable making a fresh Env."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"env.path {path!r}: cannot import module {module_name!r}: {e}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"env.path {path!r}: module {module_name!r} has no callable {attr!r}")
+    factory = load_callable(path, what="env.path")
     return lambda: factory(**kwargs)
