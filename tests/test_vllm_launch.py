@@ -85,12 +85,13 @@ def test_the_vllm_demo_learns_echo(assets, tmp_path: Path) -> None:
     assert steps == 300
     first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
     assert first < 0.2 and last >= 0.8, f"reward {first:.3f} -> {last:.3f}"
-    # Weights reached vLLM every step: each reload is one `/collective_rpc` in vLLM's log (shm hands a server
-    # only the newest version, so one the learner superseded before the server polled is skipped), and the
-    # server generated with the last versions.
+    # Weights reached vLLM throughout: each reload is one `/collective_rpc` in vLLM's log. shm hands a server
+    # only the newest version, so a version the learner superseded before the server polled is skipped (a CI
+    # run saw 259 reloads in 300 steps); with max_staleness 2 the server must still reload at least once every
+    # 3 versions, or its data would be refused. And it generated with the last versions.
     vllm_log = (run_dir / "logs" / "vllm-server0.log").read_text()
     reloads = vllm_log.count('"POST /collective_rpc HTTP/1.1" 200')
-    assert reloads >= 0.9 * steps, f"{reloads} weight reloads for {steps} steps"
+    assert reloads >= steps / 3, f"{reloads} weight reloads for {steps} steps"
     server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
     assert max(int(r.get("rollout/version", 0)) for r in server) >= steps - 2
     assert leftover_processes(run_dir) == []
