@@ -276,3 +276,34 @@ def test_killed_learner_node_ends_the_run_and_resume_continues(
     assert sorted(final) == list(range(1, steps + 1))
     ids = [i for v in final.values() for i in v]
     assert len(ids) == len(set(ids)) == steps * 8  # every trajectory in the final model trained once
+
+
+@pytest.mark.ray
+def test_the_two_node_preset_runs_on_its_node_labels(
+    cluster, tiny_ckpt, prompts: Path, tmp_path: Path
+) -> None:
+    """configs/ray-2node-vllm.yaml as shipped, on the cluster, at tiny scale: its learner ranks share the
+    node labelled ``learner`` (ZeRO-3 over gloo), its servers take nodes labelled ``rollout``, and the
+    weights cross nodes over ``dist``. Only what cannot run here is overridden (tests/test_presets.py)."""
+    import yaml
+
+    from tests.test_presets import STEPS, tiny_overrides
+
+    preset = ROOT / "configs/ray-2node-vllm.yaml"
+    raw = yaml.safe_load(preset.read_text())
+    cmd = [sys.executable, str(ROOT / "launch.py"), str(preset), "--no-console", "--ray", cluster.address]
+    cmd += tiny_overrides(raw, tiny_ckpt, prompts, tmp_path / "runs")
+    # This cluster's nodes have one CPU each: the preset's 4 CPUs per rank/server become a share of one.
+    cmd += ["cluster.learner_cpus=0.5", "cluster.server_cpus=1", "rollout.threads=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"learner finished at step {STEPS}" in proc.stdout
+    run_dir = run_dir_of(tmp_path / "runs")
+    where = json.loads((run_dir / "summary.json").read_text())["placement"]
+    ranks = [where["learner/rank-0"], where["learner/rank-1"]]
+    servers = [where["server-0"], where["server-1"]]
+    assert ranks[0] == ranks[1] and KIND[node_of(cluster, ranks[0]).node_id] == LEARNER  # learner_nodes: 1
+    assert len(set(servers)) == 2 and all(KIND[node_of(cluster, s).node_id] == ROLLOUT for s in servers)
+    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
+    assert leftover_processes(run_dir) == []
