@@ -16,7 +16,6 @@ batch machinery (``learner/batch.py``: pad/pack layouts, response views, rank sp
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from buffer.schema import Trajectory
-from tandem.data import chat_token_ids
+from tandem.data import chat_token_ids, read_jsonl
 
 
 class ExampleError(ValueError):
@@ -48,24 +47,7 @@ class Pair:
 
 
 def _records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    p = Path(path)
-    if not p.is_file():
-        raise ExampleError(f"dataset {p}: not found")
-    out = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ExampleError(f"{p}:{lineno}: not valid JSON: {e.msg}") from None
-            if not isinstance(rec, dict):
-                raise ExampleError(f"{p}:{lineno}: a record must be a JSON object")
-            out.append((lineno, rec))
-    if not out:
-        raise ExampleError(f"dataset {p}: no records")
-    return out
+    return read_jsonl(path, "dataset", ExampleError)
 
 
 def _text(rec: dict[str, Any], key: str, where: str) -> str:

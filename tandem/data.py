@@ -18,12 +18,15 @@ class DatasetError(ValueError):
     """A problem in the prompt file, naming its line."""
 
 
-def load_prompts(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:
-    """Read and check a JSONL prompt file. Each record gets an ``id`` (its line number when absent)."""
+def read_jsonl(
+    path: str | Path, what: str, error: type[ValueError] = DatasetError
+) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` for each non-blank line of a JSONL file of objects; problems raise ``error``
+    naming the file (as ``what``) and the line."""
     p = Path(path)
     if not p.is_file():
-        raise DatasetError(f"prompt file {p}: not found")
-    records = []
+        raise error(f"{what} {p}: not found")
+    out = []
     with p.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -31,15 +34,24 @@ def load_prompts(path: str | Path, prompt_field: str = "prompt") -> list[dict[st
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{p}:{lineno}: not valid JSON: {e.msg}") from None
+                raise error(f"{p}:{lineno}: not valid JSON: {e.msg}") from None
             if not isinstance(rec, dict):
-                raise DatasetError(f"{p}:{lineno}: a record must be a JSON object")
-            if not isinstance(rec.get(prompt_field), str) or not rec[prompt_field]:
-                raise DatasetError(f"{p}:{lineno}: field {prompt_field!r} must be a non-empty string")
-            rec.setdefault("id", f"{p.stem}-{lineno}")
-            records.append(rec)
-    if not records:
-        raise DatasetError(f"prompt file {p}: no records")
+                raise error(f"{p}:{lineno}: a record must be a JSON object")
+            out.append((lineno, rec))
+    if not out:
+        raise error(f"{what} {p}: no records")
+    return out
+
+
+def load_prompts(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:
+    """Read and check a JSONL prompt file. Each record gets an ``id`` (its line number when absent)."""
+    p = Path(path)
+    records = []
+    for lineno, rec in read_jsonl(p, "prompt file"):
+        if not isinstance(rec.get(prompt_field), str) or not rec[prompt_field]:
+            raise DatasetError(f"{p}:{lineno}: field {prompt_field!r} must be a non-empty string")
+        rec.setdefault("id", f"{p.stem}-{lineno}")
+        records.append(rec)
     return records
 
 
