@@ -106,6 +106,7 @@ class RedisKeeper:
             self.restart_at = None
             self.restarts.restarted(now)
             e.restart()  # from the main thread: the child's death signal follows the thread that forked
+            print(f"[launch] restarted redis (restart {self.restarts.total})", flush=True)
         return None
 
     @property

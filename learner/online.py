@@ -24,7 +24,7 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
   (``buffer/retry.py``); before each take, rank 0 checks whether Redis was restarted and if so repairs
   what the lost tail of its append-only file can hold: it re-acks what it acked lately, re-sets the version
   and recounts admission.
-- **Audit trail**: rank 0 appends ``{"version", "ids"}`` per step to ``<run dir>/trained.jsonl``; after a
+- **Audit trail**: rank 0 appends ``{"version", "ids", "prompts"}`` per step to ``<run dir>/trained.jsonl``; after a
   resume the last line of each version is the one the surviving model contains.
 """
 
@@ -227,11 +227,13 @@ class OnlineRuntime(Runtime):
             return lora.adapter_tensors(module, named)
         return lora.merged_tensors(module, named)
 
-    def commit(self, ids: list[str]) -> None:
-        """Record the step's ids; checkpoint when due and only then ack (exactly-once, learner/checkpoint.py)."""
+    def commit(self, ids: list[str], prompts: list[str] | None = None) -> None:
+        """Record the step's ids (and the prompt ids they answer, for audits); checkpoint when due and only
+        then ack (exactly-once, learner/checkpoint.py)."""
         if self.lead:
             self.pending.extend(ids)
-            self.trained_log.write(json.dumps({"version": self.version, "ids": ids}) + "\n")
+            line = {"version": self.version, "ids": ids} | ({"prompts": prompts} if prompts else {})
+            self.trained_log.write(json.dumps(line) + "\n")
             self.trained_log.flush()
         interval = self.cfg.learner.checkpoint_interval
         # Unacked ids occupy the stream (ack deletes): checkpoint early rather than let producers block.
