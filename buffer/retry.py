@@ -1,4 +1,4 @@
-"""Redis clients that ride out a Redis restart (docs/design.md §6.5).
+"""Redis clients that ride out a Redis restart (docs/design.md §6.6).
 
 Every process of a run connects through :func:`connect`: a ``redis.Redis`` whose connections retry a
 *lost connection* (refused, reset, or ``LOADING`` while the restarted server reads its AOF) with
@@ -8,8 +8,8 @@ wait is unbounded. Lua scripts are re-sent by redis-py after a restart empties t
 (``NOSCRIPT``), and a ``PubSub`` re-subscribes when it reconnects.
 
 A command retried after a lost connection may already have run before the crash; every call site is
-idempotent or refuses the repeat (docs/design.md §6.5). What a restart *lost* (the last ~second of the
-append-only file) is repaired by whoever notices :class:`Incarnation` change: the learner (§6.5).
+idempotent or refuses the repeat (docs/design.md §6.6). What a restart *lost* (the last ~second of the
+append-only file) is repaired by whoever notices :class:`Incarnation` change: the learner (§6.6).
 """
 
 from __future__ import annotations

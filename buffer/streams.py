@@ -60,7 +60,7 @@ DEAD_MAXLEN = 10_000  # entries kept in each dead-letter / stale stream (approxi
 DEAD_PAYLOAD_BYTES = 64 << 10  # payload prefix kept with a dead letter
 BLOCK_CAP_MS = 1_000  # longest single XREADGROUP BLOCK, so claims and deadlines are re-checked
 ADMISSION_POLL_S = 0.5  # wait_admission re-checks this often even without a version message
-ACK_MEMORY_S = 300.0  # acked ids are remembered this long, to re-ack what a Redis restart lost (§6.5)
+ACK_MEMORY_S = 300.0  # acked ids are remembered this long, to re-ack what a Redis restart lost (§6.6)
 
 R = TypeVar("R")  # the record type of a stream
 T = TypeVar("T")
@@ -174,7 +174,7 @@ class _GroupStream(Generic[R]):
         self._put = client.register_script(_PUT_LUA)
         self._group_ready = False
         self._outstanding: set[str] = set()  # handed out by this instance, not yet acked
-        # Acked by this instance lately: a Redis restart may have lost the ack (docs/design.md §6.5).
+        # Acked by this instance lately: a Redis restart may have lost the ack (docs/design.md §6.6).
         self._acked: deque[tuple[float, list[str]]] = deque()
         self._acked_ids: set[str] = set()
         self._recovered = False  # own pending entries (left by an earlier life of this consumer) re-read
@@ -631,7 +631,7 @@ class ReplayBuffer:
         Call it before the restarted learner announces its version (launch restarts the servers with it).
 
         A live learner recounting after a Redis restart (which can lose or repeat admission increments,
-        docs/design.md §6.5) passes ``trained_unacked``: trajectories in ``version`` that are still in the
+        docs/design.md §6.6) passes ``trained_unacked``: trajectories in ``version`` that are still in the
         stream, awaiting their checkpoint, so they are not counted twice.
         """
         in_flight = self._prompts.pending()

@@ -51,7 +51,7 @@ class PromptFeeder:
 
     Its position (pass, index) lives in Redis, so a resumed run continues where it stopped. Prompts and
     position move together in one compare-and-set script, so a Redis crash or a retried call neither
-    skips nor repeats a prompt (docs/design.md §6.5).
+    skips nor repeats a prompt (docs/design.md §6.6).
     """
 
     def __init__(self, cfg: Config, prompts: PromptSet, buffer, client: redis.Redis) -> None:

@@ -20,7 +20,7 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
 - **What is published**: the actor's full weights; for a LoRA actor only its adapter tensors
   (``learner.lora.sync: adapter``, applied by the hf engine, ``weightsync/adapters.py``) or its merged
   weights. ``weightsync/bytes`` logs the size of each sync.
-- **Redis restarts** (docs/design.md §6.5): every Redis call reconnects under bounded retries
+- **Redis restarts** (docs/design.md §6.6): every Redis call reconnects under bounded retries
   (``buffer/retry.py``); before each take, rank 0 checks whether Redis was restarted and if so repairs
   what the lost tail of its append-only file can hold: it re-acks what it acked lately, re-sets the version
   and recounts admission.
@@ -176,7 +176,7 @@ class OnlineRuntime(Runtime):
 
     def heal_redis(self) -> None:
         """After a Redis restart, undo what the lost tail of its AOF (or a retried command) can have done
-        (docs/design.md §6.5): an ack lost (ack again), a version bump lost (set it again), an admission
+        (docs/design.md §6.6): an ack lost (ack again), a version bump lost (set it again), an admission
         increment lost or repeated (recount it, not counting trained ids awaiting their checkpoint twice)."""
         if not self.redis_incarnation.changed():
             return

@@ -177,7 +177,7 @@ def connect_redis(cfg: Config) -> redis.Redis:
         )
     from buffer.retry import connect
 
-    # Rides out a Redis restart: lost connections are retried for supervision.reconnect_s (§6.5).
+    # Rides out a Redis restart: lost connections are retried for supervision.reconnect_s (§6.6).
     client = connect(
         cfg.redis.url,
         reconnect_s=cfg.supervision.reconnect_s,

@@ -139,7 +139,9 @@ def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
     # Enough steps that the run still needs the server after the kill: a step takes ~0.1 s here, and with
     # 10 steps the learner once finished before the kill landed, leaving the successor nothing to answer.
     steps = 40
-    cmd = launch_cmd(tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", "supervision.server_restarts=2")
+    cmd = launch_cmd(
+        tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", "supervision.server_restarts=2"
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300

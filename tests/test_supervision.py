@@ -1,5 +1,5 @@
 """Supervision pieces on their own: the restart policy, bounded reconnects across a real Redis restart,
-and what the buffer does about acks and deliveries a Redis restart lost (docs/design.md §6.3, §6.5)."""
+and what the buffer does about acks and deliveries a Redis restart lost (docs/design.md §6.3, §6.6)."""
 
 from __future__ import annotations
 
