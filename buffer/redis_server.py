@@ -123,7 +123,7 @@ class EmbeddedRedis:
         while True:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                tail = self._log_tail()
+                tail = self.log_tail()
                 raise RuntimeError(
                     f"redis-server exited with {self.proc.returncode} on port {self.port}: {err}{tail}"
                 )
@@ -136,14 +136,14 @@ class EmbeddedRedis:
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(
-                    f"redis-server on {self.host}:{self.port} did not answer within {timeout_s}s{self._log_tail()}"
+                    f"redis-server on {self.host}:{self.port} did not answer within {timeout_s}s{self.log_tail()}"
                 )
             time.sleep(0.05)
         client.close()
         log.info("embedded redis on %s:%d (data in %s)", self.host, self.port, self.data_dir)
         return self
 
-    def _log_tail(self) -> str:
+    def log_tail(self) -> str:
         p = self.data_dir / "redis.log"
         return "\n" + "\n".join(p.read_text(errors="replace").splitlines()[-5:]) if p.exists() else ""
 

@@ -99,13 +99,16 @@ class RedisKeeper:
         if self.restart_at is None:
             delay = self.restarts.after_crash(now)
             if delay is None:
-                return Outcome(False, f"{self.restarts.refusal()}; last lines of its log:{e._log_tail()}")
+                return Outcome(False, f"{self.restarts.refusal()}; last lines of its log:{e.log_tail()}")
             self.restart_at = now + delay
             log.warning("redis-server exited (code %s); restarting in %.1fs", e.proc.returncode, delay)
         if now >= self.restart_at:
             self.restart_at = None
             self.restarts.restarted(now)
-            e.restart()  # from the main thread: the child's death signal follows the thread that forked
+            try:  # from the main thread: the child's death signal follows the thread that forked
+                e.restart()
+            except (RuntimeError, TimeoutError) as err:
+                return Outcome(False, f"redis could not be restarted: {err}")
             print(f"[launch] restarted redis (restart {self.restarts.total})", flush=True)
         return None
 
