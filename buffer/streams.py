@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -60,6 +60,7 @@ DEAD_MAXLEN = 10_000  # entries kept in each dead-letter / stale stream (approxi
 DEAD_PAYLOAD_BYTES = 64 << 10  # payload prefix kept with a dead letter
 BLOCK_CAP_MS = 1_000  # longest single XREADGROUP BLOCK, so claims and deadlines are re-checked
 ADMISSION_POLL_S = 0.5  # wait_admission re-checks this often even without a version message
+ACK_MEMORY_S = 300.0  # acked ids are remembered this long, to re-ack what a Redis restart lost (§6.6)
 
 R = TypeVar("R")  # the record type of a stream
 T = TypeVar("T")
@@ -86,6 +87,17 @@ if nack > 0 then
   redis.call('XDEL', KEYS[2], unpack(ARGV, 4, 3 + nack))
 end
 return ids
+"""
+
+# KEYS[1] prompt stream, KEYS[2] feeder position hash; ARGV: the position expected (epoch, index), the
+# position after these prompts, then the payloads. Compare-and-set, so a retry of a call that ran before a
+# Redis crash (its reply lost) appends nothing twice; one script, so the AOF keeps both writes or neither.
+_FEED_LUA = """
+local pos = redis.call('HMGET', KEYS[2], 'epoch', 'index')
+if (pos[1] or '0') ~= ARGV[1] or (pos[2] or '0') ~= ARGV[2] then return -1 end
+for i = 5, #ARGV do redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
+redis.call('HSET', KEYS[2], 'epoch', ARGV[3], 'index', ARGV[4])
+return #ARGV - 4
 """
 
 # KEYS[1] admitted, KEYS[2] version; ARGV: n, batch_size, max_staleness. Returns {ok, admitted, bound}.
@@ -162,6 +174,9 @@ class _GroupStream(Generic[R]):
         self._put = client.register_script(_PUT_LUA)
         self._group_ready = False
         self._outstanding: set[str] = set()  # handed out by this instance, not yet acked
+        # Acked by this instance lately: a Redis restart may have lost the ack (docs/design.md §6.6).
+        self._acked: deque[tuple[float, list[str]]] = deque()
+        self._acked_ids: set[str] = set()
         self._recovered = False  # own pending entries (left by an earlier life of this consumer) re-read
         self._pel_cursor = "0"
         self._claim_cursor = "0-0"
@@ -214,11 +229,27 @@ class _GroupStream(Generic[R]):
     def ack(self, ids: Sequence[str]) -> None:
         if not ids:
             return
+        self._ack(ids)
+        self._outstanding.difference_update(ids)
+        now = time.monotonic()
+        self._acked.append((now, list(ids)))
+        self._acked_ids.update(ids)
+        while self._acked and now - self._acked[0][0] > ACK_MEMORY_S:
+            self._acked_ids.difference_update(self._acked.popleft()[1])
+
+    def _ack(self, ids: Sequence[str]) -> None:
         pipe = self.client.pipeline(transaction=True)
         pipe.xack(self.key, self.group, *ids)
         pipe.xdel(self.key, *ids)
         pipe.execute()
-        self._outstanding.difference_update(ids)
+
+    def reack(self) -> int:
+        """Ack again what this instance acked in the last ``ACK_MEMORY_S`` s (idempotent): after a Redis
+        restart that lost the tail of its append-only file, those entries would be pending again."""
+        ids = sorted(self._acked_ids)
+        for start in range(0, len(ids), 1000):
+            self._ack(ids[start : start + 1000])
+        return len(ids)
 
     # -------------------------------------------------------------------------------------- reading
 
@@ -271,7 +302,8 @@ class _GroupStream(Generic[R]):
         if claimed:
             return claimed
         got = self.client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=k, block=block_ms)
-        return [(_str(i), f, False) for _, entries in got for i, f in entries]
+        # After a Redis restart lost a delivery, an entry this instance holds can come back as new.
+        return [(_str(i), f, False) for _, es in got for i, f in es if _str(i) not in self._outstanding]
 
     def _read_own_pending(self, k: int) -> list[_Raw]:
         """The next page of this consumer's pending entries (XREADGROUP from an id re-delivers them)."""
@@ -312,6 +344,13 @@ class _GroupStream(Generic[R]):
         """Decode entries; move the malformed and the refused out of the stream."""
         accepted: list[tuple[str, R, bool]] = []
         rejects: list[_Reject] = []
+        if self._acked_ids and (again := [e[0] for e in entries if e[0] in self._acked_ids]):
+            # Acked before a Redis restart lost the ack: never hand it out again, ack it again.
+            log.warning(
+                "%s: %d entries acked before a Redis restart came back; acking again", self.key, len(again)
+            )
+            self._ack(again)
+            entries = [e for e in entries if e[0] not in self._acked_ids]
         for entry_id, fields, redelivered in entries:
             fields = fields or {}  # Redis 7 answers nil for a pending entry deleted from the stream
             payload = fields.get(FIELD, b"")
@@ -428,6 +467,7 @@ class ReplayBuffer:
         self._version_key, self._admitted_key = f"{run}:version", f"{run}:admitted"
         self._version_channel = f"{run}:version:changed"
         self._admit = client.register_script(_ADMIT_LUA)
+        self._feed = client.register_script(_FEED_LUA)
         self._staleness: Counter[int] = Counter()  # of trajectories taken since the last metrics()
         self._put_count = self._take_count = 0
         self._metrics_at = time.monotonic()
@@ -516,6 +556,14 @@ class ReplayBuffer:
             [encode_prompt(p) for p in prompts], maxlen=0, timeout_s=self.put_timeout_s
         )
 
+    def feed_prompts(
+        self, prompts: Sequence[PromptRecord], *, position_key: str, at: tuple[int, int], to: tuple[int, int]
+    ) -> int:
+        """Queue prompts and move the feeder's position hash from ``at`` to ``to`` in one atomic step, only
+        if it is still at ``at``: -1 (nothing appended) when it is not, e.g. a retried call that already ran."""
+        args = [*map(str, (*at, *to)), *(encode_prompt(p) for p in prompts)]
+        return int(self._feed(keys=[self._prompts.key, position_key], args=args))
+
     def take_prompts(self, n: int, timeout_s: float) -> list[TakenPrompt]:
         return [TakenPrompt(i, p, r) for i, p, r in self._prompts.take(n, timeout_s)]
 
@@ -566,7 +614,13 @@ class ReplayBuffer:
         """Give back admission for n trajectories that will never be appended (a server abandoning work)."""
         self.client.decrby(self._admitted_key, n)
 
-    def recount_admission(self, version: int, *, batch_size: int, n_samples: int) -> int:
+    def reack(self) -> int:
+        """Re-acknowledge the trajectories this instance acked lately (after a Redis restart; idempotent)."""
+        return self._traj.reack()
+
+    def recount_admission(
+        self, version: int, *, batch_size: int, n_samples: int, trained_unacked: int = 0
+    ) -> int:
         """Rebuild the admission counter after a learner restart and return it.
 
         A resumed learner restarts at its checkpoint's version, below what the crashed run had admitted, so
@@ -575,9 +629,13 @@ class ReplayBuffer:
         (including trained-but-not-checkpointed ones, which will be trained again), plus the groups of
         prompts a server has claimed but not answered (they are redelivered and keep their admission).
         Call it before the restarted learner announces its version (launch restarts the servers with it).
+
+        A live learner recounting after a Redis restart (which can lose or repeat admission increments,
+        docs/design.md §6.6) passes ``trained_unacked``: trajectories in ``version`` that are still in the
+        stream, awaiting their checkpoint, so they are not counted twice.
         """
         in_flight = self._prompts.pending()
-        admitted = version * batch_size + self._traj.length() + in_flight * n_samples
+        admitted = version * batch_size + self._traj.length() - trained_unacked + in_flight * n_samples
         self.client.set(self._admitted_key, admitted)
         return admitted
 

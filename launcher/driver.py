@@ -3,8 +3,9 @@
 Validate (done by the caller), let the backend check the plan fits (before anything starts), create
 ``runs/<name>-<time>/``, start the embedded Redis (or use ``redis.url``), write the per-process config,
 fill the prompt stream, start every role through the backend, wait until each is ready, supervise
-(top up prompts, show progress, let the backend restart crashed servers) until the learner ends, stop
-everything, and summarize.
+(restart a crashed embedded Redis, top up prompts, show progress, let the backend restart crashed
+servers and the learner) until the learner ends, stop everything, and summarize. Every tick survives a
+Redis that is down: the next tick restarts it (docs/design.md §6.3).
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ from pathlib import Path
 import redis
 
 from buffer.redis_server import EmbeddedRedis
+from buffer.retry import connect
 from launcher.backends import Backend, Outcome, StartError
 from launcher.console import Console, status_line, summarize
 from launcher.feeder import PromptFeeder, PromptSet
 from launcher.plan import RunPlan, plan_run
+from launcher.supervision import RestartPolicy, Restarts, forget_dead_publisher
 from tandem.config import Config, ConfigError, dump_config
 from tandem.telemetry import ready_key, stop_key
 
 log = logging.getLogger("launch")
 ROOT = Path(__file__).resolve().parent.parent
 SUPERVISE_TICK_S = 0.25
+# The driver restarts the embedded Redis itself, so its own client gives up on a dead one quickly and
+# the next tick restarts it; an external Redis is retried as long as every other client does.
+DRIVER_RECONNECT_S = 2.0
 
 
 def check_inputs(cfg: Config) -> None:
@@ -75,16 +81,75 @@ def dry_run_plan(cfg: Config, resume: bool) -> RunPlan:
     return plan_run(cfg, run_dir, run_dir / "config.yaml", resume=resume)
 
 
-def wait_ready(cfg: Config, plan: RunPlan, backend: Backend, client: redis.Redis) -> Outcome:
+class RedisKeeper:
+    """Restarts the embedded redis-server when it dies, on its port, password and AOF, per its policy.
+    An external ``redis.url`` is its operator's to supervise: clients only retry for reconnect_s."""
+
+    def __init__(self, cfg: Config, embedded: EmbeddedRedis | None) -> None:
+        self.embedded = embedded
+        self.restarts = Restarts("redis", RestartPolicy.for_role(cfg, "redis"))
+        self.restart_at: float | None = None
+
+    def tick(self) -> Outcome | None:
+        """Restart a dead embedded Redis when its backoff is over; an Outcome once past the limit."""
+        e = self.embedded
+        if e is None or e.alive:
+            return None
+        now = time.monotonic()
+        if self.restart_at is None:
+            delay = self.restarts.after_crash(now)
+            if delay is None:
+                return Outcome(False, f"{self.restarts.refusal()}; last lines of its log:{e.log_tail()}")
+            self.restart_at = now + delay
+            log.warning("redis-server exited (code %s); restarting in %.1fs", e.proc.returncode, delay)
+        if now >= self.restart_at:
+            self.restart_at = None
+            self.restarts.restarted(now)
+            try:  # from the main thread: the child's death signal follows the thread that forked
+                e.restart()
+            except (RuntimeError, TimeoutError) as err:
+                return Outcome(False, f"redis could not be restarted: {err}")
+            print(f"[launch] restarted redis (restart {self.restarts.total})", flush=True)
+        return None
+
+    @property
+    def up(self) -> bool:
+        return self.embedded is None or self.embedded.alive
+
+
+def tick(
+    cfg: Config, backend: Backend, client: redis.Redis, keeper: RedisKeeper, feeder: PromptFeeder
+) -> Outcome | None:
+    """One supervision step: Redis first, then prompts, then the backend's processes."""
+    if (outcome := keeper.tick()) is not None:
+        return outcome
+    stopping = False
+    if keeper.up:
+        with contextlib.suppress(redis.ConnectionError):  # died just now: the next tick restarts it
+            feeder.top_up()
+            stopping = bool(client.exists(stop_key(cfg.run.name)))
+    return backend.poll(stopping=stopping)
+
+
+def wait_ready(
+    cfg: Config,
+    plan: RunPlan,
+    backend: Backend,
+    client: redis.Redis,
+    keeper: RedisKeeper,
+    feeder: PromptFeeder,
+) -> Outcome:
+    """Every role ready within run.ready_timeout_s; one that dies meanwhile is restarted like any crash."""
     deadline = time.monotonic() + cfg.run.ready_timeout_s
     pending = [r.name for r in plan.roles]
     while pending:
-        for name in list(pending):
-            if client.exists(ready_key(cfg.run.name, name)):
-                pending.remove(name)
-                log.info("%s ready", name)
-            elif (why := backend.exited_before_ready(name)) is not None:
-                return Outcome(False, why)
+        if (outcome := tick(cfg, backend, client, keeper, feeder)) is not None:
+            return outcome
+        with contextlib.suppress(redis.ConnectionError):
+            for name in list(pending):
+                if keeper.up and client.exists(ready_key(cfg.run.name, name)):
+                    pending.remove(name)
+                    log.info("%s ready", name)
         if time.monotonic() > deadline:
             return Outcome(
                 False, f"not ready after run.ready_timeout_s={cfg.run.ready_timeout_s}s: {sorted(pending)}"
@@ -94,28 +159,27 @@ def wait_ready(cfg: Config, plan: RunPlan, backend: Backend, client: redis.Redis
 
 
 def supervise(
-    cfg: Config, backend: Backend, client: redis.Redis, feeder: PromptFeeder, console: Console
+    cfg: Config,
+    backend: Backend,
+    client: redis.Redis,
+    keeper: RedisKeeper,
+    feeder: PromptFeeder,
+    console: Console,
 ) -> Outcome:
-    """Until the learner exits: keep prompts flowing, let the backend restart crashed servers, show progress."""
+    """Until the learner finishes (or a role crashes past its limit): keep Redis up and prompts flowing,
+    let the backend restart crashed processes, show progress."""
+    step = 0
     while True:
-        feeder.top_up()
-        step, stats = status_line(client, cfg)
-        console.update(step, stats)
-        outcome = backend.poll(stopping=bool(client.exists(stop_key(cfg.run.name))))
+        outcome = tick(cfg, backend, client, keeper, feeder)
+        if keeper.up:
+            with contextlib.suppress(redis.ConnectionError):
+                step, stats = status_line(client, cfg)
+                console.update(step, stats)
         if outcome is not None:
             if outcome.ok:
-                outcome.message = f"{outcome.message} at step {status_line(client, cfg)[0]}"
+                outcome.message = f"{outcome.message} at step {step}"
             return outcome
         time.sleep(SUPERVISE_TICK_S)
-
-
-def forget_dead_publisher(client: redis.Redis, run: str) -> None:
-    """A resumed run's servers must not join the crashed learner's last ``dist`` offer: its store is gone
-    (a connect would wait out ``weightsync.timeout_s``) and its ``go`` names versions past the checkpoint
-    (joiners of the resumed versions would think they came too late). The new learner offers afresh."""
-    from weightsync.base import weights_key
-
-    client.delete(weights_key(run, "offer"), weights_key(run, "go"))
 
 
 def remove_shared_weights(cfg: Config, run_dir: Path) -> None:
@@ -164,8 +228,10 @@ def _run(
                 run_dir / "redis", port=cfg.redis.port, host=backend.redis_host()
             ).start()
             cfg = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"url": embedded.url})})
-        client = redis.Redis.from_url(cfg.redis.url, socket_timeout=30)
+        reconnect_s = DRIVER_RECONNECT_S if embedded is not None else cfg.supervision.reconnect_s
+        client = connect(cfg.redis.url, reconnect_s=reconnect_s)
         client.ping()
+        keeper = RedisKeeper(cfg, embedded)
         client.delete(stop_key(cfg.run.name))
         forget_dead_publisher(client, cfg.run.name)
         config_path = write_process_config(cfg, run_dir)
@@ -180,11 +246,11 @@ def _run(
         started = True
         backend.start(plan, client, dump_config(cfg))
         print(f"[launch] started {', '.join(r.name for r in plan.roles)}; logs in {run_dir / 'logs'}")
-        outcome = wait_ready(cfg, plan, backend, client)
+        outcome = wait_ready(cfg, plan, backend, client, keeper, feeder)
         if outcome.ok:
             console = Console(cfg, enabled=console_enabled)
             try:
-                outcome = supervise(cfg, backend, client, feeder, console)
+                outcome = supervise(cfg, backend, client, keeper, feeder, console)
             finally:
                 console.close()
     except StartError as e:
@@ -193,6 +259,9 @@ def _run(
         outcome = Outcome(False, "interrupted (Ctrl-C): stopping every process")
     finally:
         print("[launch] stopping ...", flush=True)
+        if embedded is not None and not embedded.alive and started:
+            with contextlib.suppress(Exception):  # the processes still flushing need it, and the summary
+                embedded.restart()
         if client is not None:
             with contextlib.suppress(redis.RedisError):
                 client.set(stop_key(cfg.run.name), "1")  # ask everyone to finish (the learner checkpoints)

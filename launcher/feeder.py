@@ -49,7 +49,9 @@ class PromptSet:
 class PromptFeeder:
     """Keeps the prompt stream a few batches deep, pass after pass over the dataset (seeded shuffles).
 
-    Its position (pass, index) lives in Redis, so a resumed run continues where it stopped.
+    Its position (pass, index) lives in Redis, so a resumed run continues where it stopped. Prompts and
+    position move together in one compare-and-set script, so a Redis crash or a retried call neither
+    skips nor repeats a prompt (docs/design.md §6.6).
     """
 
     def __init__(self, cfg: Config, prompts: PromptSet, buffer, client: redis.Redis) -> None:
@@ -70,6 +72,7 @@ class PromptFeeder:
             return 0
         saved = self.client.hmget(self.key, "epoch", "index")
         epoch, index = (int(saved[0]), int(saved[1])) if saved[0] is not None else (0, 0)
+        at = (epoch, index)
         batch = []
         while len(batch) < missing and epoch < self.cfg.data.epochs:
             order = list(range(len(self.records)))
@@ -88,7 +91,6 @@ class PromptFeeder:
             index += 1
             if index == len(order):
                 epoch, index = epoch + 1, 0
-        if batch:
-            self.buffer.put_prompts(batch)
-            self.client.hset(self.key, mapping={"epoch": epoch, "index": index})
+        if batch and self.buffer.feed_prompts(batch, position_key=self.key, at=at, to=(epoch, index)) < 0:
+            return 0  # the position moved since it was read (a retried top-up that had run): nothing twice
         return len(batch)

@@ -2,8 +2,8 @@
 
 Computed from the config alone, so every backend starts the same thing and ``--dry-run`` can show it.
 A role is ready when its ``{run}:ready:<name>`` key exists (``tandem/telemetry.py``); the learner's
-processes are its ranks (rank 0 marks it ready); a server is one process. Restart policy: a server
-is restarted up to ``rollout.restart_limit`` times; a learner that exits ends the run (docs/design.md §1.5).
+processes are its ranks (rank 0 marks it ready); a server is one process. Restart policy per role:
+``launcher/supervision.py`` (a restarted learner runs with ``--resume``, :attr:`Role.resume_argv`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,15 @@ class Role:
     processes: int  # learner ranks; 1 for a server
     threads: int  # CPU threads per process (OMP_NUM_THREADS) when on CPU
     gpus: int  # GPUs per process: 1 per learner rank on CUDA, the tensor-parallel degree per server
-    restart_limit: int  # restarts after a crash before the run fails; 0 for the learner
 
     @property
     def is_learner(self) -> bool:
         return self.name == "learner"
+
+    @property
+    def resume_argv(self) -> tuple[str, ...]:
+        """The arguments of a restart after a crash: the learner continues from its last checkpoint."""
+        return (*self.argv, "--resume") if self.is_learner and "--resume" not in self.argv else self.argv
 
 
 @dataclass
@@ -76,7 +80,6 @@ def plan_run(
         processes=cfg.learner.num_ranks,
         threads=learner_threads,
         gpus=1 if on_gpu else 0,
-        restart_limit=0,
     )
     servers = [
         Role(
@@ -86,7 +89,6 @@ def plan_run(
             processes=1,
             threads=server_threads,
             gpus=server_tp(cfg) if on_gpu else 0,
-            restart_limit=cfg.rollout.restart_limit,
         )
         for i in range(cfg.rollout.num_servers)
     ]

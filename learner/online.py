@@ -20,7 +20,11 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
 - **What is published**: the actor's full weights; for a LoRA actor only its adapter tensors
   (``learner.lora.sync: adapter``, applied by the hf engine, ``weightsync/adapters.py``) or its merged
   weights. ``weightsync/bytes`` logs the size of each sync.
-- **Audit trail**: rank 0 appends ``{"version", "ids"}`` per step to ``<run dir>/trained.jsonl``; after a
+- **Redis restarts** (docs/design.md §6.6): every Redis call reconnects under bounded retries
+  (``buffer/retry.py``); before each take, rank 0 checks whether Redis was restarted and if so repairs
+  what the lost tail of its append-only file can hold: it re-acks what it acked lately, re-sets the version
+  and recounts admission.
+- **Audit trail**: rank 0 appends ``{"version", "ids", "prompts"}`` per step to ``<run dir>/trained.jsonl``; after a
   resume the last line of each version is the one the surviving model contains.
 """
 
@@ -38,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 import weightsync
+from buffer.retry import Incarnation
+from buffer.retry import connect as connect_redis
 from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer, Taken
 from learner import checkpoint, lora
@@ -65,6 +71,7 @@ class OnlineRuntime(Runtime):
         self.pending: list[str] = []  # trained on, not yet in a committed checkpoint, so not acked
         self.acked_through = 0  # trajectories (counted over versions) whose ids are acked
         self.client: redis.Redis | None = None
+        self.redis_incarnation: Incarnation | None = None
         self.buffer: ReplayBuffer | None = None
         self.publisher: weightsync.Publisher = weightsync.DrainPublisher()
         self.trained_log: TextIO | None = None
@@ -82,6 +89,7 @@ class OnlineRuntime(Runtime):
         """Fail here, not at step 1,000: Redis answers, every model loads and runs, weights publish."""
         if self.lead:
             self.client = connect(self.cfg)
+            self.redis_incarnation = Incarnation(self.client)
             self.buffer = ReplayBuffer.from_config(self.client, self.cfg, CONSUMER)
             self.publisher = weightsync.make_publisher(self.cfg, self.client, run_dir=str(self.run_dir))
             self.telemetry = Telemetry(self.cfg, "learner", self.client, run_dir=str(self.run_dir))
@@ -149,6 +157,7 @@ class OnlineRuntime(Runtime):
         timeout = self.cfg.learner.take_timeout_s
         deadline = time.monotonic() + timeout
         while len(taken) < need:
+            self.heal_redis()
             if self.stop_requested():
                 return None
             remaining = deadline - time.monotonic()
@@ -164,6 +173,26 @@ class OnlineRuntime(Runtime):
                 validate=self.unusable,
             )
         return taken
+
+    def heal_redis(self) -> None:
+        """After a Redis restart, undo what the lost tail of its AOF (or a retried command) can have done
+        (docs/design.md §6.6): an ack lost (ack again), a version bump lost (set it again), an admission
+        increment lost or repeated (recount it, not counting trained ids awaiting their checkpoint twice)."""
+        if not self.redis_incarnation.changed():
+            return
+        reacked = self.buffer.reack()
+        self.buffer.set_version(self.version)
+        a = self.cfg.algorithm
+        admitted = self.buffer.recount_admission(
+            self.version,
+            batch_size=a.batch_size,
+            n_samples=self.cfg.rollout.n_samples,
+            trained_unacked=len(self.pending),
+        )
+        log.warning(
+            "Redis was restarted: re-acked %d recent ids, version %d set again, admission recounted to %d",
+            reacked, self.version, admitted,
+        )  # fmt: skip
 
     def unusable(self, t: Trajectory) -> str | None:
         return trajectory_problem(t, self.models.vocab_size)
@@ -198,11 +227,13 @@ class OnlineRuntime(Runtime):
             return lora.adapter_tensors(module, named)
         return lora.merged_tensors(module, named)
 
-    def commit(self, ids: list[str]) -> None:
-        """Record the step's ids; checkpoint when due and only then ack (exactly-once, learner/checkpoint.py)."""
+    def commit(self, ids: list[str], prompts: list[str] | None = None) -> None:
+        """Record the step's ids (and the prompt ids they answer, for audits); checkpoint when due and only
+        then ack (exactly-once, learner/checkpoint.py)."""
         if self.lead:
             self.pending.extend(ids)
-            self.trained_log.write(json.dumps({"version": self.version, "ids": ids}) + "\n")
+            line = {"version": self.version, "ids": ids} | ({"prompts": prompts} if prompts else {})
+            self.trained_log.write(json.dumps(line) + "\n")
             self.trained_log.flush()
         interval = self.cfg.learner.checkpoint_interval
         # Unacked ids occupy the stream (ack deletes): checkpoint early rather than let producers block.
@@ -263,7 +294,7 @@ def connect(cfg: Config) -> redis.Redis:
         raise ValueError(
             "redis.url is not set: launch.py writes the embedded Redis URL into the learner's config"
         )
-    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=30, socket_connect_timeout=10)
+    client = connect_redis(cfg.redis.url, reconnect_s=cfg.supervision.reconnect_s)
     try:
         client.ping()
     except redis.RedisError as e:

@@ -99,7 +99,9 @@ class PPOLearner(OnlineRuntime):
         t2 = time.perf_counter()
         self.sync_weights()  # publish version v, then open admission for it
         t3 = time.perf_counter()
-        self.commit([t.id for t in taken])  # checkpoint when due, then ack what it contains
+        self.commit(
+            [t.id for t in taken], [t.traj.prompt_id for t in taken]
+        )  # checkpoint when due, then ack what it contains
         t4 = time.perf_counter()
         stats.update(
             {

@@ -175,10 +175,13 @@ def connect_redis(cfg: Config) -> redis.Redis:
         raise SystemExit(
             "redis.url is not set: launch.py writes the run's Redis URL into the config it passes"
         )
-    client = redis.Redis.from_url(
+    from buffer.retry import connect
+
+    # Rides out a Redis restart: lost connections are retried for supervision.reconnect_s (§6.6).
+    client = connect(
         cfg.redis.url,
+        reconnect_s=cfg.supervision.reconnect_s,
         socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-        socket_connect_timeout=10,
         health_check_interval=30,
     )
     try:

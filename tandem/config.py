@@ -258,9 +258,6 @@ class RolloutConfig(Section):
         description="hf engine: apply a pending weight update between decode steps, not only between batches.",
     )
     threads: int = Field(0, ge=0, description="CPU threads per server (0 splits the machine's cores evenly).")
-    restart_limit: int = Field(
-        3, ge=0, description="How many times launch.py restarts a crashed server before giving up."
-    )
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="The server's OpenAI-compatible API.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="Settings used when engine is vllm.")
     sglang: SGLangConfig = Field(
@@ -616,6 +613,43 @@ class ClusterConfig(Section):
     )
 
 
+class SupervisionConfig(Section):
+    """How launch.py restarts what crashes, per role (docs/design.md §6.3): Redis, the learner, each server.
+
+    A role that crashes more than its limit within ``window_s`` seconds stops the run; the k-th restart
+    in a row waits ``min(backoff_max_s, backoff_s * 2**(k-1))``.
+    """
+
+    server_restarts: int = Field(
+        5, ge=0, le=1000, description="Restarts of one rollout server allowed within window_s (0: none)."
+    )
+    learner_restarts: int = Field(
+        3, ge=0, le=1000, description="Restarts of the learner (with --resume) allowed within window_s."
+    )
+    redis_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Restarts of the embedded redis-server (from its AOF) within window_s; an external redis.url is never restarted.",
+    )
+    window_s: float = Field(
+        600.0, gt=0, le=86_400, description="The sliding window, in seconds, over which restarts are counted."
+    )
+    backoff_s: float = Field(
+        1.0,
+        ge=0,
+        le=600,
+        description="Wait before the first restart of a role; doubles per restart in the window.",
+    )
+    backoff_max_s: float = Field(30.0, ge=0, le=3600, description="Longest wait before a restart.")
+    reconnect_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How long every client keeps retrying a lost Redis connection (a restart) before it fails.",
+    )
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and mode.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="The buffer and control plane.")
@@ -635,6 +669,9 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation on the servers.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, logs and wandb.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Placement on a Ray cluster.")
+    supervision: SupervisionConfig = Field(
+        default_factory=SupervisionConfig, description="Restarts of crashed processes and Redis reconnects."
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

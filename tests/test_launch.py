@@ -139,7 +139,9 @@ def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
     # Enough steps that the run still needs the server after the kill: a step takes ~0.1 s here, and with
     # 10 steps the learner once finished before the kill landed, leaving the successor nothing to answer.
     steps = 40
-    cmd = launch_cmd(tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", "rollout.restart_limit=2")
+    cmd = launch_cmd(
+        tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", "supervision.server_restarts=2"
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -186,12 +188,19 @@ def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
         server.stop()
 
 
-def test_crashed_learner_stops_the_run_and_resume_finishes_it(
+def test_crashed_learner_past_its_restart_budget_stops_the_run_and_resume_finishes_it(
     tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
+    # With restarts allowed the learner would come back by itself (tests/test_chaos.py); with none, the
+    # run stops naming the role, and `launch.py --resume` continues it by hand.
     steps = 12
     cmd = launch_cmd(
-        tiny_ckpt, prompts, tmp_path, f"learner.total_steps={steps}", "learner.checkpoint_interval=3"
+        tiny_ckpt,
+        prompts,
+        tmp_path,
+        f"learner.total_steps={steps}",
+        "learner.checkpoint_interval=3",
+        "supervision.learner_restarts=0",
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -206,7 +215,8 @@ def test_crashed_learner_stops_the_run_and_resume_finishes_it(
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1
-    assert "learner exited with code -9" in out  # the error is shown, the run stopped
+    assert "learner crashed more than supervision allows (0 restarts" in out  # named, the run stopped
+    assert "last lines of" in out
     assert leftover_processes(run_dir) == []
 
     resumed = subprocess.run(

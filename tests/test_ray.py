@@ -181,7 +181,7 @@ def test_killed_server_node_moves_the_server_and_loses_no_prompt(
         tmp_path,
         *SMALL,
         f"learner.total_steps={steps}",
-        "rollout.restart_limit=2",
+        "supervision.server_restarts=2",
         # Two servers: with dist a restarted server gets the next version the learner publishes, which
         # needs a batch the other server makes (docs/design.md §5.7). A dead registered peer holds a
         # publish for at most weightsync.timeout_s.

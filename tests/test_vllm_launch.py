@@ -104,7 +104,7 @@ def test_a_killed_vllm_server_is_replaced_and_no_prompt_is_lost(assets, tmp_path
         assets,
         tmp_path,
         f"learner.total_steps={steps}",
-        "rollout.restart_limit=2",
+        "supervision.server_restarts=2",
         "redis.claim_idle_ms=2000",
     )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

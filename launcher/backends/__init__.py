@@ -44,11 +44,9 @@ class Backend(Protocol):
     def start(self, plan: RunPlan, client: redis.Redis, config_text: str) -> None:
         """Start every role. ``config_text`` is the per-process config (also at ``plan.config_path``)."""
 
-    def exited_before_ready(self, name: str) -> str | None:
-        """While waiting for readiness: why role ``name`` is gone (None while it may still get ready)."""
-
     def poll(self, stopping: bool) -> Outcome | None:
-        """One supervision tick: restart crashed servers per the plan; an Outcome once the run is over."""
+        """One supervision tick, from start-up on: restart crashed processes per their role's policy
+        (``launcher/supervision.py``); an Outcome once the run is over or a role is past its limit."""
 
     def placement(self) -> dict[str, str]:
         """Where each process runs now (process name → node), for the summary."""

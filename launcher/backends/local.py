@@ -2,8 +2,9 @@
 
 The learner is ``python -m learner.train`` (``torchrun --nproc_per_node N`` for N ranks), each server
 ``python -m rollout.server``. GPUs: the learner's ranks first, then ``tp`` GPUs per server, round-robin
-when too few; on CPU, ``OMP_NUM_THREADS`` splits the cores. A crashed server is restarted after
-``min(30, 2^k)`` s up to its restart limit; children run in their own sessions and die with launch.py.
+when too few; on CPU, ``OMP_NUM_THREADS`` splits the cores. A crashed process (a server, also one that
+died before it was ready, or the learner, which comes back with ``--resume``) is restarted per its
+role's policy (``launcher/supervision.py``); children run in their own sessions and die with launch.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import redis
 from buffer.redis_server import free_port
 from launcher.backends import Outcome
 from launcher.plan import Role, RunPlan
+from launcher.supervision import RestartPolicy, Restarts, forget_dead_publisher
 from tandem.config import Config, ConfigError
 from tandem.procs import DETACHED
 from tandem.telemetry import ready_key
@@ -34,22 +36,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass
 class Child:
-    name: str
-    cmd: list[str]
+    role: Role
     env: dict[str, str]
     log_path: Path
-    restart_limit: int = 0
+    restarts: Restarts
     proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
     restart_at: float | None = None
 
-    def start(self) -> None:
+    @property
+    def name(self) -> str:
+        return self.role.name
+
+    @property
+    def cmd(self) -> list[str]:
+        return _command(self.role)
+
+    def start(self, *, again: bool = False) -> None:
+        cmd = _command(self.role, resume=again)  # a fresh torchrun port each time
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = self.log_path.open("ab")
-        out.write(f"\n=== {time.strftime('%H:%M:%S')} start: {shlex.join(self.cmd)}\n".encode())
+        out.write(f"\n=== {time.strftime('%H:%M:%S')} start: {shlex.join(cmd)}\n".encode())
         out.flush()
         self.proc = subprocess.Popen(
-            self.cmd,
+            cmd,
             env=self.env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -82,12 +91,13 @@ def _gpu_count() -> int:
         return 0
 
 
-def _command(role: Role) -> list[str]:
+def _command(role: Role, *, resume: bool = False) -> list[str]:
     py = sys.executable
+    argv = role.resume_argv if resume else role.argv
     if role.processes > 1:
         torchrun = ["-m", "torch.distributed.run", f"--nproc_per_node={role.processes}"]
-        return [py, *torchrun, f"--master_port={free_port()}", "-m", role.module, *role.argv]
-    return [py, "-m", role.module, *role.argv]
+        return [py, *torchrun, f"--master_port={free_port()}", "-m", role.module, *argv]
+    return [py, "-m", role.module, *argv]
 
 
 def plan_children(plan: RunPlan) -> list[Child]:
@@ -107,7 +117,8 @@ def plan_children(plan: RunPlan) -> list[Child]:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str((next_gpu + k) % gpus) for k in range(count))
             next_gpu += count
         log_path = plan.run_dir / "logs" / f"{role.name}.log"
-        children.append(Child(role.name, _command(role), env, log_path, restart_limit=role.restart_limit))
+        restarts = Restarts(role.name, RestartPolicy.for_role(plan.cfg, role.name))
+        children.append(Child(role, env, log_path, restarts))
     return children
 
 
@@ -139,44 +150,42 @@ class LocalBackend:
         for c in self.children:
             c.start()
 
-    def exited_before_ready(self, name: str) -> str | None:
-        c = next(c for c in self.children if c.name == name)
-        if c.running:
-            return None
-        return f"{c.name} exited with code {c.proc.returncode} before it was ready; last lines of {c.log_path}:\n{c.log_tail()}"
-
     def poll(self, stopping: bool) -> Outcome | None:
-        learner, servers = self.children[0], self.children[1:]
-        if not learner.running:
-            code = learner.proc.returncode
-            if code == 0:
-                return Outcome(True, "learner finished")
-            return Outcome(
-                False,
-                f"learner exited with code {code}; last lines of {learner.log_path}:\n{learner.log_tail()}",
-            )
-        for s in servers:
-            if s.running or stopping:
+        """The learner's clean exit ends the run; any crash (before or after ready) is restarted per policy."""
+        learner = self.children[0]
+        if learner.proc.poll() == 0:
+            return Outcome(True, "learner finished")
+        now = time.monotonic()
+        for c in self.children:
+            if c.running or (stopping and c is not learner):
                 continue
-            if s.restart_at is None:
-                if s.restarts >= s.restart_limit:
-                    return Outcome(
-                        False,
-                        f"{s.name} crashed {s.restarts + 1} times (limit {s.restart_limit}); last lines of {s.log_path}:\n{s.log_tail()}",
-                    )
-                s.restart_at = time.monotonic() + min(30.0, 2.0**s.restarts)
-                log.warning(
-                    "%s exited with code %s; restarting in %.0fs",
-                    s.name,
-                    s.proc.returncode,
-                    s.restart_at - time.monotonic(),
+            if stopping:  # asked to stop, and the learner crashed instead of checkpointing: no restart
+                return Outcome(
+                    False, f"learner exited with code {c.proc.returncode} while stopping{self._tail(c)}"
                 )
-            elif time.monotonic() >= s.restart_at:
-                s.restarts += 1
-                s.restart_at = None
-                self.client.delete(ready_key(self.cfg.run.name, s.name))
-                s.start()
+            if c.restart_at is None:
+                delay = c.restarts.after_crash(now)
+                if delay is None:
+                    return Outcome(False, f"{c.restarts.refusal()}{self._tail(c)}")
+                c.restart_at = now + delay
+                log.warning("%s exited with code %s; restarting in %.1fs", c.name, c.proc.returncode, delay)
+            elif now >= c.restart_at:
+                c.restart_at = None
+                c.restarts.restarted(now)
+                self._restart(c)
         return None
+
+    def _restart(self, c: Child) -> None:
+        with contextlib.suppress(redis.ConnectionError):  # Redis is down: the child waits for it anyway
+            self.client.delete(ready_key(self.cfg.run.name, c.name))
+            if c.role.is_learner:
+                forget_dead_publisher(self.client, self.cfg.run.name)
+        c.start(again=True)
+        print(f"[launch] restarted {c.name} (restart {c.restarts.total})", flush=True)
+
+    @staticmethod
+    def _tail(c: Child) -> str:
+        return f"; last lines of {c.log_path}:\n{c.log_tail()}"
 
     def placement(self) -> dict[str, str]:
         return {}  # one machine: nothing to record

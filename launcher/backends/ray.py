@@ -7,9 +7,10 @@
   ``LOCAL_RANK`` (NCCL on GPU, gloo on CPU, as the learner chooses). No restarts: a lost rank ends the
   run, and ``--resume`` continues from the last checkpoint.
 - **Rollout servers**: one actor each (``cluster.server_cpus``, GPUs = tensor-parallel degree,
-  ``cluster.server_resources``), ``max_restarts = rollout.restart_limit``. When a server's process or
-  node dies, Ray restarts the actor where there is room and the launcher runs the server again under the
-  same consumer name, so the prompts the dead one held are re-delivered (docs/design.md §6.1).
+  ``cluster.server_resources``), restarted by Ray where there is room (``max_restarts=-1``) and counted
+  against the server restart policy (``launcher/supervision.py``): when a server's process or node dies,
+  also before it was ready, the launcher runs the server again under the same consumer name, so the
+  prompts the dead one held are re-delivered (docs/design.md §6.1).
 - **Nothing shared on disk**: every actor writes its own copy of the per-process config (0600) and its
   log under the run directory's path on its node.
 - **Checks before anything runs**: the plan must fit the cluster's resources (the shortfall is named);
@@ -38,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.backends import Outcome, StartError
 from launcher.plan import Role, RunPlan, server_tp
+from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, load_config
 from tandem.telemetry import ready_key
 
@@ -225,7 +227,7 @@ class RayBackend:
         for r in plan.servers:
             res = {"CPU": c.server_cpus, "GPU": r.gpus, **c.server_resources}
             blocks.append(
-                f"# {r.name}: actor {res}, max_restarts={r.restart_limit}; runs {r.module}.main({list(r.argv)})"
+                f"# {r.name}: actor {res}, restarts: {RestartPolicy.for_role(plan.cfg, r.name).describe()}; runs {r.module}.main({list(r.argv)})"
             )
         return blocks
 
@@ -267,9 +269,9 @@ class RayBackend:
                 num_cpus=c.server_cpus,
                 num_gpus=s.gpus,
                 resources=c.server_resources,
-                max_restarts=s.restart_limit,
+                max_restarts=-1,  # the server restart policy decides when to give up
             ).remote(s.name)
-            self.restarts[s.name] = 0
+            self.restarts[s.name] = Restarts(s.name, RestartPolicy.for_role(cfg, s.name))
         names = [f"learner/rank-{r}" for r in range(learner.processes)] + list(self.servers)
         actors = self.ranks + list(self.servers.values())
         try:
@@ -362,13 +364,6 @@ class RayBackend:
         done = set(done)
         return [n for n, r in self.refs.items() if r in done]
 
-    def exited_before_ready(self, name: str) -> str | None:
-        names = [n for n in self._finished() if n == name or (name == "learner" and n.startswith("learner/"))]
-        for n in names:
-            why = self._failure(n)
-            return f"{why or n + ' exited'} before it was ready"
-        return None
-
     def poll(self, stopping: bool) -> Outcome | None:
         finished = self._finished()
         ranks = [n for n in self.refs if n.startswith("learner/")]
@@ -386,11 +381,11 @@ class RayBackend:
             if stopping:
                 continue
             why = self._failure(name) or f"{name} exited"
-            self.restarts[name] += 1
-            limit = self.roles[name].restart_limit
-            if self.restarts[name] > limit:
-                return Outcome(False, f"{name} crashed {self.restarts[name]} times (limit {limit}): {why}")
-            log.warning("%s: %s; restart %d of %d", name, why, self.restarts[name], limit)
+            restarts = self.restarts[name]
+            if restarts.after_crash(time.monotonic()) is None:  # Ray restarts the actor: no extra wait
+                return Outcome(False, f"{restarts.refusal()}: {why}")
+            restarts.restarted(time.monotonic())
+            log.warning("%s: %s; restart %d (%s)", name, why, restarts.total, restarts.policy.describe())
             if not isinstance(self._error(name), RayActorError):
                 ray.kill(self.servers[name], no_restart=False)  # a fresh process, as after a crash
             self.client.delete(ready_key(self.cfg.run.name, name))

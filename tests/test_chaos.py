@@ -1,0 +1,37 @@
+"""The chaos test: one tiny run, >= 12 random ``kill -9`` of every role, finishing by itself (tests/chaos.py).
+
+Audited after launch.py exits on its own: 0 manual resumes, 0 trajectories trained twice (``trained.jsonl``
+against the final checkpoint), no version missing, no prompt lost. ``python -m tests.chaos --kills 24``
+is the longer version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.data import write_prompts
+from tandem.tasks import make_records
+from tests.chaos import ROLES, chaos_run
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_run_heals_itself_under_kill_9_of_every_role(tiny_ckpt, tmp_path: Path) -> None:
+    prompts = write_prompts(tmp_path / "echo.jsonl", make_records("echo", 200))
+    kills, steps = 12, 120
+    tally, output = chaos_run(
+        tiny_ckpt["actor"], tiny_ckpt["critic"], prompts, tmp_path / "runs", kills=kills, steps=steps,
+        seed=1, timeout_s=900,
+    )  # fmt: skip
+    print(f"\nchaos tally: {tally.line()}")
+    assert tally.returncode == 0, output[-4000:]
+    assert f"learner finished at step {steps}" in output
+    assert tally.total_kills >= kills and all(tally.kills[r] >= 1 for r in ROLES), tally.kills
+    assert tally.restarts["learner"] == tally.kills["learner"]  # every learner kill healed, none by hand
+    assert tally.restarts["redis"] == tally.kills["redis"]
+    assert tally.manual_resumes == 0
+    assert tally.missing_versions == 0 and tally.final_version == steps
+    assert tally.trained_twice == 0
+    assert tally.prompts_emitted > 0 and tally.prompts_lost == 0

@@ -1,0 +1,104 @@
+"""Supervision pieces on their own: the restart policy, bounded reconnects across a real Redis restart,
+and what the buffer does about acks and deliveries a Redis restart lost (docs/design.md §6.3, §6.6)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from buffer.redis_server import EmbeddedRedis
+from buffer.retry import BACKOFF_BASE_S, BACKOFF_CAP_S, Incarnation, connect, retries_for
+from buffer.schema import PromptRecord
+from buffer.streams import ReplayBuffer
+from launcher.supervision import RestartPolicy, Restarts
+from tests.test_buffer import traj
+
+
+def test_restart_policy_backs_off_and_stops_past_the_limit_within_the_window() -> None:
+    r = Restarts("server-0", RestartPolicy(limit=3, window_s=100.0, backoff_s=1.0, backoff_max_s=3.0))
+    delays = []
+    for t in (0.0, 10.0, 20.0):
+        delays.append(r.after_crash(t))
+        r.restarted(t)
+    assert delays == [1.0, 2.0, 3.0]  # doubling, capped
+    assert r.after_crash(30.0) is None  # a 4th crash within 100 s: over the limit
+    assert "server-0" in r.refusal() and "3 restarts within 100s" in r.refusal()
+    assert r.after_crash(105.0) == 3.0  # the crash at t=0 left the window: one restart allowed again
+    assert Restarts("redis", RestartPolicy(0, 10.0, 1.0, 1.0)).after_crash(0.0) is None  # limit 0: never
+
+
+def test_retries_for_covers_the_budget() -> None:
+    for budget in (0.5, 2.0, 60.0):
+        k = retries_for(budget)
+        slept = sum(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**i) for i in range(1, k + 1))
+        assert slept >= budget and slept - min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**k) < budget
+
+
+def test_a_client_rides_out_a_redis_kill_and_restart_and_a_dead_one_fails_in_bounded_time(tmp_path: Path):
+    server = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        client = connect(server.url, reconnect_s=30)
+        client.set("k", "v")
+        incarnation = Incarnation(client)
+        os.kill(server.pid, signal.SIGKILL)
+        server.proc.wait()
+        got = {}
+        reader = threading.Thread(target=lambda: got.update(v=client.get("k")))
+        reader.start()  # blocked in retries while Redis is down
+        time.sleep(1.0)
+        server.restart()  # same port and password; the AOF gives the key back
+        reader.join(timeout=30)
+        assert got == {"v": b"v"}
+        assert incarnation.changed() and not incarnation.changed()
+        os.kill(server.pid, signal.SIGKILL)
+        server.proc.wait()
+        start = time.monotonic()
+        with pytest.raises(redis.ConnectionError):
+            connect(server.url, reconnect_s=1.0).get("k")
+        assert time.monotonic() - start < 10  # bounded: about reconnect_s, not forever
+    finally:
+        if not server.alive:
+            server.restart()
+        server.stop()
+
+
+def test_an_ack_lost_by_a_redis_restart_is_never_handed_out_again(redis_client, run_id, monkeypatch) -> None:
+    learner = ReplayBuffer(redis_client, run_id, consumer="learner-0", claim_idle_ms=100)
+    ReplayBuffer(redis_client, run_id, consumer="server-0").put([traj(i) for i in range(4)])
+    taken = learner.take(4, timeout_s=2)
+    acked = [t.id for t in taken[:2]]
+    with monkeypatch.context() as m:  # the ack "ran", and a Redis restart lost it: still pending in Redis
+        m.setattr(learner._traj, "_ack", lambda ids: None)
+        learner.ack(acked)
+    time.sleep(0.3)  # idle past claim_idle_ms: XAUTOCLAIM would hand them out again
+    assert learner.take(4, timeout_s=0.5) == []  # neither the acked nor the 2 still held come back
+    assert learner.trajectories_pending() == 2  # and the acked ones were acked again on sight
+    assert learner.reack() == 2  # re-acking is idempotent
+
+
+def test_a_delivery_lost_by_a_redis_restart_does_not_hand_out_an_entry_twice(redis_client, run_id) -> None:
+    learner = ReplayBuffer(redis_client, run_id, consumer="learner-0")
+    ReplayBuffer(redis_client, run_id, consumer="server-0").put([traj(i) for i in range(3)])
+    held = learner.take(3, timeout_s=2)
+    # A restart that lost the deliveries: the group's cursor is back before them, so they read as new.
+    redis_client.xgroup_setid(f"{run_id}:traj", "learner", id="0")
+    assert learner.take(3, timeout_s=0.3) == []
+    learner.ack([t.id for t in held])
+    assert learner.trajectories_pending() == 0
+
+
+def test_the_feeder_position_and_its_prompts_move_together_once(redis_client, run_id) -> None:
+    buf = ReplayBuffer(redis_client, run_id, consumer="launch")
+    key = f"{run_id}:feeder"
+    prompts = [PromptRecord(f"p{i}", "q", [1]) for i in range(3)]
+    assert buf.feed_prompts(prompts, position_key=key, at=(0, 0), to=(0, 3)) == 3
+    # A retry of the same call (its reply lost to a Redis crash) appends nothing twice.
+    assert buf.feed_prompts(prompts, position_key=key, at=(0, 0), to=(0, 3)) == -1
+    assert buf.prompts_pending() == 3
+    assert redis_client.hmget(key, "epoch", "index") == [b"0", b"3"]
