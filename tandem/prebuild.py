@@ -1,39 +1,85 @@
-"""DeepSpeed's CPU ops: built once at install time, and kept loadable.
+"""DeepSpeed's CPU ops: built once at install time, and loaded so that a killed loader never blocks the next.
 
 ``main`` builds them at install time, so the first learner start (and the first test) does not spend a
 minute compiling. A no-op where CUDA is present or the build is already cached.
 
-:func:`prepare_extensions` runs before any process loads them. DeepSpeed loads its shared-memory
-collective op at every CPU backend start, and torch's loader takes a lock file for the duration; a
-process killed at that moment (``kill -9``, a test timeout) leaves the file behind, and every later learner
-then waits on it forever. So the build lives in this environment's own directory (not a ``~/.cache``
-shared by every checkout), and a lock older than any build could take is removed as stale.
+:func:`prepare_extensions` loads them before DeepSpeed asks for them. torch's extension loader guards every
+load, cached or not, with a lock *file* (``<op>/lock``) that it deletes when done; a process killed while
+holding it (``kill -9``, which the chaos test does to learners as they start) leaves the file behind, and
+every later loader waits on it forever. So tandem's loads take a kernel lock first (``flock``, released
+when its holder dies, however it dies): holding it, any torch lock file left in the directory belongs to a
+dead process and is removed. DeepSpeed then finds the op already loaded in this process. The build lives
+in this environment's own directory, not a ``~/.cache`` shared with other checkouts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-STALE_LOCK_S = 600.0  # the slowest build seen here took ~60 s; a lock this old has no live holder
+LOAD_TIMEOUT_S = 900.0  # another process's first build takes ~60 s here, far longer on a loaded machine
+CPU_OPS = ("ShareMemCommBuilder",)  # the learner passes torch.optim.AdamW: no fused-Adam build
 
 
-def prepare_extensions(stale_after_s: float = STALE_LOCK_S) -> Path:
-    """Point torch's extension builds at this environment and clear stale locks; returns the directory."""
-    root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")))
-    now = time.time()
-    for lock in root.glob("*/*/lock") if root.is_dir() else ():
+class ExtensionLockTimeout(TimeoutError):
+    """Another live process held the extension lock for longer than the wait allows."""
+
+
+def extensions_dir() -> Path:
+    return Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")))
+
+
+@contextlib.contextmanager
+def load_lock(root: Path, timeout_s: float = LOAD_TIMEOUT_S) -> Iterator[None]:
+    """Hold the directory's kernel lock; inside it, torch's lock files are all left by dead processes."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "tandem-load.lock", "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ExtensionLockTimeout(
+                        f"{root}: another process has been building or loading DeepSpeed's CPU ops for "
+                        f"over {timeout_s:.0f} s; see `lsof {root / 'tandem-load.lock'}`"
+                    ) from None
+                time.sleep(0.2)
         try:
-            age = now - lock.stat().st_mtime
-            if age > stale_after_s:
-                lock.unlink()
-                log.warning("removed a stale build lock %s (%.0f s old; its holder died)", lock, age)
-        except FileNotFoundError:  # released meanwhile
-            pass
+            for lock in root.glob("*/*/lock"):
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
+                    log.warning("removed %s, left by a process killed while it loaded the op", lock)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def load_cpu_ops() -> None:
+    """Build (once) and load DeepSpeed's CPU ops into this process; later ``load()`` calls hit its cache."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops import __compatible_ops__ as compatible
+
+    for name in CPU_OPS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and compatible.get(builder.NAME, False):
+            builder.load(verbose=False)
+
+
+def prepare_extensions(load: bool = True, timeout_s: float = LOAD_TIMEOUT_S) -> Path:
+    """Point torch's extension builds at this environment and load the CPU ops under the kernel lock."""
+    root = extensions_dir()
+    with load_lock(root, timeout_s):
+        if load:
+            load_cpu_ops()
     return root
 
 
@@ -42,15 +88,8 @@ def main() -> None:
 
     if torch.cuda.is_available():
         return
-    prepare_extensions()
     t0 = time.monotonic()
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops import __compatible_ops__ as compatible
-
-    for name in ("ShareMemCommBuilder",):  # the learner passes torch.optim.AdamW: no fused-Adam build
-        builder = get_accelerator().create_op_builder(name)
-        if builder is not None and compatible.get(builder.NAME, False):
-            builder.load(verbose=False)
+    prepare_extensions()
     print(f"[tandem] DeepSpeed CPU ops ready ({time.monotonic() - t0:.0f}s)")
 
 

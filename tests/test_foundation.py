@@ -168,21 +168,38 @@ def test_demo_assets_are_built_when_missing(tmp_path: Path) -> None:
     assert (tmp_path / "assets/echo.jsonl").stat().st_mtime_ns == before
 
 
-def test_a_stale_extension_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path, monkeypatch) -> None:
-    import os
-    import time
+def test_a_lock_file_left_by_a_killed_loader_is_removed_and_a_live_loader_is_waited_for(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import subprocess
+    import sys
 
-    from tandem.prebuild import prepare_extensions
+    from tandem.prebuild import ExtensionLockTimeout, prepare_extensions
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    stale, live = tmp_path / "py311_cpu/old_op/lock", tmp_path / "py311_cpu/building_op/lock"
-    for lock in (stale, live):
-        lock.parent.mkdir(parents=True)
-        lock.touch()
-    hour_ago = time.time() - 3600
-    os.utime(stale, (hour_ago, hour_ago))  # left by a process killed while it held the lock
-    assert prepare_extensions() == tmp_path
-    assert not stale.exists() and live.exists()
+    left = tmp_path / "py311_cpu/deepspeed_shm_comm/lock"  # torch's lock file, its holder killed
+    left.parent.mkdir(parents=True)
+    left.touch()  # seconds old: no age rule could tell it from a live one
+    assert prepare_extensions(load=False) == tmp_path
+    assert not left.exists()
+
+    # A live loader holds the kernel lock: its lock file stays and the wait ends in a named error.
+    left.touch()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl,sys,time; f=open(sys.argv[1],'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(tmp_path / "tandem-load.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ExtensionLockTimeout, match="building or loading DeepSpeed's CPU ops"):
+            prepare_extensions(load=False, timeout_s=0.5)
+        assert left.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert prepare_extensions(load=False) == tmp_path  # the kernel released the killed holder's lock
+    assert not left.exists()
 
 
 def test_extensions_build_in_this_environment_by_default(monkeypatch) -> None:
@@ -191,4 +208,4 @@ def test_extensions_build_in_this_environment_by_default(monkeypatch) -> None:
     from tandem.prebuild import prepare_extensions
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    assert prepare_extensions() == Path(sys.prefix) / "torch_extensions"
+    assert prepare_extensions(load=False) == Path(sys.prefix) / "torch_extensions"
