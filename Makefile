@@ -44,19 +44,23 @@ demo: $(STAMP) $(ASSETS)
 	$(PY) launch.py configs/tiny.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not ray and not stages"
+	$(PY) -m pytest -m "not ray and not stages and not presets"
 
 # The slower tiers, each its own target (.ci/run runs them after `make test`):
 # multi-node runs and fault tests on a local Ray cluster,
 test-ray: $(STAMP)
 	$(PY) -m pytest -m ray
 
+# every shipped config through launch.py at tiny scale,
+test-presets: $(STAMP)
+	$(PY) -m pytest -m presets
+
 # and the SFT -> RM -> PPO pipeline end to end.
 test-stages: $(STAMP) $(ASSETS)
 	$(PY) -m pytest -m stages
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow and not ray and not stages"
+	$(PY) -m pytest -m "not slow and not ray and not stages and not presets"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -24,7 +24,7 @@ from tandem.tasks import TASKS, make_records
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 STEPS = 3
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.presets]  # make test-presets
 
 
 OFFLINE = {"sft": "write_demonstrations", "rm": "write_preferences", "dpo": "write_preferences"}
