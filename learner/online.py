@@ -40,7 +40,7 @@ import torch.distributed as dist
 import weightsync
 from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer, Taken
-from learner import checkpoint, lora
+from learner import acked_ranges, checkpoint, lora
 from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
 from learner.models import Models
 from learner.runtime import Runtime
@@ -63,6 +63,7 @@ class OnlineRuntime(Runtime):
     ) -> None:
         super().__init__(cfg, run_dir, resume=resume, layout=layout)
         self.pending: list[str] = []  # trained on, not yet in a committed checkpoint, so not acked
+        self.acked: list[acked_ranges.Range] = []  # every id trained into the checkpoint lineage
         self.acked_through = 0  # trajectories (counted over versions) whose ids are acked
         self.client: redis.Redis | None = None
         self.buffer: ReplayBuffer | None = None
@@ -93,8 +94,9 @@ class OnlineRuntime(Runtime):
         if state is not None:
             self.version = self.checkpointed_version = state.version
             self.acked_through = self.version * self.cfg.algorithm.batch_size
+            self.acked = state.acked
             if self.lead:  # their update is in the checkpoint: never train on them again
-                self.buffer.ack(state.trained_ids)
+                self.reack_lineage()
                 a = self.cfg.algorithm
                 self.buffer.recount_admission(
                     self.version, batch_size=a.batch_size, n_samples=self.cfg.rollout.n_samples
@@ -212,9 +214,25 @@ class OnlineRuntime(Runtime):
         if (interval and self.version % interval == 0) or crowded:
             self.save_checkpoint()
 
+    def reack_lineage(self) -> int:
+        """Ack every id trained into the checkpoint lineage: Redis may have lost acks of *any* checkpoint
+        (its last second of AOF, an older AOF restored), not only of the latest (docs/design.md §6.6)."""
+        ranges = acked_ranges.to_json(self.acked)
+        touched = self.buffer.ack_ranges(ranges)
+        log.info("re-acked the lineage: %d range(s), %d id(s) still in Redis", len(ranges), touched)
+        return touched
+
     def save_checkpoint(self) -> None:
+        if self.lead and self.pending:
+            # Ranges may join across any gap except an entry still waiting to be trained (a barrier).
+            ids = [acked_ranges.parse(i) for i in self.pending]
+            top = max([*ids, *(hi for _, hi in self.acked)])
+            waiting = self.buffer.trajectory_ids(acked_ranges.fmt(top))
+            self.acked = acked_ranges.merge(self.acked, ids, map(acked_ranges.parse, waiting))
         checkpoint.save(
-            self.ckpt_dir, self.engines(), checkpoint.LearnerState(self.version, list(self.pending))
+            self.ckpt_dir,
+            self.engines(),
+            checkpoint.LearnerState(self.version, list(self.pending), acked=self.acked),
         )
         if self.lead:
             self.buffer.ack(self.pending)
