@@ -235,6 +235,20 @@ class _GroupStream(Generic[R]):
         if ids:
             self.client.xclaim(self.key, self.group, self.consumer, 0, list(ids), justid=True)
 
+    def hand_back(self) -> int:
+        """Mark every entry this consumer holds as idle past ``claim_idle_ms`` (XCLAIM ... IDLE), so the
+        next XAUTOCLAIM of any other consumer takes it at once; returns how many. For a graceful leave."""
+        held = self._with_group(
+            self.client.xpending_range, self.key, self.group, "-", "+", 10_000, self.consumer
+        )
+        ids = [_str(p["message_id"]) for p in held]
+        if ids:
+            self.client.xclaim(
+                self.key, self.group, self.consumer, 0, ids, idle=self.claim_idle_ms, justid=True
+            )
+        self._outstanding.difference_update(ids)
+        return len(ids)
+
     def ack(self, ids: Sequence[str]) -> None:
         if not ids:
             return
@@ -574,6 +588,11 @@ class ReplayBuffer:
     def keep_prompts(self, ids: Sequence[str]) -> None:
         """Heartbeat of a server still generating for these prompts: they stay its own (not reclaimed)."""
         self._prompts.keep_claimed(ids)
+
+    def return_prompts(self) -> int:
+        """A server leaving gracefully hands back the prompts it holds: another server claims them at once
+        (with the admission they carry) instead of after ``claim_idle_ms``. Returns how many."""
+        return self._prompts.hand_back()
 
     @property
     def claim_idle_ms(self) -> int:

@@ -44,8 +44,10 @@ from learner import acked_ranges, checkpoint, lora
 from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
 from learner.models import Models
 from learner.runtime import Runtime
+from tandem import fleet
 from tandem.config import Config, redact
 from tandem.telemetry import Telemetry
+from weightsync.source import is_zero3, unwrap
 
 log = logging.getLogger("learner")
 
@@ -153,6 +155,7 @@ class OnlineRuntime(Runtime):
         while len(taken) < need:
             if self.stop_requested():
                 return None
+            self.serve_joiners()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
@@ -189,6 +192,23 @@ class OnlineRuntime(Runtime):
             self.sync_bytes = counted.bytes
         if self.lead:
             self.buffer.set_version(self.version)
+
+    def serve_joiners(self) -> None:
+        """Publish the current weights again when a server that holds none waits for them (a ``dist``
+        joiner, docs/design.md §5.7), so it generates at the current version rather than the next one.
+
+        Rank 0 alone, between steps and while waiting for data; not under ZeRO-3 with several ranks, where
+        gathering the weights is a collective (such a joiner receives the next publish)."""
+        waiting = getattr(self.publisher, "joiners_waiting", None)
+        if waiting is None or not waiting():
+            return
+        if self.world > 1 and is_zero3(unwrap(self.models.actor)):
+            return
+        try:
+            self.publisher.publish(self.published_tensors(), self.version)
+            log.info("weights v%d published again for a joining server", self.version)
+        except weightsync.WeightSyncError as e:
+            log.warning("weights v%d did not reach a joining server: %s", self.version, e)
 
     def published_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The actor's full weights, or for a LoRA actor its adapters (or merged weights), by HF name."""
@@ -250,9 +270,12 @@ class OnlineRuntime(Runtime):
     # ------------------------------------------------------------------------------------------- helpers
 
     def buffer_metrics(self) -> dict[str, float]:
+        """Buffer gauges, and ``fleet/servers``: rollout servers connected now (the summary's fleet size)."""
         if self.buffer is None:
             return {}
-        return {k: v for k, v in self.buffer.metrics().items() if k.startswith("buffer/")}
+        out = {k: v for k, v in self.buffer.metrics().items() if k.startswith("buffer/")}
+        out["fleet/servers"] = float(len(fleet.members(self.client, self.cfg.run.name)))
+        return out
 
     def close(self) -> None:
         self.restore_signal_handlers()
