@@ -238,6 +238,7 @@ class DistPublisher:
             )
 
     def _await_joiners(self, rnd: list[int], expected: list[str]) -> list[str]:
+        """Who joined round ``rnd``; drops from ``expected`` (in place) the subscribers that left meanwhile."""
         key = weights_key(self.run, "join", *rnd)
         joined: list[str] = []
         deadline = time.monotonic() + self.timeout_s
@@ -245,6 +246,9 @@ class DistPublisher:
             item = self.client.blpop([key], timeout=min(left, 1.0))
             if item is not None and item[1].decode() not in joined:
                 joined.append(item[1].decode())
+            elif item is None:  # a server that left cleanly meanwhile deregistered: stop waiting for it
+                live = self.registry.live()
+                expected[:] = [e for e in expected if e in live or e in joined]
         while (item := self.client.lpop(key)) is not None:  # those who joined meanwhile come along
             if item.decode() not in joined:
                 joined.append(item.decode())
