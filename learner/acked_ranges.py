@@ -47,11 +47,10 @@ def merge(ranges: Iterable[Range], ids: Iterable[StreamId], barriers: Iterable[S
             unioned[-1][1] = max(unioned[-1][1], hi)
         else:
             unioned.append([lo, hi])
-    covered = [(lo, hi) for lo, hi in unioned]
-    walls = sorted(b for b in set(barriers) if not contains(covered, b))
+    walls = sorted(set(barriers))  # one inside a range never lies *between* two: no filter needed
     out: list[Range] = []
-    for lo, hi in covered:
-        # Join with the previous range unless a barrier lies between its end and this start.
+    for lo, hi in unioned:
+        # Join with the previous range unless a barrier lies strictly between its end and this start.
         if out and bisect_right(walls, out[-1][1]) == bisect_left(walls, lo):
             out[-1] = (out[-1][0], hi)
         else:
