@@ -115,6 +115,37 @@ def test_a_leaving_server_hands_back_its_prompts_at_once(redis_client, run_id) -
     assert [p.id for p in back] == ids[:2] and all(p.redelivered for p in back)  # with their admission
 
 
+def test_attach_refuses_what_it_cannot_join(redis_server, redis_client, run_id, tiny_ckpt, tmp_path, capsys):
+    import launch
+    from launcher.attach import attach as attach_run
+    from tandem.config import dump_config
+    from tandem.telemetry import ready_key, stop_key
+
+    cfg = make_cfg(run_id, tiny_ckpt["actor"])
+    assert launch.main(["--servers", "+2"]) == 2
+    assert "--attach RUN_DIR and --servers +K go together" in capsys.readouterr().err
+    assert launch.main(["--attach", str(tmp_path), "--servers", "+2"]) == 2  # no config.yaml there
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    assert launch.main(["--attach", str(tmp_path), "--servers", "+0"]) == 2
+    assert "--servers: want +K with K >= 1" in capsys.readouterr().err
+
+    dead = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"url": "redis://:pw@127.0.0.1:1/0"})})
+    (tmp_path / "config.yaml").write_text(dump_config(dead))
+    assert attach_run(tmp_path, 1) == 1
+    out = capsys.readouterr().out
+    assert "does not answer" in out and "pw" not in out  # the password is never printed
+
+    live = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"url": redis_server.url})})
+    (tmp_path / "config.yaml").write_text(dump_config(live))
+    assert attach_run(tmp_path, 1) == 1
+    assert "has no ready learner" in capsys.readouterr().out
+    redis_client.set(ready_key(run_id, "learner"), "{}")
+    redis_client.set(stop_key(run_id), 1)
+    assert attach_run(tmp_path, 1) == 1
+    assert "is stopping" in capsys.readouterr().out
+    assert not (tmp_path / "logs").exists()  # no server was started
+
+
 def child_pids(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
