@@ -20,6 +20,8 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
 - **What is published**: the actor's full weights; for a LoRA actor only its adapter tensors
   (``learner.lora.sync: adapter``, applied by the hf engine, ``weightsync/adapters.py``) or its merged
   weights. ``weightsync/bytes`` logs the size of each sync.
+- **Joiners** (docs/design.md §5.7): before each take from the buffer, rank 0 publishes its current weights
+  again when a ``dist`` server that holds none asks for them, so a joiner starts at the current version.
 - **Audit trail**: rank 0 appends ``{"version", "ids"}`` per step to ``<run dir>/trained.jsonl``; after a
   resume the last line of each version is the one the surviving model contains.
 """
