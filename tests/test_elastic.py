@@ -85,6 +85,64 @@ def test_dist_joiner_gets_the_current_version_at_once(
         assert_bit_identical(load_file(f), weights(int(f.stem.split("-v")[1])), ordered=False)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_learner_waiting_for_data_serves_a_dist_joiner(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path
+):
+    """The learner has published v0 to nobody and waits for data; a dist server joining now must get v0
+    without a new version being published (none can be: there is no data until the joiner makes some)."""
+    import threading
+
+    from learner.ppo import PPOLearner
+    from tandem.config import load_config
+    from tandem.telemetry import ready_key
+    from tests.test_learner import group, raw_config
+
+    raw = raw_config(
+        tiny_ckpt, redis_server.url, run_id, tmp_path,
+        learner={"total_steps": 1, "save_hf_final": False},
+        weightsync={"transport": "dist", "timeout_s": 20},
+    )  # fmt: skip
+    cfg = load_config(None, raw=raw)
+    out = tmp_path / "received"
+    out.mkdir()
+    errors: list[BaseException] = []
+
+    def join_then_feed() -> None:
+        proc = None
+        try:
+            deadline = time.monotonic() + 200
+            while not redis_client.exists(ready_key(run_id, "learner")):
+                assert time.monotonic() < deadline, "learner not ready"
+                time.sleep(0.1)
+            proc = SPAWN.Process(
+                target=_subscriber_main,
+                args=(redis_server.url, cfg.model_dump(), "server-7", str(out)),
+                daemon=True,
+            )
+            proc.start()
+            _await(
+                lambda: (out / "server-7-v0.safetensors").exists(),
+                "the joiner to receive v0",
+                {"s": proc},
+                90,
+            )
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            ReplayBuffer.from_config(redis_client, cfg, "test-producer").put(group(0, 4) + group(1, 4))
+            if proc is not None:
+                redis_client.set(f"{run_id}:test:server-7", "stop")
+                proc.join(timeout=30)
+
+    feeder = threading.Thread(target=join_then_feed, daemon=True)
+    feeder.start()
+    PPOLearner(cfg, tmp_path / "run").run()
+    feeder.join(timeout=60)
+    assert not errors, errors  # the joiner received v0 while the learner waited for data
+
+
 def test_fleet_counts_beats_and_hands_out_fresh_ids(redis_client, run_id) -> None:
     fleet.beat(redis_client, run_id, "server-0")
     fleet.beat(redis_client, run_id, "server-3")
