@@ -2,6 +2,7 @@
 
     python launch.py configs/tiny.yaml [key.sub=value ...] [--mode sync|async] [--dry-run]
     python launch.py --resume runs/tiny-20261122-101500
+    python launch.py --attach runs/tiny-20261122-101500 --servers +2   # grow a running run's fleet
     python launch.py configs/tiny.yaml --ray [auto|local|ADDRESS]     # on a Ray cluster
     python launch.py pipeline configs/pipeline-tiny.yaml               # SFT -> RM -> PPO (learner/pipeline.py)
 
@@ -9,6 +10,9 @@ A thin command line over the ``launcher`` package (docs/design.md §1.5): valida
 prompts, pick a backend (``local`` subprocesses by default; ``--ray`` or ``--backend NAME``), and run.
 ``local`` needs no Ray: nothing here imports it unless asked. ``--ray`` runs the learner's ranks in one
 placement group and the servers as restartable actors (docs/design.md §1.7, docs/ray.md).
+
+``--attach RUN_DIR --servers +K`` starts K more rollout servers against a running run, under the same
+restart policy, until the run ends (``launcher/attach.py``, docs/design.md §1.8).
 
 ``--mode sync`` runs the same components in lock-step: ``Config.max_staleness`` is 0, so admission
 lets the servers generate exactly one batch per learner version (generate with v, train, publish v+1).
@@ -39,6 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--resume", type=Path, metavar="RUN_DIR", help="continue a run from its directory and checkpoints"
     )
+    ap.add_argument(
+        "--attach", type=Path, metavar="RUN_DIR", help="add rollout servers to a running run (with --servers)"
+    )
+    ap.add_argument("--servers", metavar="+K", help="--attach: how many servers to add, e.g. +2")
     ap.add_argument(
         "--dry-run", action="store_true", help="print the commands and per-process config, start nothing"
     )
@@ -74,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return pipeline(argv[1:])
     args = parse_args(argv)
     setup_logging()
+    if args.attach or args.servers:
+        return attach_main(args)
     overrides = list(args.overrides) + ([f"run.mode={args.mode}"] if args.mode else [])
     try:
         if args.resume:
@@ -105,6 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         console_enabled=cfg.logging.console and not args.no_console,
     )
+
+
+def attach_main(args: argparse.Namespace) -> int:
+    from launcher.attach import attach, parse_count
+
+    try:
+        if not (args.attach and args.servers) or args.config or args.resume:
+            raise ConfigError("--attach RUN_DIR and --servers +K go together, without a config or --resume")
+        if not (args.attach / "config.yaml").is_file():
+            raise ConfigError(f"--attach: {args.attach / 'config.yaml'} not found (not a run directory?)")
+        return attach(args.attach, parse_count(args.servers))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -111,6 +111,28 @@ return {1, redis.call('INCRBY', KEYS[1], n), bound}
 """
 
 
+# KEYS[1] stream; ARGV: group, lo, hi, count. XACK + XDEL up to count entries, and pending ids of deleted
+# entries, in [lo, hi]; returns how many ids it touched (0: nothing left in the range).
+_ACK_RANGE_LUA = """
+local ids = {}
+for _, e in ipairs(redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[3], 'COUNT', ARGV[4])) do ids[#ids + 1] = e[1] end
+for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])) do ids[#ids + 1] = p[1] end
+if #ids == 0 then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
+redis.call('XDEL', KEYS[1], unpack(ids))
+return #ids
+"""
+
+# KEYS[1] stream; ARGV: start, end, count. The ids (no payloads) of up to count entries in [start, end].
+_IDS_LUA = """
+local ids = {}
+for _, e in ipairs(redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', ARGV[3])) do ids[#ids + 1] = e[1] end
+return ids
+"""
+
+ID_PAGE = 1_000  # ids per script call: keeps each call short and under Lua's unpack limit
+
+
 @dataclass
 class Taken:
     """A trajectory taken from the stream, with the id to ack once the optimizer step that used it is done."""
@@ -172,6 +194,8 @@ class _GroupStream(Generic[R]):
         self.decode, self.claim_idle_ms, self.max_bytes = decode, claim_idle_ms, max_bytes
         self.counts_key, self.block_cap_ms = counts_key, block_cap_ms
         self._put = client.register_script(_PUT_LUA)
+        self._ack_range = client.register_script(_ACK_RANGE_LUA)
+        self._ids = client.register_script(_IDS_LUA)
         self._group_ready = False
         self._outstanding: set[str] = set()  # handed out by this instance, not yet acked
         # Acked by this instance lately: a Redis restart may have lost the ack (docs/design.md §6.6).
@@ -226,6 +250,20 @@ class _GroupStream(Generic[R]):
         if ids:
             self.client.xclaim(self.key, self.group, self.consumer, 0, list(ids), justid=True)
 
+    def hand_back(self) -> int:
+        """Mark every entry this consumer holds as idle past ``claim_idle_ms`` (XCLAIM ... IDLE), so the
+        next XAUTOCLAIM of any other consumer takes it at once; returns how many. For a graceful leave."""
+        held = self._with_group(
+            self.client.xpending_range, self.key, self.group, "-", "+", 10_000, self.consumer
+        )
+        ids = [_str(p["message_id"]) for p in held]
+        if ids:
+            self.client.xclaim(
+                self.key, self.group, self.consumer, 0, ids, idle=self.claim_idle_ms, justid=True
+            )
+        self._outstanding.difference_update(ids)
+        return len(ids)
+
     def ack(self, ids: Sequence[str]) -> None:
         if not ids:
             return
@@ -250,6 +288,25 @@ class _GroupStream(Generic[R]):
         for start in range(0, len(ids), 1000):
             self._ack(ids[start : start + 1000])
         return len(ids)
+
+    def ack_range(self, lo: str, hi: str) -> int:
+        """XACK + XDEL every entry, and every pending id, from ``lo`` to ``hi``; how many ids it touched.
+
+        Idempotent and cheap where nothing is left: acking an id no longer pending costs nothing."""
+        touched = 0
+        args = [self.group, lo, hi, ID_PAGE]
+        while n := int(self._with_group(lambda: self._ack_range(keys=[self.key], args=args))):
+            touched += n
+        return touched
+
+    def entry_ids(self, upto: str) -> list[str]:
+        """Ids of the entries present (undelivered or pending) at or below ``upto``, without payloads."""
+        out: list[str] = []
+        start = "-"
+        while page := [_str(i) for i in self._ids(keys=[self.key], args=[start, upto, ID_PAGE])]:
+            out += page
+            start = "(" + page[-1]  # exclusive: after the last one seen
+        return out
 
     # -------------------------------------------------------------------------------------- reading
 
@@ -540,6 +597,15 @@ class ReplayBuffer:
         """Acknowledge (and delete) trajectories whose optimizer step is done. Idempotent."""
         self._traj.ack(ids)
 
+    def ack_ranges(self, ranges: Sequence[tuple[str, str]]) -> int:
+        """Acknowledge (and delete) every trajectory id in the inclusive ``(lo, hi)`` ranges: the replay of
+        a checkpoint lineage's acks (``learner/acked_ranges.py``). Idempotent; returns the ids touched."""
+        return sum(self._traj.ack_range(lo, hi) for lo, hi in ranges)
+
+    def trajectory_ids(self, upto: str) -> list[str]:
+        """Ids of the trajectories in the stream (undelivered or pending) at or below ``upto``."""
+        return self._traj.entry_ids(upto)
+
     def trim(self) -> int:
         """Compact both streams: drop entries before the oldest one a group still needs. Returns how many."""
         return self._traj.trim() + self._prompts.trim()
@@ -570,6 +636,11 @@ class ReplayBuffer:
     def keep_prompts(self, ids: Sequence[str]) -> None:
         """Heartbeat of a server still generating for these prompts: they stay its own (not reclaimed)."""
         self._prompts.keep_claimed(ids)
+
+    def return_prompts(self) -> int:
+        """A server leaving gracefully hands back the prompts it holds: another server claims them at once
+        (with the admission they carry) instead of after ``claim_idle_ms``. Returns how many."""
+        return self._prompts.hand_back()
 
     @property
     def claim_idle_ms(self) -> int:

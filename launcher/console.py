@@ -9,6 +9,7 @@ from pathlib import Path
 
 import redis
 
+from tandem import fleet
 from tandem.config import Config
 from tandem.telemetry import history_key, stats_key
 
@@ -52,12 +53,14 @@ def _read_stats(client: redis.Redis, run: str, proc: str) -> dict[str, float]:
 def status_line(client: redis.Redis, cfg: Config) -> tuple[int, str]:
     """The learner's step and one line of its latest reward, staleness and throughput."""
     learner = _read_stats(client, cfg.run.name, "learner")
-    servers = [_read_stats(client, cfg.run.name, f"server-{i}") for i in range(cfg.rollout.num_servers)]
+    names = fleet.members(client, cfg.run.name)  # joiners included, servers that left not
+    servers = [_read_stats(client, cfg.run.name, name) for name in names]
     gen = sum(s.get("rollout/tokens_per_s", 0.0) for s in servers)
     step = int(learner.get("learner/version", 0))
     stats = (
         f"reward {learner.get('reward/mean', float('nan')):.3f} | staleness {learner.get('staleness/mean', 0.0):.2f}"
         f" | gen {gen:,.0f} tok/s | train {learner.get('throughput/train_tokens_per_s', 0.0):,.0f} tok/s"
+        f" | servers {len(names)}"
     )
     return step, stats
 
@@ -66,8 +69,10 @@ def summarize(
     cfg: Config, client: redis.Redis, run_dir: Path, placement: dict[str, str] | None = None
 ) -> dict:
     """Reward curve summary from the learner's history, a PNG plot, where each process ran, and where
-    everything lives. Writes ``summary.json``."""
-    for proc in ["learner"] + [f"server-{i}" for i in range(cfg.rollout.num_servers)]:
+    everything lives, and the fleet size over time. Writes ``summary.json``."""
+    launched = {f"server-{i}" for i in range(cfg.rollout.num_servers)}
+    servers = sorted(launched | set(fleet.seen(client, cfg.run.name)), key=lambda s: int(s.split("-")[1]))
+    for proc in ["learner", *servers]:
         raw = client.lrange(history_key(cfg.run.name, proc), 0, -1)
         (run_dir / f"{proc}_history.jsonl").write_text("".join(r.decode() + "\n" for r in raw))
     if placement:
@@ -91,6 +96,12 @@ def summarize(
     }
     if placement:
         summary["placement"] = placement
+    if changes := fleet_changes(rows):
+        summary["fleet"] = changes
+        print(
+            "[launch] fleet (servers): "
+            + "  ".join(f"{c['servers']} from step {c['step']} ({c['time_s']:.0f}s)" for c in changes)
+        )
     print(
         f"[launch] reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} over {len(rows)} steps ({summary['wall_s']:.0f}s)"
     )
@@ -132,6 +143,22 @@ def summarize(
         )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def fleet_changes(rows: list[dict]) -> list[dict]:
+    """Fleet size over time from the learner's rows (``fleet/servers``): one entry per change."""
+    out: list[dict] = []
+    t0 = rows[0]["time"] if rows else 0.0
+    for r in rows:
+        if "fleet/servers" in r and (not out or out[-1]["servers"] != int(r["fleet/servers"])):
+            out.append(
+                {
+                    "step": int(r["step"]),
+                    "time_s": round(r["time"] - t0, 1),
+                    "servers": int(r["fleet/servers"]),
+                }
+            )
+    return out
 
 
 def eval_history(client: redis.Redis, run: str) -> list[dict]:

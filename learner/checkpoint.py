@@ -19,6 +19,10 @@ committed, and only then acks them. After a crash at any point:
 - ids of the committed checkpoint may or may not have been acked before the crash (the crash can fall
   between commit and ack); the checkpoint records them and resume acks them (XACK is idempotent) before
   taking anything, so they are never trained on twice.
+- acks of *older* checkpoints can be lost too, when Redis itself loses its last writes (``appendfsync
+  everysec``, a host crash, an older AOF restored). So each checkpoint also carries ``acked``: ranges
+  covering every id trained into the whole lineage up to it (``learner/acked_ranges.py``), and resume
+  re-acks all of them (docs/design.md §6.7).
 
 Because ack deletes, pending ids occupy the stream; the learner checkpoints early whenever they would
 fill half of ``redis.stream_maxlen`` (so ``checkpoint_interval: 0`` cannot stall producers). While they
@@ -41,6 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from learner.acked_ranges import Range, from_json, merge, parse, to_json
+
 LATEST = "latest.json"
 
 
@@ -49,6 +55,8 @@ class LearnerState:
     version: int
     trained_ids: list[str]  # stream ids whose update this checkpoint contains and that may be unacked
     extra: dict[str, Any] = field(default_factory=dict)  # recipe state (JSON-able)
+    # Every id trained into this checkpoint's lineage, as inclusive ranges (learner/acked_ranges.py).
+    acked: list[Range] = field(default_factory=list)
 
 
 def _tag(version: int) -> str:
@@ -126,7 +134,12 @@ def save(ckpt_dir: Path, engines: dict[str, Any], state: LearnerState, *, keep: 
     state_dir.mkdir(parents=True, exist_ok=True)
     _write_json(state_dir / f"rng_rank{rank}.json", rng_state())
     if rank == 0:
-        learner = {"version": state.version, "trained_ids": state.trained_ids, "extra": state.extra}
+        learner = {
+            "version": state.version,
+            "trained_ids": state.trained_ids,
+            "acked": to_json(state.acked),
+            "extra": state.extra,
+        }
         _write_json(state_dir / "learner.json", learner)
     if node_lead:
         for sub in [*engines, "state"]:
@@ -178,8 +191,12 @@ def load(ckpt_dir: Path, engines: dict[str, Any]) -> LearnerState | None:
     if rng_file.exists():  # absent when resuming with more ranks than the checkpoint had
         set_rng_state(json.loads(rng_file.read_text()))
     learner = json.loads((state_dir / "learner.json").read_text())
+    trained_ids = list(learner["trained_ids"])
+    # A checkpoint written before the lineage was recorded covers its own ids only.
+    acked = from_json(learner["acked"]) if "acked" in learner else merge([], map(parse, trained_ids))
     return LearnerState(
         version=int(learner["version"]),
-        trained_ids=list(learner["trained_ids"]),
+        trained_ids=trained_ids,
         extra=learner.get("extra") or {},
+        acked=acked,
     )

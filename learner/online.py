@@ -24,6 +24,8 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
   (``buffer/retry.py``); before each take, rank 0 checks whether Redis was restarted and if so repairs
   what the lost tail of its append-only file can hold: it re-acks what it acked lately, re-sets the version
   and recounts admission.
+- **Joiners** (docs/design.md §5.7): before each take from the buffer, rank 0 publishes its current weights
+  again when a ``dist`` server that holds none asks for them, so a joiner starts at the current version.
 - **Audit trail**: rank 0 appends ``{"version", "ids", "prompts"}`` per step to ``<run dir>/trained.jsonl``; after a
   resume the last line of each version is the one the surviving model contains.
 """
@@ -46,12 +48,14 @@ from buffer.retry import Incarnation
 from buffer.retry import connect as connect_redis
 from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer, Taken
-from learner import checkpoint, lora
+from learner import acked_ranges, checkpoint, lora
 from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
 from learner.models import Models
 from learner.runtime import Runtime
+from tandem import fleet
 from tandem.config import Config, redact
 from tandem.telemetry import Telemetry
+from weightsync.source import is_zero3, unwrap
 
 log = logging.getLogger("learner")
 
@@ -69,6 +73,7 @@ class OnlineRuntime(Runtime):
     ) -> None:
         super().__init__(cfg, run_dir, resume=resume, layout=layout)
         self.pending: list[str] = []  # trained on, not yet in a committed checkpoint, so not acked
+        self.acked: list[acked_ranges.Range] = []  # every id trained into the checkpoint lineage
         self.acked_through = 0  # trajectories (counted over versions) whose ids are acked
         self.client: redis.Redis | None = None
         self.redis_incarnation: Incarnation | None = None
@@ -101,8 +106,9 @@ class OnlineRuntime(Runtime):
         if state is not None:
             self.version = self.checkpointed_version = state.version
             self.acked_through = self.version * self.cfg.algorithm.batch_size
+            self.acked = state.acked
             if self.lead:  # their update is in the checkpoint: never train on them again
-                self.buffer.ack(state.trained_ids)
+                self.reack_lineage()
                 a = self.cfg.algorithm
                 self.buffer.recount_admission(
                     self.version, batch_size=a.batch_size, n_samples=self.cfg.rollout.n_samples
@@ -160,6 +166,7 @@ class OnlineRuntime(Runtime):
             self.heal_redis()
             if self.stop_requested():
                 return None
+            self.serve_joiners()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
@@ -217,6 +224,23 @@ class OnlineRuntime(Runtime):
         if self.lead:
             self.buffer.set_version(self.version)
 
+    def serve_joiners(self) -> None:
+        """Publish the current weights again when a server that holds none waits for them (a ``dist``
+        joiner, docs/design.md §5.7), so it generates at the current version rather than the next one.
+
+        Rank 0 alone, between steps and while waiting for data; not under ZeRO-3 with several ranks, where
+        gathering the weights is a collective (such a joiner receives the next publish)."""
+        waiting = getattr(self.publisher, "joiners_waiting", None)
+        if waiting is None or not waiting():
+            return
+        if self.world > 1 and is_zero3(unwrap(self.models.actor)):
+            return
+        try:
+            self.publisher.publish(self.published_tensors(), self.version)
+            log.info("weights v%d published again for a joining server", self.version)
+        except weightsync.WeightSyncError as e:
+            log.warning("weights v%d did not reach a joining server: %s", self.version, e)
+
     def published_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The actor's full weights, or for a LoRA actor its adapters (or merged weights), by HF name."""
         named = weightsync.named_full_parameters(self.models.actor)
@@ -243,9 +267,25 @@ class OnlineRuntime(Runtime):
         if (interval and self.version % interval == 0) or crowded:
             self.save_checkpoint()
 
+    def reack_lineage(self) -> int:
+        """Ack every id trained into the checkpoint lineage: Redis may have lost acks of *any* checkpoint
+        (its last second of AOF, an older AOF restored), not only of the latest (docs/design.md §6.7)."""
+        ranges = acked_ranges.to_json(self.acked)
+        touched = self.buffer.ack_ranges(ranges)
+        log.info("re-acked the lineage: %d range(s), %d id(s) still in Redis", len(ranges), touched)
+        return touched
+
     def save_checkpoint(self) -> None:
+        if self.lead and self.pending:
+            # Ranges may join across any gap except an entry still waiting to be trained (a barrier).
+            ids = [acked_ranges.parse(i) for i in self.pending]
+            top = max([*ids, *(hi for _, hi in self.acked)])
+            waiting = self.buffer.trajectory_ids(acked_ranges.fmt(top))
+            self.acked = acked_ranges.merge(self.acked, ids, map(acked_ranges.parse, waiting))
         checkpoint.save(
-            self.ckpt_dir, self.engines(), checkpoint.LearnerState(self.version, list(self.pending))
+            self.ckpt_dir,
+            self.engines(),
+            checkpoint.LearnerState(self.version, list(self.pending), acked=self.acked),
         )
         if self.lead:
             self.buffer.ack(self.pending)
@@ -263,9 +303,12 @@ class OnlineRuntime(Runtime):
     # ------------------------------------------------------------------------------------------- helpers
 
     def buffer_metrics(self) -> dict[str, float]:
+        """Buffer gauges, and ``fleet/servers``: rollout servers connected now (the summary's fleet size)."""
         if self.buffer is None:
             return {}
-        return {k: v for k, v in self.buffer.metrics().items() if k.startswith("buffer/")}
+        out = {k: v for k, v in self.buffer.metrics().items() if k.startswith("buffer/")}
+        out["fleet/servers"] = float(len(fleet.members(self.client, self.cfg.run.name)))
+        return out
 
     def close(self) -> None:
         self.restore_signal_handlers()

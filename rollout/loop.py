@@ -102,12 +102,31 @@ class RolloutLoop:
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
-        log.info("server-%d: rollout loop started at weights v%d", self.server_id, self.engine.version)
         try:
+            self.join_current()
+            log.info("server-%d: rollout loop started at weights v%d", self.server_id, self.engine.version)
             while not self.should_stop():
                 self.step()
         finally:
             self.close()
+
+    def join_current(self) -> None:
+        """Before the first token, take the weights the learner has now (a server joining a running run,
+        docs/design.md §5.7): ``shm`` maps the latest files, a ``dist`` joiner asks the learner to publish
+        again. Engines the learner drives itself (vLLM/SGLang over ``dist``) receive the next publish."""
+        c = self.cfg
+        if c.weightsync.transport == "dist" and c.rollout.engine in ("vllm", "sglang"):
+            return
+        timeout = c.weightsync.timeout_s
+        deadline = time.perf_counter() + timeout
+        # latest may drop meanwhile: a resumed learner re-publishes its checkpoint's (older) version.
+        while self.engine.version < (target := self.subscriber.latest_version()) and not self.should_stop():
+            if time.perf_counter() > deadline:
+                raise WeightSyncError(
+                    f"server-{self.server_id}: joined at weights v{self.engine.version}; v{target} did not "
+                    f"arrive within weightsync.timeout_s={timeout:g}s. Is the learner publishing?"
+                )
+            self.apply(self.subscriber.poll(min(POLL_S, max(0.0, deadline - time.perf_counter()))))
 
     def step(self) -> int:
         """One admitted batch of prompt groups, generated, scored and appended. Returns groups appended."""
@@ -380,6 +399,13 @@ class RolloutLoop:
         if self.credits:
             self.buffer.release(self.credits * self.sampling.n)
             self.credits = 0
+        try:
+            returned = self.buffer.return_prompts()
+        except redis.RedisError as e:  # they stay pending: another server claims them after claim_idle_ms
+            log.warning("server-%d: could not hand back held prompts: %s", self.server_id, e)
+        else:
+            if returned:
+                log.info("server-%d: handed back %d held prompt(s)", self.server_id, returned)
         log.info("server-%d: rollout loop stopped after %d groups", self.server_id, self.groups)
 
 

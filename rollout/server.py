@@ -37,6 +37,7 @@ from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HFEngine
 from tandem.config import Config, HTTPConfig, load_config, redact
+from tandem.fleet import Beat
 from tandem.telemetry import Telemetry, setup_logging
 
 log = logging.getLogger("rollout.server")
@@ -119,10 +120,12 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         evaluator=evaluator,
     )
     telemetry.mark_ready(http_port=http.port if http else None)
+    fleet = Beat(client, cfg.run.name, name).start()  # counted in the fleet until it leaves (§1.8)
     log.info("%s ready (engine %s, weights v%d)", name, cfg.rollout.engine, engine.version)
     try:
         loop.run()
     finally:
+        fleet.stop()
         if http is not None:
             http.stop()
         subscriber.close()

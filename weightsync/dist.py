@@ -4,23 +4,31 @@ The group is private to weight sync: a ``TCPStore`` served by the publisher and 
 ``ProcessGroupNCCL`` built directly on it (the StatelessProcessGroup approach of vLLM), so it never touches
 the learner's default DeepSpeed group. gloo on CPU, NCCL on GPU (``weightsync.backend``).
 
-Join protocol, one group per version (so servers may come, go and die between versions)::
+Join protocol, one group per *round* ``(version, seq)`` (so servers may come, go and die between rounds)::
 
     publisher (learner rank 0)                       subscriber (each rollout server)
     ─────────────────────────                        ────────────────────────────────
     expected = live registered subscribers           heartbeat {run}:weights:sub:{id} on every poll
-    SET offer {v, host, port, backend}; announce v   poll sees offer v > held version
-    BLPOP join:{v} until every expected id joined    RPUSH join:{v} id
-      or timeout_s (the missing are deregistered)
-    SET go {v, ids in rank order}; announce          wait for go of v (timeout_s); absent from it, or
-                                                     go already names a newer version: too late, poll
-                                                     returns None and the server joins the next version
-    ProcessGroup(PrefixStore("v{v}"), 0, 1 + n)      ProcessGroup(PrefixStore("v{v}"), rank, 1 + n)
+      (a repeat of the last version: those in want)
+    SET offer {v, round, host, port, backend}        poll sees offer v > held version, round not tried
+    announce v
+    BLPOP join:{round} until every expected id       RPUSH join:{round} id
+      joined or timeout_s (the missing are
+      deregistered)
+    SET go {v, round, ids in rank order}; announce   wait for go of round (timeout_s); absent from it,
+                                                     or go already names a newer round: too late, poll
+                                                     returns None
+    ProcessGroup(PrefixStore(round), 0, 1 + n)       ProcessGroup(PrefixStore(round), rank, 1 + n)
     per bucket: broadcast [header_len, payload_len], header (msgpack: name, dtype, shape, offset), payload
     broadcast [0, 0]: end of version                 the Update's tensors() yields as buckets arrive
 
-A late joiner therefore receives the next version the learner publishes, before it generates (it has no
-weights until then). A registered server that does not join within ``timeout_s`` makes ``publish`` raise
+**Joiners get the current version at once** (docs/design.md §5.7). A subscriber that holds no version yet
+and finds no offer it can join adds itself to ``{run}:weights:want``; the learner checks
+:meth:`DistPublisher.joiners_waiting` between steps and while it waits for data, and publishes its current
+weights again. A repeat of the version it last published is offered to the wanting subscribers only
+(everyone else already holds it), in a new round, so nobody mistakes it for the round they came too late to.
+
+A registered server that does not join within ``timeout_s`` makes ``publish`` raise
 :class:`~weightsync.base.PeersMissing` naming it, after the others received the version; a peer that dies
 mid-broadcast fails the broadcast within ``timeout_s`` with the version and the group's peers named.
 
@@ -122,6 +130,15 @@ def _shutdown(group) -> None:
         group.shutdown()
 
 
+def _prefix(rnd: list[int] | tuple[int, ...]) -> str:
+    """The store prefix of one round's group: a repeat of a version rendezvous afresh."""
+    return f"v{rnd[0]}.{rnd[1]}"
+
+
+def _round(offer: dict) -> tuple[int, int]:
+    return tuple(offer.get("round") or (offer["version"], 0))
+
+
 def _device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
@@ -155,6 +172,12 @@ class DistPublisher:
             self.host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
         )
         self._bucket: torch.Tensor | None = None
+        self._seq = 0  # rounds published, so a repeat of a version gets keys of its own
+        self._last_version: int | None = None
+
+    def joiners_waiting(self) -> bool:
+        """Whether a subscriber holding no version waits for one (publish the current weights again)."""
+        return self._last_version is not None and bool(self.client.scard(weights_key(self.run, "want")))
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         it = iter(named_tensors)
@@ -169,25 +192,43 @@ class DistPublisher:
         self._store = None
 
     def _publish(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
-        expected = list(self.registry.live())
-        offer = {"version": version, "host": self.host, "port": self._store.port, "backend": self.backend}
-        self.client.delete(weights_key(self.run, "join", version))
+        live = self.registry.live()
+        want = weights_key(self.run, "want")
+        wanting = {m.decode() for m in self.client.smembers(want)}
+        if wanting - set(live):
+            self.client.srem(want, *(wanting - set(live)))  # died while waiting
+        # A repeat of the last version serves the joiners only: everyone else holds it already.
+        expected = [s for s in live if s in wanting] if version == self._last_version else list(live)
+        if version == self._last_version and not expected:
+            return
+        self._seq += 1
+        rnd = [version, self._seq]
+        offer = {
+            "version": version, "round": rnd, "host": self.host, "port": self._store.port,
+            "backend": self.backend,
+        }  # fmt: skip
+        self.client.delete(weights_key(self.run, "join", *rnd))
         pipe = self.client.pipeline()
         pipe.set(weights_key(self.run, "offer"), msgpack.packb(offer))
         announce(pipe, self.run, version)
         pipe.execute()
 
-        joined = self._await_joiners(version, expected)
+        joined = self._await_joiners(rnd, expected)
         missing = sorted(set(expected) - set(joined))
         for peer in missing:
             self.registry.leave(peer)
         pipe = self.client.pipeline()
-        # One key, overwritten per version: a server reading an old offer learns at once it came too late.
-        pipe.set(weights_key(self.run, "go"), msgpack.packb({"version": version, "ranks": joined}))
+        # One key, overwritten per round: a server reading an old offer learns at once it came too late.
+        pipe.set(
+            weights_key(self.run, "go"), msgpack.packb({"version": version, "round": rnd, "ranks": joined})
+        )
         pipe.publish(weights_key(self.run, "announce"), version)
+        if joined or missing:
+            pipe.srem(want, *joined, *missing)
         pipe.execute()
+        self._last_version = version
         if joined:
-            self._broadcast_version(it, version, joined)
+            self._broadcast_version(it, rnd, joined)
         if missing:
             raise PeersMissing(
                 f"dist v{version}: subscriber(s) {missing} registered but did not join within "
@@ -196,24 +237,29 @@ class DistPublisher:
                 missing,
             )
 
-    def _await_joiners(self, version: int, expected: list[str]) -> list[str]:
-        key = weights_key(self.run, "join", version)
+    def _await_joiners(self, rnd: list[int], expected: list[str]) -> list[str]:
+        """Who joined round ``rnd``; drops from ``expected`` (in place) the subscribers that left meanwhile."""
+        key = weights_key(self.run, "join", *rnd)
         joined: list[str] = []
         deadline = time.monotonic() + self.timeout_s
         while not set(expected) <= set(joined) and (left := deadline - time.monotonic()) > 0:
             item = self.client.blpop([key], timeout=min(left, 1.0))
             if item is not None and item[1].decode() not in joined:
                 joined.append(item[1].decode())
+            elif item is None:  # a server that left cleanly meanwhile deregistered: stop waiting for it
+                live = self.registry.live()
+                expected[:] = [e for e in expected if e in live or e in joined]
         while (item := self.client.lpop(key)) is not None:  # those who joined meanwhile come along
             if item.decode() not in joined:
                 joined.append(item.decode())
         return joined
 
     def _broadcast_version(
-        self, it: Iterator[tuple[str, torch.Tensor]], version: int, peers: list[str]
+        self, it: Iterator[tuple[str, torch.Tensor]], rnd: list[int], peers: list[str]
     ) -> None:
+        version = rnd[0]
         where = f"dist v{version} to {peers} via {self.host}:{self._store.port}"
-        store = dist.PrefixStore(f"v{version}", self._store)
+        store = dist.PrefixStore(_prefix(rnd), self._store)
         try:
             group = _new_group(store, 0, 1 + len(peers), self.backend, self.host, self.timeout_s)
         except (RuntimeError, dist.DistError) as e:
@@ -277,7 +323,7 @@ class DistSubscriber:
         self.server_id = server_id
         self.timeout_s = timeout_s
         self._version = -1
-        self._skipped: set[int] = set()
+        self._skipped: set[tuple[int, int]] = set()  # rounds tried: each is joined at most once
         self._stream: Iterator[tuple[str, torch.Tensor]] | None = None
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
         self._buffers: list[torch.Tensor] = []  # receive buffer per bucket index, reused across versions
@@ -299,14 +345,13 @@ class DistSubscriber:
             self._heartbeat(self._version)
             raw = self.client.get(weights_key(self.run, "offer"))
             offer = msgpack.unpackb(raw) if raw is not None else None
-            if (
-                offer is not None
-                and offer["version"] > self._version
-                and offer["version"] not in self._skipped
-            ):
+            if offer is not None and offer["version"] > self._version and _round(offer) not in self._skipped:
                 upd = self._join(offer)
                 if upd is not None:
                     return upd
+            elif offer is not None and self._version < 0:
+                # Holding nothing and nothing to join: ask the learner to publish its weights again.
+                self.client.sadd(weights_key(self.run, "want"), self.server_id)
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -326,14 +371,14 @@ class DistSubscriber:
             self._stream.close()
 
     def _join(self, offer: dict) -> Update | None:
-        v, host, port = offer["version"], offer["host"], offer["port"]
+        v, host, port, rnd = offer["version"], offer["host"], offer["port"], _round(offer)
         publisher = f"publisher {host}:{port}"
         pipe = self.client.pipeline()
-        pipe.rpush(weights_key(self.run, "join", v), self.server_id)
-        pipe.pexpire(weights_key(self.run, "join", v), int(self.timeout_s * 4000))
+        pipe.rpush(weights_key(self.run, "join", *rnd), self.server_id)
+        pipe.pexpire(weights_key(self.run, "join", *rnd), int(self.timeout_s * 4000))
         pipe.execute()
-        ranks = self._await_go(v)
-        self._skipped.add(v)  # whatever happens next, this version is not joined twice
+        ranks = self._await_go(rnd)
+        self._skipped.add(rnd)  # whatever happens next, this round is not joined twice
         if ranks is None:
             raise WeightSyncError(
                 f"{self.server_id}: {publisher} did not start dist v{v} within {self.timeout_s:.1f}s"
@@ -345,7 +390,7 @@ class DistSubscriber:
         try:
             store = self._store(host, port)
             group = _new_group(
-                dist.PrefixStore(f"v{v}", store),
+                dist.PrefixStore(_prefix(rnd), store),
                 rank,
                 world,
                 offer["backend"],
@@ -362,14 +407,14 @@ class DistSubscriber:
         self._stream = stream
         return Update(v, manifest, stream.tensors)
 
-    def _await_go(self, version: int) -> list[str] | None:
-        """The rank order of ``version`` ([] if a newer version has started), or None on timeout."""
+    def _await_go(self, rnd: tuple[int, int]) -> list[str] | None:
+        """The rank order of round ``rnd`` ([] if a newer round has started), or None on timeout."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             raw = self.client.get(weights_key(self.run, "go"))
             go = msgpack.unpackb(raw) if raw is not None else None
-            if go is not None and go["version"] >= version:
-                return go["ranks"] if go["version"] == version else []
+            if go is not None and _round(go) >= rnd:
+                return go["ranks"] if _round(go) == rnd else []
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
