@@ -2,8 +2,8 @@
 
 Reads the run's per-process config (``RUN_DIR/config.yaml``: its Redis URL and everything else), checks
 the run is live (its learner is ready and no stop was asked), takes ``K`` fresh server ids from the run
-(``tandem/fleet.py``) and runs ``python -m rollout.server`` for each, under the run's restart policy
-(``rollout.restart_limit`` restarts, after ``min(30, 2^k)`` s), until the run ends: its stop key is set,
+(``tandem/fleet.py``) and runs ``python -m rollout.server`` for each, under the run's restart policy for
+servers (``supervision.*``, launcher/supervision.py), until the run ends: its stop key is set,
 or its Redis has not answered for ``REDIS_GONE_S``. Each joiner takes the learner's current weights
 before its first token (§5.7). Ctrl-C or SIGTERM make the attached servers leave gracefully: they hand
 back the prompts and admission they hold. A server killed outright leaves too; its prompts are claimed
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from buffer.retry import connect
 from launcher.backends.local import Child, plan_children
 from launcher.plan import Role, RunPlan, server_tp, thread_split
 from tandem import fleet
@@ -45,7 +46,7 @@ def parse_count(text: str) -> int:
 
 
 def server_roles(cfg: Config, run_dir: Path, ids: list[int]) -> list[Role]:
-    """Roles as launch.py's own servers have them (same threads, devices and restart limit), new ids."""
+    """Roles as launch.py's own servers have them (same threads and devices), new ids."""
     threads, _ = thread_split(cfg)
     config = str(run_dir / "config.yaml")
     return [
@@ -56,7 +57,6 @@ def server_roles(cfg: Config, run_dir: Path, ids: list[int]) -> list[Role]:
             processes=1,
             threads=threads,
             gpus=server_tp(cfg) if cfg.run.device != "cpu" else 0,
-            restart_limit=cfg.rollout.restart_limit,
         )
         for i in ids
     ]
@@ -69,7 +69,7 @@ def attach(run_dir: Path, count: int, *, leave: threading.Event | None = None) -
     run = cfg.run.name
     if cfg.redis.url is None:
         raise ConfigError(f"{run_dir / 'config.yaml'}: redis.url is not set (not a launched run's config?)")
-    client = redis.Redis.from_url(cfg.redis.url, socket_timeout=10, socket_connect_timeout=5)
+    client = connect(cfg.redis.url, reconnect_s=cfg.supervision.reconnect_s, socket_timeout=10)
     try:
         client.ping()
     except redis.RedisError as e:
@@ -120,22 +120,21 @@ def supervise(
             continue
         if stopping:
             return 0, "the run stopped; its servers leave with it"
+        now = time.monotonic()
         for c in children:
             if c.running:
                 continue
             if c.restart_at is None:
-                if c.restarts >= c.restart_limit:
-                    return 1, (
-                        f"{c.name} crashed {c.restarts + 1} times (limit {c.restart_limit}); "
-                        f"last lines of {c.log_path}:\n{c.log_tail()}"
-                    )
-                c.restart_at = time.monotonic() + min(30.0, 2.0**c.restarts)
+                delay = c.restarts.after_crash(now)
+                if delay is None:
+                    return 1, f"{c.restarts.refusal()}; last lines of {c.log_path}:\n{c.log_tail()}"
+                c.restart_at = now + delay
                 print(f"[attach] {c.name} exited with code {c.proc.returncode}; restarting", flush=True)
-            elif time.monotonic() >= c.restart_at:
-                c.restarts += 1
+            elif now >= c.restart_at:
                 c.restart_at = None
+                c.restarts.restarted(now)
                 client.delete(ready_key(run, c.name))
-                c.start()
+                c.start(again=True)
     return 0, "left the run: the attached servers handed back what they held"
 
 

@@ -215,7 +215,7 @@ def test_servers_join_and_leave_a_running_run(tiny_ckpt, prompts, tmp_path: Path
     one of them is killed with SIGKILL (restarted), then both leave gracefully (SIGTERM to the attach).
     The run goes on, stops when asked, and every prompt fed is accounted for."""
     cmd = launch_cmd(
-        tiny_ckpt, prompts, tmp_path, "learner.total_steps=100000", "rollout.restart_limit=3",
+        tiny_ckpt, prompts, tmp_path, "learner.total_steps=100000", "supervision.server_restarts=3",
         "weightsync.transport=dist", "weightsync.timeout_s=20", "learner.checkpoint_interval=20",
     )  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
