@@ -10,8 +10,10 @@ the environment regenerates the dataset once per process (they are deterministic
 against that entry, so nothing but the record travels through Redis. ``lowercase`` maps the question to the
 tiny tokenizer's alphabet.
 
-For single-turn RL the same records carry a reward function, :func:`reward` (``reward.functions: [{path:
-rollout.envs.reasoning_gym:reward}]``): the dataset's ``score_answer`` on the whole completion, and
+Single-turn RL scores the same records with a reward plug-in (``reward.functions: [{path:
+rollout.envs.reasoning_gym:solved}]``): :func:`reward` is the dataset's ``score_answer`` of the whole
+completion, partial credit included; :func:`solved` is 1 for full marks, else 0. A record that names no
+entry raises, naming the missing fields (the reward plug-ins log and count it).
 :func:`demonstration_records` gives the ``{"prompt", "response"}`` records an SFT warm-start trains on (the
 dataset's own answers). ``configs/tiny-arith.yaml`` is the demo (docs/stages.md §4.1).
 """
