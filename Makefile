@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install assets demo test test-fast test-ray test-stages test-vllm lint format bench bench-trl engines-env vllm-env demo-vllm clean
+.PHONY: install assets demo test test-fast test-ray test-stages test-vllm lint format bench bench-trl engines-env vllm-env demo-vllm demo-arith clean
 
 install: $(STAMP)
 
@@ -99,6 +99,31 @@ assets/tiny32/actor/config.json: | $(STAMP)
 # The demo with rollout.engine=vllm (CPU build here): the same echo task, a head_dim-32 tiny model.
 demo-vllm: $(VLLM_STAMP) assets/tiny32/actor/config.json assets/echo.jsonl
 	$(VLLM_VENV)/bin/python launch.py configs/tiny-vllm.yaml
+
+# A real task (configs/tiny-arith.yaml): reasoning-gym basic_arithmetic (one-digit a + b, a - b), graded by
+# the dataset's own verifier. Data from four seeds: RL prompts 0, SFT demonstrations 1, SFT validation 3 and
+# the held-out eval prompts 2. Then a short SFT warm-start, then GRPO with held-out evaluation.
+ARITH_CONFIG := {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"], "allow_parentheses": false, "allow_negation": false}
+ARITH_GEN = $(PY) -m rollout.envs.reasoning_gym basic_arithmetic $@ --lowercase --config '$(ARITH_CONFIG)'
+ARITH_DATA := assets/arith/prompts.jsonl assets/arith/sft.jsonl assets/arith/sft-eval.jsonl assets/arith/eval.jsonl
+
+assets/arith/prompts.jsonl: | $(STAMP)
+	$(ARITH_GEN) --n 2000 --seed 0
+assets/arith/sft.jsonl: | $(STAMP)
+	$(ARITH_GEN) --kind sft --n 2000 --seed 1
+assets/arith/sft-eval.jsonl: | $(STAMP)
+	$(ARITH_GEN) --kind sft --n 200 --seed 3
+assets/arith/eval.jsonl: | $(STAMP)
+	$(ARITH_GEN) --n 128 --seed 2
+
+assets/tiny-arith/actor/config.json: | $(STAMP)
+	$(PY) -m tandem make-tiny assets/tiny-arith --hidden 128
+
+runs/sft-arith/final/config.json: assets/tiny-arith/actor/config.json $(ARITH_DATA)
+	$(PY) -m learner.train --config configs/sft-arith.yaml --run-dir runs/sft-arith
+
+demo-arith: $(STAMP) runs/sft-arith/final/config.json
+	$(PY) launch.py configs/tiny-arith.yaml
 
 clean:
 	rm -rf runs .pytest_cache

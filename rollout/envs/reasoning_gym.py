@@ -9,6 +9,13 @@ A prompt record names its entry (``rg_dataset``, ``rg_seed``, ``rg_size``, ``rg_
 the environment regenerates the dataset once per process (they are deterministic in the seed) and scores
 against that entry, so nothing but the record travels through Redis. ``lowercase`` maps the question to the
 tiny tokenizer's alphabet.
+
+Single-turn RL scores the same records with a reward plug-in (``reward.functions: [{path:
+rollout.envs.reasoning_gym:solved}]``): :func:`reward` is the dataset's ``score_answer`` of the whole
+completion, partial credit included; :func:`solved` is 1 for full marks, else 0. A record that names no
+entry raises, naming the missing fields (the reward plug-ins log and count it).
+:func:`demonstration_records` gives the ``{"prompt", "response"}`` records an SFT warm-start trains on (the
+dataset's own answers). ``configs/tiny-arith.yaml`` is the demo (docs/stages.md §4.1).
 """
 
 from __future__ import annotations
@@ -43,6 +50,38 @@ def make_records(
     return out
 
 
+def entry_of(record: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The dataset and the entry a prompt record names (``rg_*`` fields, as :func:`make_records` writes)."""
+    missing = [k for k in ("rg_dataset", "rg_seed", "rg_size", "rg_config", "rg_index") if k not in record]
+    if missing:
+        raise KeyError(f"prompt record {record.get('id', '?')!r} names no reasoning-gym entry: no {missing}")
+    ds = dataset(record["rg_dataset"], int(record["rg_seed"]), int(record["rg_size"]), record["rg_config"])
+    return ds, ds[int(record["rg_index"])]
+
+
+def reward(prompt: str, completion: str, record: dict[str, Any]) -> float:
+    """Single-turn reward: the dataset's own ``score_answer`` of the stripped completion against the entry
+    the record names (1 for the exact answer; reasoning-gym's default gives ``len(answer)/len(completion)``
+    when the answer is inside a longer completion, 0 otherwise)."""
+    ds, entry = entry_of(record)
+    return float(ds.score_answer(completion.strip(), entry))
+
+
+def solved(prompt: str, completion: str, record: dict[str, Any]) -> float:
+    """1 when the dataset's verifier gives full marks, else 0: :func:`reward` without the partial credit,
+    which a small policy learns to farm by padding its guesses (the answer inside a longer string still
+    scores) instead of answering (docs/stages.md §4.1)."""
+    return float(reward(prompt, completion, record) >= 1.0)
+
+
+def demonstration_records(
+    name: str, n: int, seed: int = 0, *, lowercase: bool = False, **config: Any
+) -> list[dict[str, str]]:
+    """``n`` SFT records (``{"prompt", "response"}``, the sft schema): the question and the dataset's answer."""
+    recs = make_records(name, n, seed, lowercase=lowercase, **config)
+    return [{"prompt": r["prompt"], "response": entry_of(r)[1]["answer"]} for r in recs]
+
+
 class ReasoningGymEnv(Env):
     def __init__(
         self, max_attempts: int = 2, discount: float = 0.5, feedback: str = "wrong, try again\n"
@@ -69,7 +108,8 @@ class ReasoningGymEnv(Env):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rollout.envs.reasoning_gym NAME OUT.jsonl --n N [--lowercase] [--config JSON]``."""
+    """``python -m rollout.envs.reasoning_gym NAME OUT.jsonl --n N [--seed S] [--lowercase] [--config JSON]
+    [--kind prompts|sft]``: prompt records, or SFT demonstrations (``--kind sft``)."""
     import argparse
 
     from tandem.data import write_prompts
@@ -81,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lowercase", action="store_true")
     p.add_argument("--config", default="{}", help="the dataset's config as JSON")
+    p.add_argument("--kind", choices=["prompts", "sft"], default="prompts", help="what each record is")
     args = p.parse_args(argv)
-    recs = make_records(args.name, args.n, args.seed, lowercase=args.lowercase, **json.loads(args.config))
-    print(f"{len(recs)} {args.name} prompts: {write_prompts(args.out, recs)}")
+    make = make_records if args.kind == "prompts" else demonstration_records
+    recs = make(args.name, args.n, args.seed, lowercase=args.lowercase, **json.loads(args.config))
+    print(f"{len(recs)} {args.name} {args.kind} records: {write_prompts(args.out, recs)}")
     return 0
 
 
