@@ -235,3 +235,15 @@ def test_budgets_end_episodes_as_length(models) -> None:
     runner(engine, tok, max_total_tokens=20).run(eps)
     assert (eps[0].finish_reason, eps[0].end_reason) == ("length", "max_total_tokens")
     assert len(eps[0].context) <= 20
+
+
+def test_a_stage_that_outlives_its_bound_raises_instead_of_waiting_forever() -> None:
+    from rollout.envs.episode import parallel
+
+    done: list[int] = []
+    parallel([lambda: done.append(1), lambda: done.append(2)], 5.0, "step")
+    assert sorted(done) == [1, 2]
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"episode step: 1 of 2 calls still running after 0\.2s"):
+        parallel([lambda: None, lambda: time.sleep(30)], 0.2, "step")
+    assert time.monotonic() - t0 < 10
