@@ -46,6 +46,15 @@ def task_of(raw: dict) -> str:
     return next((n for n in names if n in TASKS), "echo")
 
 
+def env_records(raw: dict) -> list[dict] | None:
+    """Prompts that a preset's environment can play: reasoning-gym entries for ReasoningGymEnv."""
+    if (raw.get("env") or {}).get("path", "").endswith(":ReasoningGymEnv"):
+        from rollout.envs.reasoning_gym import make_records as rg_records
+
+        return rg_records("chain_sum", 64, lowercase=True, min_terms=2, max_terms=2, max_digits=1)
+    return None
+
+
 def tiny_overrides(raw: dict, tiny: dict[str, Path], prompts: Path, out: Path) -> list[str]:
     model, rollout, learner = raw["model"], raw.get("rollout", {}), raw.get("learner", {})
     stand_in = {"actor": tiny["actor"], "reference": tiny["actor"], "critic": tiny["critic"]}
@@ -63,7 +72,7 @@ def tiny_overrides(raw: dict, tiny: dict[str, Path], prompts: Path, out: Path) -
         f"run.output_dir={out}",
         "redis.url=null",
         f"data.prompts={prompts}",
-        "data.max_prompt_tokens=64",
+        f"data.max_prompt_tokens={max(64, raw['data'].get('max_prompt_tokens', 0))}",
         f"rollout.num_servers={min(rollout.get('num_servers', 1), 2)}",
         "rollout.n_samples=4",
         "rollout.prompts_per_batch=2",
@@ -90,7 +99,7 @@ def test_every_shipped_preset_runs_its_code_paths(preset: Path, tiny_ckpt, tmp_p
         run_offline_preset(preset, raw, tiny_ckpt, tmp_path)
         return
     task = task_of(raw)
-    prompts = write_prompts(tmp_path / f"{task}.jsonl", make_records(task, 64))
+    prompts = write_prompts(tmp_path / f"{task}.jsonl", env_records(raw) or make_records(task, 64))
     cmd = [sys.executable, str(ROOT / "launch.py"), str(preset), "--no-console"]
     cmd += tiny_overrides(raw, tiny_ckpt, prompts, tmp_path / "runs")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
@@ -99,6 +108,8 @@ def test_every_shipped_preset_runs_its_code_paths(preset: Path, tiny_ckpt, tmp_p
     (run_dir,) = (tmp_path / "runs").iterdir()
     rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
     assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
+    if (raw.get("env") or {}).get("path"):  # episodes were played: the environment's own metrics arrived
+        assert all({"env/turns"} < {k for k in r if k.startswith("env/")} for r in rows if "reward/mean" in r)
     if raw.get("algorithm", {}).get("advantage") == "gae":
         assert all("loss/value" in r for r in rows if "reward/mean" in r)  # the critic trained
 

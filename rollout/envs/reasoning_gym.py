@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 from typing import Any
 
 from rollout.envs.base import Action, Env, StepResult, Task
@@ -68,8 +69,20 @@ class ReasoningGymEnv(Env):
         return StepResult("" if done else self.feedback, reward, done, {"metrics": metrics})
 
 
+def demonstrations(
+    name: str, n: int, seed: int = 0, *, lowercase: bool = False, **config: Any
+) -> list[dict[str, str]]:
+    """``n`` ``{"prompt", "response"}`` records (the sft schema): each entry's own answer, for a warm-start."""
+    ds = dataset(name, seed, n, json.dumps(config, sort_keys=True))
+    out = []
+    for rec, entry in zip(make_records(name, n, seed, lowercase=lowercase, **config), ds, strict=True):
+        answer = str(entry["answer"])
+        out.append({"prompt": rec["prompt"], "response": answer.lower() if lowercase else answer})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rollout.envs.reasoning_gym NAME OUT.jsonl --n N [--lowercase] [--config JSON]``."""
+    """``python -m rollout.envs.reasoning_gym NAME OUT.jsonl --n N [--lowercase] [--config JSON] [--demos]``."""
     import argparse
 
     from tandem.data import write_prompts
@@ -81,8 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lowercase", action="store_true")
     p.add_argument("--config", default="{}", help="the dataset's config as JSON")
+    p.add_argument("--demos", action="store_true", help="write prompt/answer demonstrations (sft schema)")
     args = p.parse_args(argv)
-    recs = make_records(args.name, args.n, args.seed, lowercase=args.lowercase, **json.loads(args.config))
+    config = json.loads(args.config)
+    if args.demos:
+        recs = demonstrations(args.name, args.n, args.seed, lowercase=args.lowercase, **config)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        print(f"{len(recs)} {args.name} demonstrations: {out}")
+        return 0
+    recs = make_records(args.name, args.n, args.seed, lowercase=args.lowercase, **config)
     print(f"{len(recs)} {args.name} prompts: {write_prompts(args.out, recs)}")
     return 0
 
