@@ -44,6 +44,20 @@ def reward_part_means(trajs: list[Trajectory]) -> dict[str, float]:
     return {f"reward/{name}": total / len(trajs) for name, total in totals.items()}
 
 
+def episode_metric_means(trajs: list[Trajectory]) -> dict[str, float]:
+    """``env/<name>``: the batch mean of each environment metric (e.g. the calculator's ``tool_used``, a
+    tool-call rate) and of ``env/turns``, over the multi-turn episodes of the batch (docs/design.md §10.3)."""
+    sums: dict[str, list[float]] = {}
+    for t in trajs:
+        metrics = {k: v for k, v in t.meta.items() if k.startswith("env/")}
+        if "turns" in t.meta:
+            metrics["env/turns"] = t.meta["turns"]
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                sums.setdefault(name, []).append(float(value))
+    return {name: sum(v) / len(v) for name, v in sums.items()}
+
+
 class PPOLearner(OnlineRuntime):
     """The PPO recipe on the online runtime: actor, optional critic (gae) and reference (kl_coef > 0)."""
 
@@ -107,6 +121,7 @@ class PPOLearner(OnlineRuntime):
             {
                 "reward/mean": float(batch.rewards.mean()),
                 **reward_part_means(batch.trajs),
+                **episode_metric_means(batch.trajs),
                 "staleness/mean": float(batch.staleness.float().mean()),
                 "staleness/max": float(batch.staleness.max()),
                 "time/wait_for_data": t1 - t0,

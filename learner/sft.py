@@ -97,17 +97,28 @@ def warmstart(
     batch_size: int = 32,
     lr: float = 3e-3,
     seed: int = 0,
+    demos: str | Path | None = None,
 ) -> Path:
-    """Supervised warm-start of ``model_path`` on ``steps × batch_size`` demonstrations of a toy task."""
+    """Supervised warm-start of ``model_path`` on ``steps × batch_size`` demonstrations of a toy task, or on
+    the ``{"prompt", "response"}`` records of ``demos`` (cycled through) when given."""
     from tandem.tasks import write_demonstrations
 
     with tempfile.TemporaryDirectory() as tmp:
-        data = write_demonstrations(task, Path(tmp) / "demos.jsonl", steps * batch_size, seed=seed + 1)
+        if demos is not None:
+            data = Path(demos)
+        else:
+            data = write_demonstrations(task, Path(tmp) / "demos.jsonl", steps * batch_size, seed=seed + 1)
         raw = {
             "run": {"name": f"warmstart-{task}", "seed": seed, "device": "cpu"},
             "model": {"actor": model_path},
             "data": {"prompts": str(data)},
-            "algorithm": {"recipe": "sft", "train_file": str(data), "batch_size": batch_size},
+            "algorithm": {
+                "recipe": "sft",
+                "train_file": str(data),
+                "batch_size": batch_size,
+                # as many passes over a given file as ``steps`` needs
+                "epochs": max(1, -(-steps * batch_size // sum(1 for _ in data.open()))),
+            },
             "learner": {
                 "total_steps": steps,
                 "actor_lr": lr,

@@ -36,7 +36,7 @@ def _make_data(args: argparse.Namespace) -> int:
 def _warmstart(args: argparse.Namespace) -> int:
     from learner.sft import warmstart
 
-    warmstart(args.task, args.model, args.out, steps=args.steps, seed=args.seed)
+    warmstart(args.task, args.model, args.out, steps=args.steps, seed=args.seed, demos=args.demos)
     return 0
 
 
@@ -95,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_make_data)
 
     p = sub.add_parser("warmstart", help="supervised warm-start of a checkpoint on a task's demonstrations")
-    p.add_argument("task", choices=["echo", "reverse", "calc"])
+    p.add_argument("task", help="echo, reverse or calc (demonstrations made here), or any name with --demos")
     p.add_argument("model")
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--demos", default=None, help='a {"prompt", "response"} JSONL file to train on instead')
     p.set_defaults(fn=_warmstart)
 
     p = sub.add_parser("check-config", help="validate a config with overrides")

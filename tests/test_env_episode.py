@@ -235,3 +235,31 @@ def test_budgets_end_episodes_as_length(models) -> None:
     runner(engine, tok, max_total_tokens=20).run(eps)
     assert (eps[0].finish_reason, eps[0].end_reason) == ("length", "max_total_tokens")
     assert len(eps[0].context) <= 20
+
+
+def test_a_stage_that_outlives_its_bound_raises_instead_of_waiting_forever() -> None:
+    from rollout.envs.episode import parallel
+
+    done: list[int] = []
+    parallel([lambda: done.append(1), lambda: done.append(2)], 5.0, "step")
+    assert sorted(done) == [1, 2]
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"episode step: 1 of 2 calls still running after 0\.2s"):
+        parallel([lambda: None, lambda: time.sleep(30)], 0.2, "step")
+    assert time.monotonic() - t0 < 10
+
+
+def test_the_learner_logs_batch_means_of_episode_metrics() -> None:
+    from learner.ppo import episode_metric_means
+
+    def traj(turns: int, metrics: dict[str, float]):
+        e = Episode(Task("p", (1,), {}), TalkEnv(), [1], turns=turns, metrics=metrics)
+        e.add([5, 6], [-0.1, -0.2], [0, 0], generated=True)
+        e.turn_rewards.append(1.0)
+        e.end("stop", "done")
+        return e.trajectory("p", "g", "s")
+
+    trajs = [traj(1, {"tool_used": 0.0}), traj(3, {"tool_used": 1.0, "correct": 1.0}), traj(2, {})]
+    got = episode_metric_means(trajs)
+    # each metric over the episodes that report it; turns over all three
+    assert got == {"env/tool_used": 0.5, "env/correct": 1.0, "env/turns": 2.0}

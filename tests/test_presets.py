@@ -53,7 +53,13 @@ RG_ARITH = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=
 
 
 def prompts_for(raw: dict, path: Path, n: int = 64, seed: int = 0) -> Path:
-    """The preset's kind of prompt records: reasoning-gym entries when its reward reads them, else its task's."""
+    """The preset's kind of prompt records: reasoning-gym entries when its reward or its environment reads
+    them (tiny-arith, tiny-rg-retry), else its task's."""
+    if (raw.get("env") or {}).get("path", "").endswith(":ReasoningGymEnv"):
+        recs = reasoning_gym.make_records(
+            "chain_sum", n, seed, lowercase=True, min_terms=2, max_terms=2, max_digits=1
+        )
+        return write_prompts(path, recs)
     if any(f["path"].startswith(RG_REWARDS) for f in raw.get("reward", {}).get("functions", [])):
         recs = reasoning_gym.make_records("basic_arithmetic", n, seed, lowercase=True, **RG_ARITH)
         return write_prompts(path, recs)
@@ -77,7 +83,7 @@ def tiny_overrides(raw: dict, tiny: dict[str, Path], prompts: Path, out: Path) -
         f"run.output_dir={out}",
         "redis.url=null",
         f"data.prompts={prompts}",
-        "data.max_prompt_tokens=64",
+        f"data.max_prompt_tokens={max(64, raw['data'].get('max_prompt_tokens', 0))}",
         f"rollout.num_servers={min(rollout.get('num_servers', 1), 2)}",
         "rollout.n_samples=4",
         "rollout.prompts_per_batch=2",
@@ -119,6 +125,8 @@ def test_every_shipped_preset_runs_its_code_paths(preset: Path, tiny_ckpt, tmp_p
     (run_dir,) = (tmp_path / "runs").iterdir()
     rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
     assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
+    if (raw.get("env") or {}).get("path"):  # episodes were played: the environment's own metrics arrived
+        assert all({"env/turns"} < {k for k in r if k.startswith("env/")} for r in rows if "reward/mean" in r)
     if raw.get("algorithm", {}).get("advantage") == "gae":
         assert all("loss/value" in r for r in rows if "reward/mean" in r)  # the critic trained
 

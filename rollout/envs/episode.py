@@ -25,6 +25,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ from rollout.engines.base import BetweenSteps, Engine, SamplingParams, cut_at_st
 from rollout.envs.base import Action, Env, StepResult, Task
 
 log = logging.getLogger(__name__)
+
+# What a stage may take beyond env.step_timeout_s: tokenising observations, bookkeeping, a loaded machine.
+STAGE_SLACK_S = 30.0
 
 
 class EnvFailure(Exception):
@@ -138,13 +142,23 @@ async def _await(aw: Any) -> Any:
     return await aw
 
 
-def parallel(calls: list[Callable[[], None]]) -> None:
-    """Run the calls on threads of their own and wait for all (each bounds its own time)."""
-    threads = [threading.Thread(target=c, daemon=True) for c in calls]
+def parallel(calls: list[Callable[[], None]], timeout_s: float, what: str) -> None:
+    """Run the calls on threads of their own and wait for all, ``timeout_s`` at most in total.
+
+    Each call bounds its environment's time itself (:func:`call_with_timeout`); this bound is the backstop
+    for the runner's own work around it, so a stage can never wait forever.
+    """
+    threads = [threading.Thread(target=c, name=f"episode-{what}", daemon=True) for c in calls]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join()
+        t.join(max(0.0, deadline - time.monotonic()))
+    if stuck := sum(t.is_alive() for t in threads):
+        raise TimeoutError(
+            f"episode {what}: {stuck} of {len(threads)} calls still running after {timeout_s:g}s "
+            "(env.step_timeout_s plus slack)"
+        )
 
 
 class EpisodeRunner:
@@ -172,15 +186,16 @@ class EpisodeRunner:
         between_steps: BetweenSteps | None = None,
         between_turns: Callable[[], None] | None = None,
     ) -> list[Episode]:
+        bound = self.step_timeout_s + STAGE_SLACK_S
         try:
-            parallel([lambda e=e: self.reset(e) for e in episodes])
+            parallel([lambda e=e: self.reset(e) for e in episodes], bound, "reset")
             while live := [e for e in episodes if not e.done]:
                 self.model_turn(live, between_steps)
-                parallel([lambda e=e: self.env_turn(e) for e in live if not e.done])
+                parallel([lambda e=e: self.env_turn(e) for e in live if not e.done], bound, "step")
                 if between_turns is not None and any(not e.done for e in episodes):
                     between_turns()
         finally:
-            parallel([lambda e=e: self.close(e) for e in episodes])
+            parallel([lambda e=e: self.close(e) for e in episodes], bound, "close")
         return episodes
 
     # ----------------------------------------------------------------------------------------- stages

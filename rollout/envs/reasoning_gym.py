@@ -79,7 +79,11 @@ def demonstration_records(
 ) -> list[dict[str, str]]:
     """``n`` SFT records (``{"prompt", "response"}``, the sft schema): the question and the dataset's answer."""
     recs = make_records(name, n, seed, lowercase=lowercase, **config)
-    return [{"prompt": r["prompt"], "response": entry_of(r)[1]["answer"]} for r in recs]
+    answers = (str(entry_of(r)[1]["answer"]) for r in recs)
+    return [
+        {"prompt": r["prompt"], "response": a.lower() if lowercase else a}
+        for r, a in zip(recs, answers, strict=True)
+    ]
 
 
 class ReasoningGymEnv(Env):
