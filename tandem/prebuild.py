@@ -54,7 +54,8 @@ def load_lock(root: Path, timeout_s: float = LOAD_TIMEOUT_S) -> Iterator[None]:
                     ) from None
                 time.sleep(0.2)
         try:
-            for lock in root.glob("*/*/lock"):
+            # <dir>/<op>/lock under TORCH_EXTENSIONS_DIR (ours), <dir>/<py_cu>/<op>/lock under torch's default
+            for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
                 with contextlib.suppress(FileNotFoundError):
                     lock.unlink()
                     log.warning("removed %s, left by a process killed while it loaded the op", lock)

@@ -177,11 +177,13 @@ def test_a_lock_file_left_by_a_killed_loader_is_removed_and_a_live_loader_is_wai
     from tandem.prebuild import ExtensionLockTimeout, prepare_extensions
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    left = tmp_path / "py311_cpu/deepspeed_shm_comm/lock"  # torch's lock file, its holder killed
-    left.parent.mkdir(parents=True)
-    left.touch()  # seconds old: no age rule could tell it from a live one
+    # torch's lock files, their holders killed: where TORCH_EXTENSIONS_DIR puts them, and where its default does
+    left, default = tmp_path / "deepspeed_shm_comm/lock", tmp_path / "py311_cpu/deepspeed_shm_comm/lock"
+    for lock in (left, default):
+        lock.parent.mkdir(parents=True)
+        lock.touch()  # seconds old: no age rule could tell it from a live one
     assert prepare_extensions(load=False) == tmp_path
-    assert not left.exists()
+    assert not left.exists() and not default.exists()
 
     # A live loader holds the kernel lock: its lock file stays and the wait ends in a named error.
     left.touch()
