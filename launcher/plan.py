@@ -48,11 +48,19 @@ class RunPlan:
 
 
 def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
-    """CPU threads for each server and for the learner: servers first, the learner takes what is left."""
+    """CPU threads for each server and for the learner.
+
+    Async: generation and training run at once, so they share the cores: servers first, the learner takes
+    what is left. Sync: the phases alternate (the servers wait for admission while the learner trains, and
+    the learner waits for data while they generate), so each phase gets every core: the servers share
+    them among themselves and the learner has them all, as a one-process trainer would (docs/design.md §1.5).
+    """
     cores = cores or os.cpu_count() or 1
-    per_server = cfg.rollout.threads or max(1, cores // (cfg.rollout.num_servers + 1))
-    learner = max(1, cores - per_server * cfg.rollout.num_servers)
-    return per_server, learner
+    n = cfg.rollout.num_servers
+    if cfg.run.mode == "sync":
+        return cfg.rollout.threads or max(1, cores // n), cores
+    per_server = cfg.rollout.threads or max(1, cores // (n + 1))
+    return per_server, max(1, cores - per_server * n)
 
 
 def server_tp(cfg: Config) -> int:
