@@ -10,7 +10,8 @@ What this module owns and why it looks the way it does:
   optimizer offload and gradient checkpointing from the config; ``learner.deepspeed`` is merged over the
   generated DeepSpeed config. The optimizer is a plain ``torch.optim.AdamW`` instance, so no DeepSpeed op
   is compiled. ``managed_gradient_accumulation: false`` lets the step run a variable number of
-  micro-batches per optimizer step: ``backward`` accumulates, ``step`` is the boundary.
+  micro-batches per optimizer step: ``backward`` accumulates, ``step`` is the boundary. A lone rank under
+  ZeRO 0 turns DeepSpeed's gradient allreduce off (it would only flatten and copy every gradient back).
 - **Critic.** A scalar-head model (``*ForSequenceClassification`` with one label) used per token:
   ``score(trunk(x).last_hidden_state)``, wrapped in :class:`ValueModel` so DeepSpeed sees one module.
   Initialised from ``model.critic``, else from the reward model or the actor's trunk (``critic_init``);
