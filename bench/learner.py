@@ -5,8 +5,8 @@ no-grad pass is skipped with one optimizer step per batch, ``algorithm.prox_forw
 ``pad``: length-sorted micro-batches trimmed to their longest member), and the bare loop (padded to the
 batch's longest sequence, attention mask, next-token loss on responses, one optimizer step) on the same
 trajectories. Tokens are real tokens (prompt + response) per second of the timed call. The same step is
-then timed with and without the proximal pass, and with and without DeepSpeed's gradient allreduce (which a
-lone rank skips), each interleaved, to show what skipping it saves.
+then timed with and without the proximal pass, and with and without DeepSpeed's gradient allreduce (a lone
+rank could skip it), each interleaved, to show what skipping each saves.
 
     python bench/learner.py [--batch 32] [--iters 5] [--hidden 128] [--layers 4]
 
@@ -147,8 +147,8 @@ def main() -> None:
             f"proximal forward: {1000 * full_s:.0f} ms per step with it, {1000 * skip_s:.0f} ms skipped "
             f"(prox_forward=auto with one optimizer step); saves {100 * (1 - skip_s / full_s):.0f}%"
         )
-        # A lone rank skips DeepSpeed's gradient allreduce (learner/models.py make_engine): the same step
-        # with it forced back on, interleaved.
+        # DeepSpeed's gradient allreduce is pure overhead for a lone rank: the same step with it turned off
+        # (``engine.enable_backward_allreduce``), interleaved; make_engine keeps it unless this pays.
         learner.prox_is_current = True
         actor = learner.models.actor
         ar_s = {True: [], False: []}
@@ -158,7 +158,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 learner.train(batch)
                 ar_s[allreduce].append(time.perf_counter() - t0)
-        actor.enable_backward_allreduce = False
+        actor.enable_backward_allreduce = True
         off_s, on_s = (statistics.median(ar_s[k][1:]) for k in (False, True))
         print(
             f"gradient allreduce at world 1: {1000 * on_s:.0f} ms per step with it, {1000 * off_s:.0f} ms "

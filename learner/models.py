@@ -10,8 +10,8 @@ What this module owns and why it looks the way it does:
   optimizer offload and gradient checkpointing from the config; ``learner.deepspeed`` is merged over the
   generated DeepSpeed config. The optimizer is a plain ``torch.optim.AdamW`` instance, so no DeepSpeed op
   is compiled. ``managed_gradient_accumulation: false`` lets the step run a variable number of
-  micro-batches per optimizer step: ``backward`` accumulates, ``step`` is the boundary. A lone rank under
-  ZeRO 0 turns DeepSpeed's gradient allreduce off (it would only flatten and copy every gradient back).
+  micro-batches per optimizer step: ``backward`` accumulates, ``step`` is the boundary. A lone rank keeps
+  DeepSpeed's gradient allreduce: turning it off measured no faster (bench/learner.py).
 - **Critic.** A scalar-head model (``*ForSequenceClassification`` with one label) used per token:
   ``score(trunk(x).last_hidden_state)``, wrapped in :class:`ValueModel` so DeepSpeed sees one module.
   Initialised from ``model.critic``, else from the reward model or the actor's trunk (``critic_init``);
@@ -137,10 +137,6 @@ def make_engine(model: nn.Module, cfg: Config, dtype: torch.dtype, lr: float) ->
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, dtype), model_parameters=params
     )
-    if dist.get_world_size() == 1 and engine.zero_optimization_stage() == 0:
-        # Alone, the gradient allreduce only flattens every gradient into a buffer and copies it back
-        # (~9% of a tiny learner step). ZeRO >= 1 moves gradients into its partitions on that path: kept.
-        engine.enable_backward_allreduce = False
     return engine
 
 
