@@ -48,19 +48,16 @@ class RunPlan:
 
 
 def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
-    """CPU threads for each server and for the learner.
+    """CPU threads for each server and for the learner: servers first, the learner takes what is left.
 
-    Async: generation and training run at once, so they share the cores: servers first, the learner takes
-    what is left. Sync: the phases alternate (the servers wait for admission while the learner trains, and
-    the learner waits for data while they generate), so each phase gets every core: the servers share
-    them among themselves and the learner has them all, as a one-process trainer would (docs/design.md §1.5).
+    The same in sync mode, although there the phases alternate: giving each phase every core measured
+    7× slower per step on the tiny demo (OpenMP threads of small ops wait at barriers, badly so on a
+    shared machine), so the split stays (``bench/vs_trl.py --runs sync-all`` measures the alternative).
     """
     cores = cores or os.cpu_count() or 1
-    n = cfg.rollout.num_servers
-    if cfg.run.mode == "sync":
-        return cfg.rollout.threads or max(1, cores // n), cores
-    per_server = cfg.rollout.threads or max(1, cores // (n + 1))
-    return per_server, max(1, cores - per_server * n)
+    per_server = cfg.rollout.threads or max(1, cores // (cfg.rollout.num_servers + 1))
+    learner = max(1, cores - per_server * cfg.rollout.num_servers)
+    return per_server, learner
 
 
 def server_tp(cfg: Config) -> int:

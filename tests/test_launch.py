@@ -134,11 +134,8 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
     assert password not in proc.stdout + proc.stderr
     assert (run_dir / "summary.json").exists() and (run_dir / "reward.png").exists()
 
-    # torch in each process runs the threads the plan gave it: in sync every phase has all the cores.
-    cores = os.cpu_count() or 1
-    per_server, learner_threads = (
-        (cores, cores) if mode == "sync" else thread_split(load_config(run_dir / "config.yaml"))
-    )
+    # torch in each process runs the threads the plan gave it.
+    per_server, learner_threads = thread_split(load_config(run_dir / "config.yaml"))
     assert f"on cpu, {learner_threads} torch threads" in (run_dir / "logs" / "learner.log").read_text()
     assert f", {per_server} torch threads)" in (run_dir / "logs" / "server-0.log").read_text()
 
