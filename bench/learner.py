@@ -5,7 +5,8 @@ no-grad pass is skipped with one optimizer step per batch, ``algorithm.prox_forw
 ``pad``: length-sorted micro-batches trimmed to their longest member), and the bare loop (padded to the
 batch's longest sequence, attention mask, next-token loss on responses, one optimizer step) on the same
 trajectories. Tokens are real tokens (prompt + response) per second of the timed call. The same step is
-then timed with and without the proximal pass, interleaved, to show what skipping it saves.
+then timed with and without the proximal pass, and with and without DeepSpeed's gradient allreduce (a lone
+rank could skip it), each interleaved, to show what skipping each saves.
 
     python bench/learner.py [--batch 32] [--iters 5] [--hidden 128] [--layers 4]
 
@@ -146,6 +147,23 @@ def main() -> None:
             f"proximal forward: {1000 * full_s:.0f} ms per step with it, {1000 * skip_s:.0f} ms skipped "
             f"(prox_forward=auto with one optimizer step); saves {100 * (1 - skip_s / full_s):.0f}%"
         )
+        # DeepSpeed's gradient allreduce is pure overhead for a lone rank: the same step with it turned off
+        # (``engine.enable_backward_allreduce``), interleaved; make_engine keeps it unless this pays.
+        learner.prox_is_current = True
+        actor = learner.models.actor
+        ar_s = {True: [], False: []}
+        for _ in range(args.iters + 1):
+            for allreduce in (False, True):
+                actor.enable_backward_allreduce = allreduce
+                t0 = time.perf_counter()
+                learner.train(batch)
+                ar_s[allreduce].append(time.perf_counter() - t0)
+        actor.enable_backward_allreduce = True
+        off_s, on_s = (statistics.median(ar_s[k][1:]) for k in (False, True))
+        print(
+            f"gradient allreduce at world 1: {1000 * on_s:.0f} ms per step with it, {1000 * off_s:.0f} ms "
+            f"skipped; saves {100 * (1 - off_s / on_s):.0f}%"
+        )
 
     best = max(ours, key=ours.get)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -166,6 +184,9 @@ def main() -> None:
                 "step_ms_prox_forward": round(1000 * full_s, 1),
                 "step_ms_prox_skipped": round(1000 * skip_s, 1),
                 "prox_skip_ratio": round(skip_s / full_s, 3),
+                "step_ms_allreduce": round(1000 * on_s, 1),
+                "step_ms_allreduce_skipped": round(1000 * off_s, 1),
+                "allreduce_skip_ratio": round(off_s / on_s, 3),
             }
         )
     )

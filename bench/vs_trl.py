@@ -3,15 +3,18 @@
     python bench/vs_trl.py [--workload tiny|heavy|both] [--steps N] [--target R] [--trl-env DIR]
 
 Per workload it runs, one after the other in the same invocation: TRL 1.16 ``GRPOTrainer`` (one process),
-``launch.py --mode sync``, ``launch.py --mode async`` and ``sync-all`` (sync mode with every process
-given all the cores, a what-if for issue #17's fair sync baseline, made by replacing launch's thread split
-for that run), and prints s/step, time to ``--target`` reward (5-step moving average) and final reward
-for each, as ratios to TRL. The last line is one JSON object.
+``launch.py --mode sync``, ``launch.py --mode async`` and, on request, ``sync-all`` (sync mode with every
+process given all the cores, as the phases alternate: issue #17's "fair" sync baseline, made by replacing
+the plan's thread split for that run; it measured 7× slower than the split on the tiny demo under load, so
+launch keeps the split), and prints s/step, time to ``--target`` reward (5-step moving average) and final
+reward for each, as ratios to TRL. The last line is one JSON object.
+``--rounds N`` repeats the runs N times, interleaved (trl, sync, async, trl, sync, …), and reports the
+median of each figure and of each same-round ratio.
 
-On a machine other jobs keep busy, runs that use several torch threads per process (TRL, ``sync-all``)
-slow down far more than single-threaded ones: an OpenMP region waits at its barrier for every thread to
-be scheduled. Ratios from a loaded machine favour tandem's one-thread-per-process split; say which
-load a figure was measured under.
+On a machine other jobs keep busy, runs that use several torch threads per process (TRL, sync) slow down
+far more than single-threaded ones: an OpenMP region waits at its barrier for every thread to be
+scheduled. ``--threads N`` pins every run to N torch threads per process (TRL's one process, and each of
+tandem's) for a like-for-like comparison under load; say which load a figure was measured under.
 
 Workloads (both the echo task, ``tandem.tasks.echo:reward``, 4 prompts × 8 completions per step,
 temperature 1, one optimizer step per batch):
@@ -53,6 +56,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -265,44 +269,34 @@ def tandem_overrides(w: dict[str, Any]) -> list[str]:
     ]
 
 
-# ``sync-all``: launch.py's sync mode with every process given all the cores (the phases alternate, so
-# they do not compete), by replacing launch's thread split for this one run. A what-if for issue #17's
-# "each phase gets all cores in sync mode", measured here until launch does it itself.
-ALL_CORES_LAUNCH = """
+# tandem runs through launch.main with the plan's thread split replaced when asked: ``all`` (every process
+# gets every core: sync-all) or a fixed count per process (``--threads``).
+LAUNCH_WITH_SPLIT = """
 import os, sys
 import launch
-if not hasattr(launch, "_thread_split"):
-    sys.exit("bench/vs_trl.py sync-all: launch._thread_split is gone; drop sync-all from --runs")
-launch._thread_split = lambda cfg: (os.cpu_count() or 1, os.cpu_count() or 1)
+import launcher.plan as plan
+how = sys.argv.pop(1)
+def replaced(cfg, cores=None):
+    n = (cores or os.cpu_count() or 1) if how == "all" else int(how)
+    return n, n
+plan.thread_split = replaced
 sys.exit(launch.main(sys.argv[1:]))
 """
 
 
-def run_all_cores(steps: int, out: Path, overrides: list[str]) -> Path:
-    cmd = [
-        sys.executable,
-        "-c",
-        ALL_CORES_LAUNCH,
-        "configs/tiny.yaml",
-        f"learner.total_steps={steps}",
-        f"run.output_dir={out}",
-        *overrides,
-        f"rollout.threads={os.cpu_count() or 1}",  # the server sets its own torch threads from this
-        "--mode",
-        "sync",
-        "--no-console",
-    ]
-    print(f"[vs_trl] sync-all: launch.py {' '.join(cmd[3:])} (every process gets all cores)", flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    return run_dir
-
-
-def run_tandem(mode: str, w: dict[str, Any], steps: int, out: Path, target: float) -> dict[str, Any]:
-    if mode == "sync-all":
-        run_dir = run_all_cores(steps, out, tandem_overrides(w))
+def run_tandem(
+    run: str, w: dict[str, Any], steps: int, out: Path, target: float, threads: int
+) -> dict[str, Any]:
+    mode, split = ("sync", "all") if run == "sync-all" else (run, str(threads) if threads else None)
+    overrides = tandem_overrides(w)
+    if split is None:
+        run_dir = run_mode(mode, "configs/tiny.yaml", steps, out, overrides)
     else:
-        run_dir = run_mode(mode, "configs/tiny.yaml", steps, out, tandem_overrides(w))
+        cmd = [sys.executable, "-c", LAUNCH_WITH_SPLIT, split, "configs/tiny.yaml", f"learner.total_steps={steps}",
+               f"run.output_dir={out}", *overrides, "--mode", mode, "--no-console"]  # fmt: skip
+        print(f"[vs_trl] {run}: launch.py {' '.join(cmd[4:])} (thread split: {split})", flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     learner, servers = read_history(run_dir)
     f = figures(learner, servers, PROMPTS_PER_STEP * GROUP, target)
     return {**f, "s_per_step": PROMPTS_PER_STEP * GROUP / f["samples_per_s"]}
@@ -319,18 +313,27 @@ def _s(x: float | None) -> str:
     return "not reached" if x is None else f"{x:.1f} s"
 
 
-def report(name: str, w: dict[str, Any], steps: int, target: float, res: dict[str, dict]) -> dict[str, Any]:
-    ref = res["trl"]
+def _median(xs: list[float | None]) -> float | None:
+    """The median of the values that exist (a run that never reached the target has None)."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def report(
+    name: str, w: dict[str, Any], steps: int, target: float, rounds: list[dict[str, dict]]
+) -> dict[str, Any]:
+    """Medians over the rounds of each figure, and of each ratio to TRL taken within its own round."""
     print(
         f"\n[vs_trl] {name}: {w['model']}, {PROMPTS_PER_STEP}×{GROUP} completions, {w['max_new_tokens']} new "
-        f"tokens, lr {w['lr']}, {steps} steps, target reward {target}"
+        f"tokens, lr {w['lr']}, {steps} steps, target reward {target}; medians of {len(rounds)} round(s)"
     )
     print("| run | s/step | ×TRL | T_gen ms | T_train ms | time to target | ×TRL | final reward |")
     print("|---|---|---|---|---|---|---|---|")
     out: dict[str, Any] = {}
-    for run, r in res.items():
-        sp = _ratio(r["s_per_step"], ref["s_per_step"])
-        tt = _ratio(r["time_to_target_s"], ref["time_to_target_s"])
+    for run in rounds[0]:
+        r = {k: _median([rnd[run][k] for rnd in rounds]) for k in rounds[0][run]}
+        sp = _median([_ratio(rnd[run]["s_per_step"], rnd["trl"]["s_per_step"]) for rnd in rounds])
+        tt = _median([_ratio(rnd[run]["time_to_target_s"], rnd["trl"]["time_to_target_s"]) for rnd in rounds])
         print(
             f"| {run} | {r['s_per_step']:.3f} | {sp:.2f} | {1000 * r['t_gen']:.0f} | {1000 * r['t_train']:.0f} "
             f"| {_s(r['time_to_target_s'])} | {'—' if tt is None else f'{tt:.2f}'} | {r['final_reward']:.3f} |"
@@ -341,8 +344,8 @@ def report(name: str, w: dict[str, Any], steps: int, target: float, res: dict[st
         )
         out[f"{name}_{run}_final_reward"] = round(r["final_reward"], 3)
         if run != "trl":
-            out[f"{name}_{run}_s_per_step_vs_trl"] = sp
-            out[f"{name}_{run}_time_to_target_vs_trl"] = tt
+            out[f"{name}_{run}_s_per_step_vs_trl"] = None if sp is None else round(sp, 3)
+            out[f"{name}_{run}_time_to_target_vs_trl"] = None if tt is None else round(tt, 3)
     return out
 
 
@@ -355,14 +358,16 @@ def main() -> None:
     )
     ap.add_argument("--trl-env", type=Path, default=ROOT / ".venv-trl", help="where TRL is installed")
     ap.add_argument(
-        "--trl-threads",
+        "--threads",
         type=int,
         default=0,
-        help="torch threads of the TRL run (0: torch's default, all cores)",
+        help="torch threads of every process, TRL's and each of tandem's (0: TRL torch's default, all "
+        "cores; tandem as launch.py splits them)",
     )
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the runs, interleaved; report medians")
     ap.add_argument("--out", type=Path, default=None, help="directory for the runs (default: a temp dir)")
     ap.add_argument(
-        "--runs", default="trl,sync,async,sync-all", help="comma-separated subset of trl,sync,async,sync-all"
+        "--runs", default="trl,sync,async", help="comma-separated subset of trl,sync,async,sync-all"
     )
     args = ap.parse_args()
 
@@ -373,22 +378,27 @@ def main() -> None:
     env = ensure_trl(args.trl_env)
     out = args.out or Path(tempfile.mkdtemp(prefix="tandem-vs-trl-"))
     runs = args.runs.split(",")
-    summary: dict[str, Any] = {}
+    summary: dict[str, Any] = {"threads": args.threads or None, "rounds": args.rounds}
     for name in ["tiny", "heavy"] if args.workload == "both" else [args.workload]:
         w = WORKLOADS[name]
         if name == "heavy":
             ensure_heavy_model(ROOT / w["model"])
         steps = args.steps or w["steps"]
         target = w["target"] if args.target is None else args.target
-        res: dict[str, dict] = {}
-        for run in runs:
-            if run == "trl":
-                res[run] = trl_figures(run_trl(env, w, steps, out / name / "trl", args.trl_threads), target)
-            else:
-                res[run] = run_tandem(run, w, steps, out / name / run, target)
-            (out / name / "results.json").write_text(json.dumps(res))  # what finished, should a run die
-        if "trl" in res:
-            summary.update(report(name, w, steps, target, res))
+        rounds: list[dict[str, dict]] = []
+        for k in range(args.rounds):
+            res: dict[str, dict] = {}
+            for run in runs:
+                where = out / name / f"round{k}" / run
+                if run == "trl":
+                    res[run] = trl_figures(run_trl(env, w, steps, where, args.threads), target)
+                else:
+                    res[run] = run_tandem(run, w, steps, where, target, args.threads)
+                # What finished, should a later run die.
+                (out / name / f"round{k}" / "results.json").write_text(json.dumps(res))
+            rounds.append(res)
+        if "trl" in runs:
+            summary.update(report(name, w, steps, target, rounds))
     print(json.dumps(summary))
 
 

@@ -52,7 +52,12 @@ class RunPlan:
 
 
 def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
-    """CPU threads for each server and for the learner: servers first, the learner takes what is left."""
+    """CPU threads for each server and for the learner: servers first, the learner takes what is left.
+
+    The same in sync mode, although there the phases alternate: giving each phase every core measured
+    7× slower per step on the tiny demo (OpenMP threads of small ops wait at barriers, badly so on a
+    shared machine), so the split stays (``bench/vs_trl.py --runs sync-all`` measures the alternative).
+    """
     cores = cores or os.cpu_count() or 1
     per_server = cfg.rollout.threads or max(1, cores // (cfg.rollout.num_servers + 1))
     learner = max(1, cores - per_server * cfg.rollout.num_servers)

@@ -10,7 +10,8 @@ What this module owns and why it looks the way it does:
   optimizer offload and gradient checkpointing from the config; ``learner.deepspeed`` is merged over the
   generated DeepSpeed config. The optimizer is a plain ``torch.optim.AdamW`` instance, so no DeepSpeed op
   is compiled. ``managed_gradient_accumulation: false`` lets the step run a variable number of
-  micro-batches per optimizer step: ``backward`` accumulates, ``step`` is the boundary.
+  micro-batches per optimizer step: ``backward`` accumulates, ``step`` is the boundary. A lone rank keeps
+  DeepSpeed's gradient allreduce: turning it off measured no faster (bench/learner.py).
 - **Critic.** A scalar-head model (``*ForSequenceClassification`` with one label) used per token:
   ``score(trunk(x).last_hidden_state)``, wrapped in :class:`ValueModel` so DeepSpeed sees one module.
   Initialised from ``model.critic``, else from the reward model or the actor's trunk (``critic_init``);
@@ -93,6 +94,8 @@ def init_distributed(device: torch.device) -> dist.ProcessGroup:
         if device.type == "cpu":
             prepare_extensions()  # DeepSpeed loads its CPU collective op here (tandem/prebuild.py)
         deepspeed.init_distributed(dist_backend=backend)  # wraps a group that exists, or joins torchrun's
+    log.info("rank %d of %d on %s, %d torch threads", dist.get_rank(), dist.get_world_size(), device,
+             torch.get_num_threads())  # fmt: skip
     return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
 
 

@@ -10,7 +10,8 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
   (``learner/checkpoint.py``).
 - **Order after the optimizer step** (synchronous equivalence, docs/design.md §3.5, §3.6): version ``v += 1``;
   publish version-``v`` weights if ``v % sync_interval == 0``; *then* ``buffer.set_version(v)``, which opens
-  admission, so no server starts a group for ``v`` before its weights exist. At start-up (and on resume)
+  admission, so no server starts a group for ``v`` before its weights exist. The ``shm`` publisher queues
+  the version in the transaction that announces the weights (after them, one round trip fewer per step). At start-up (and on resume)
   the current weights are published before anything waits for them, so a broken weight path fails at
   step 0.
 - **Sync mode is the same code**: ``run.mode == "sync"`` only makes ``Config.max_staleness`` 0; with servers
@@ -56,6 +57,7 @@ from tandem import fleet
 from tandem.config import Config, redact
 from tandem.telemetry import Telemetry
 from weightsync.source import is_zero3, unwrap
+from weightsync.shm import ShmPublisher
 
 log = logging.getLogger("learner")
 
@@ -97,6 +99,8 @@ class OnlineRuntime(Runtime):
             self.redis_incarnation = Incarnation(self.client)
             self.buffer = ReplayBuffer.from_config(self.client, self.cfg, CONSUMER)
             self.publisher = weightsync.make_publisher(self.cfg, self.client, run_dir=str(self.run_dir))
+            if isinstance(self.publisher, ShmPublisher):  # weights and version in one Redis transaction
+                self.publisher.announce_hooks.append(self.buffer.queue_version)
             self.telemetry = Telemetry(self.cfg, "learner", self.client, run_dir=str(self.run_dir))
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.trained_log = open(self.run_dir / "trained.jsonl", "a")  # noqa: SIM115 (closed in close())
@@ -209,11 +213,13 @@ class OnlineRuntime(Runtime):
     def sync_weights(self, *, force: bool = False) -> None:
         """Publish version ``v`` (when due), *then* announce it: admission opens only once weights exist."""
         self.sync_bytes = 0
+        announced = False  # the shm publisher sets the version in its own announce transaction
         if force or self.version % self.cfg.algorithm.sync_interval == 0:
             # A collective under ZeRO-3: every rank gathers; ranks other than 0 hold a draining publisher.
             counted = Counted(self.published_tensors())
             try:
                 self.publisher.publish(counted, self.version)
+                announced = isinstance(self.publisher, ShmPublisher)
             except weightsync.WeightSyncError as e:
                 if force:  # at start-up a broken weight path fails at step 0
                     raise
@@ -221,7 +227,7 @@ class OnlineRuntime(Runtime):
                 # joins the next version; the live servers keep generating meanwhile.
                 log.warning("weights v%d did not reach every server: %s", self.version, e)
             self.sync_bytes = counted.bytes
-        if self.lead:
+        if self.lead and not announced:
             self.buffer.set_version(self.version)
 
     def serve_joiners(self) -> None:

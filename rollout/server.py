@@ -32,6 +32,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
+from launcher.plan import thread_split
 from rollout.api import HTTPServer, ServerMetrics, create_app
 from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams
@@ -66,9 +67,8 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     sid, name = args.server_id, f"server-{args.server_id}"
     setup_logging(cfg.logging.level)
     seed_everything(cfg.run.seed + sid)
-    torch.set_num_threads(
-        cfg.rollout.threads or max(1, (os.cpu_count() or 1) // (cfg.rollout.num_servers + 1))
-    )
+    if "OMP_NUM_THREADS" not in os.environ:  # a launcher planned our threads (and torch read them); else:
+        torch.set_num_threads(thread_split(cfg)[0])
 
     client = connect_redis(cfg)
     buffer = ReplayBuffer.from_config(client, cfg, consumer=name)
@@ -121,7 +121,10 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     )
     telemetry.mark_ready(http_port=http.port if http else None)
     fleet = Beat(client, cfg.run.name, name).start()  # counted in the fleet until it leaves (§1.8)
-    log.info("%s ready (engine %s, weights v%d)", name, cfg.rollout.engine, engine.version)
+    log.info(
+        "%s ready (engine %s, weights v%d, %d torch threads)",
+        name, cfg.rollout.engine, engine.version, torch.get_num_threads(),
+    )  # fmt: skip
     try:
         loop.run()
     finally:

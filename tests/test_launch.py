@@ -19,6 +19,8 @@ import redis
 import yaml
 
 from buffer.redis_server import EmbeddedRedis
+from launcher.plan import thread_split
+from tandem.config import load_config
 from tandem.data import write_prompts
 from tandem.tasks import make_records
 
@@ -131,6 +133,11 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
         assert password not in log.read_text(errors="replace"), f"{log} holds the Redis password"
     assert password not in proc.stdout + proc.stderr
     assert (run_dir / "summary.json").exists() and (run_dir / "reward.png").exists()
+
+    # torch in each process runs the threads the plan gave it.
+    per_server, learner_threads = thread_split(load_config(run_dir / "config.yaml"))
+    assert f"on cpu, {learner_threads} torch threads" in (run_dir / "logs" / "learner.log").read_text()
+    assert f", {per_server} torch threads)" in (run_dir / "logs" / "server-0.log").read_text()
 
 
 def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(

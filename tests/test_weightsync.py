@@ -325,6 +325,38 @@ def test_shm_waiting_subscriber_verifies_while_the_publisher_writes(
     assert not redis_client_keys(client, run_id, "progress")  # the notes are deleted with the announcement
 
 
+def test_shm_announce_carries_the_learner_version_in_one_transaction(redis_client, run_id, tmp_path):
+    """With ``buffer.queue_version`` hooked in (the learner's set-up), one publish is one MULTI/EXEC that
+    announces the weights and then the version opening admission, in that order; without, none is set."""
+    from buffer.streams import ReplayBuffer
+
+    buf = ReplayBuffer(redis_client, run_id, consumer="learner-0")
+    pub = ShmPublisher(redis_client, run_id, tmp_path)
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(weights_key(run_id, "announce"), f"{run_id}:version:changed")
+
+    def execs() -> int:
+        return redis_client.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
+
+    pub.publish(weights(0).items(), 0)
+    assert redis_client.get(f"{run_id}:version") is None  # no hook: the version is the caller's to set
+    pub.announce_hooks.append(buf.queue_version)
+    before = execs()
+    pub.publish(weights(1).items(), 1)
+    assert execs() - before == 1
+    assert buf.get_version() == 1 and shm.latest_version(redis_client, run_id) == 1
+    seen = []
+    while (m := pubsub.get_message(timeout=1)) is not None:  # subscribe confirmations, then messages
+        if m["type"] == "message":
+            seen.append((m["channel"].decode().rsplit(":", 1)[-1], m["data"]))
+    assert [s for s in seen if s[1] != b"progress"] == [
+        ("announce", b"0"),
+        ("announce", b"1"),
+        ("changed", b"1"),
+    ]
+    pubsub.close()
+
+
 def test_shm_range_corrupted_before_its_early_check_is_rejected(redis_client, run_id, tmp_path, caplog):
     pub = ShmPublisher(redis_client, run_id, tmp_path, shard_bytes=1 << 20)
     sub = ShmSubscriber(redis_client, run_id, "s0")

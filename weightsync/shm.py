@@ -47,7 +47,7 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,6 +265,10 @@ class ShmPublisher:
         # it announces the version.
         self._notifier = ThreadPoolExecutor(1, thread_name_prefix="shm-progress")
         self._notes: list[Future[None]] = []
+        self._writing: bytes | None = None  # ``[version, token]``, sent with the version's first note
+        # Run inside the announce transaction after ``latest``: the learner's buffer.queue_version, so
+        # admission for a version opens in the same round trip that announces its weights.
+        self.announce_hooks: list[Callable[[redis.client.Pipeline, int], None]] = []
         for stale in self.root.glob(".tmp-*"):  # a crashed publisher's half-written version
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -274,7 +278,7 @@ class ShmPublisher:
         tmp.mkdir()
         token = os.urandom(8).hex()  # names this one write in its progress notes and its manifest
         self._progress_key = weights_key(self.run, "progress", token)
-        self.client.set(weights_key(self.run, "writing"), msgpack.packb([version, token]))
+        self._writing = msgpack.packb([version, token])  # set with the first note, off the copy's path
         it = iter(named_tensors)
         try:
             entries = self._write_shards(it, tmp)
@@ -284,6 +288,7 @@ class ShmPublisher:
                 pass
             with contextlib.suppress(Exception):
                 self._join_notes()
+            self._writing = None
             shutil.rmtree(tmp, ignore_errors=True)
             self._maps.retain_existing(self.root)
             self.client.delete(weights_key(self.run, "writing"), self._progress_key)
@@ -305,6 +310,8 @@ class ShmPublisher:
         pipe.set(weights_key(self.run, "manifest", version), msgpack.packb(manifest))
         pipe.delete(weights_key(self.run, "writing"), self._progress_key)
         announce(pipe, self.run, version)
+        for hook in self.announce_hooks:
+            hook(pipe, version)
         pipe.execute()
         self._collect()
         self._maps.retain_existing(self.root)
@@ -381,6 +388,9 @@ class ShmPublisher:
     def _note_progress(self, path: Path, spans: list[tuple[int, int, str]]) -> None:
         """Tell waiting subscribers which byte ranges of ``path`` are final, so they verify while we write."""
         pipe = self.client.pipeline(transaction=False)
+        if self._writing is not None:  # the version's first note names it to subscribers
+            pipe.set(weights_key(self.run, "writing"), self._writing)
+            self._writing = None
         pipe.rpush(self._progress_key, msgpack.packb([str(path), spans]))
         pipe.expire(self._progress_key, 3600)  # only a crashed publisher leaves one behind
         pipe.publish(weights_key(self.run, "announce"), "progress")

@@ -1,0 +1,45 @@
+"""The run plan's CPU thread split (``launcher/plan.py``): the servers first, the learner takes what is left."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.plan import plan_run, thread_split
+from tandem.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config(mode: str, **rollout: int):
+    raw = {
+        "run": {"name": "plan", "mode": mode},
+        "model": {"actor": "assets/tiny/actor"},
+        "data": {"prompts": str(ROOT / "pyproject.toml")},
+        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+        "rollout": rollout,
+    }
+    return load_config(None, raw=raw)
+
+
+@pytest.mark.parametrize(
+    ("mode", "servers", "threads", "cores", "expected"),
+    [
+        ("async", 1, 0, 2, (1, 1)),  # generation and training at once: one core each
+        ("async", 1, 0, 16, (8, 8)),
+        ("async", 3, 0, 16, (4, 4)),
+        ("async", 1, 3, 16, (3, 13)),  # rollout.threads first, the learner takes what is left
+        ("sync", 1, 0, 2, (1, 1)),  # the same split in sync (all cores per phase measured slower)
+        ("sync", 3, 0, 16, (4, 4)),
+        ("async", 4, 0, 2, (1, 1)),  # never below one thread
+    ],
+)
+def test_thread_split(mode: str, servers: int, threads: int, cores: int, expected: tuple[int, int]) -> None:
+    assert thread_split(config(mode, num_servers=servers, threads=threads), cores) == expected
+
+
+def test_plan_gives_each_role_its_threads(tmp_path: Path) -> None:
+    cfg = config("sync", num_servers=2, threads=3)
+    plan = plan_run(cfg, tmp_path, tmp_path / "config.yaml", resume=False, cores=8)
+    assert [r.threads for r in plan.roles] == [2, 3, 3]
