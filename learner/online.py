@@ -56,8 +56,8 @@ from learner.runtime import Runtime
 from tandem import fleet
 from tandem.config import Config, redact
 from tandem.telemetry import Telemetry
-from weightsync.source import is_zero3, unwrap
 from weightsync.shm import ShmPublisher
+from weightsync.source import is_zero3, unwrap
 
 log = logging.getLogger("learner")
 
