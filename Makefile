@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	  fi; \
 	fi; \
 	echo "[tandem] installing tandem and its dependencies"; \
-	$(PIP) install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true; \
+	$(PIP) install -e ".[dev,openenv]" 2>&1 | grep -v "^WARNING: Location" || true; \
 	$(PY) -c "import tandem, torch, deepspeed, redis, transformers" 2>/dev/null || { echo "[tandem] install failed"; exit 1; }; \
 	$(PY) -m tandem.prebuild; \
 	touch $(STAMP)
