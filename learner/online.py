@@ -192,6 +192,7 @@ class OnlineRuntime(Runtime):
         if not self.redis_incarnation.changed():
             return
         reacked = self.buffer.reack()
+        self.reack_lineage()  # and every checkpointed id: the restart may have reloaded an older AOF (§6.7)
         self.buffer.set_version(self.version)
         a = self.cfg.algorithm
         admitted = self.buffer.recount_admission(
