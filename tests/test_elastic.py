@@ -188,6 +188,8 @@ def test_attach_refuses_what_it_cannot_join(redis_server, redis_client, run_id, 
     assert "--servers: want +K with K >= 1" in capsys.readouterr().err
 
     dead = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"url": "redis://:pw@127.0.0.1:1/0"})})
+    # attach rides out a Redis restart for supervision.reconnect_s before calling the run gone: 1 s here
+    dead = dead.model_copy(update={"supervision": dead.supervision.model_copy(update={"reconnect_s": 1.0})})
     (tmp_path / "config.yaml").write_text(dump_config(dead))
     assert attach_run(tmp_path, 1) == 1
     out = capsys.readouterr().out

@@ -228,9 +228,14 @@ def test_poison_pills_are_dead_lettered_and_training_goes_on(
 
 
 def test_start_fails_fast_without_redis(tiny_ckpt, tmp_path) -> None:
-    cfg = load_config(None, raw=raw_config(tiny_ckpt, f"redis://127.0.0.1:{free_port()}", "down", tmp_path))
+    # A Redis that never answered fails the start once supervision.reconnect_s (the ride-out of a restart) is
+    # spent, with the reason; 2 s here instead of the default 60.
+    raw = raw_config(tiny_ckpt, f"redis://127.0.0.1:{free_port()}", "down", tmp_path)
+    cfg = load_config(None, raw={**raw, "supervision": {"reconnect_s": 2.0}})
+    t0 = time.monotonic()
     with pytest.raises(ConnectionError, match="does not answer"):
         Learner(cfg, tmp_path / "run").start()
+    assert time.monotonic() - t0 < 30
 
 
 def test_stop_request_while_waiting_publishes_and_checkpoints(
