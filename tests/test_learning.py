@@ -14,7 +14,7 @@ from tandem.data import write_prompts
 from tandem.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.stages]  # a learning run of minutes: make test-stages
 
 
 def test_four_model_ppo_learns_echo(tiny_ckpt, tmp_path: Path) -> None:
