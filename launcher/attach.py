@@ -124,17 +124,13 @@ def supervise(
         for c in children:
             if c.running:
                 continue
-            if c.restart_at is None:
-                delay = c.restarts.after_crash(now)
-                if delay is None:
-                    return 1, f"{c.restarts.refusal()}; last lines of {c.log_path}:\n{c.log_tail()}"
-                c.restart_at = now + delay
-                print(f"[attach] {c.name} exited with code {c.proc.returncode}; restarting", flush=True)
-            elif now >= c.restart_at:
-                c.restart_at = None
-                c.restarts.restarted(now)
+            step = c.tend(now)
+            if step == "refused":
+                return 1, f"{c.restarts.refusal()}; last lines of {c.log_path}:\n{c.log_tail()}"
+            if step == "restart":
                 client.delete(ready_key(run, c.name))
                 c.start(again=True)
+                print(f"[attach] restarted {c.name} (restart {c.restarts.total})", flush=True)
     return 0, "left the run: the attached servers handed back what they held"
 
 

@@ -76,6 +76,22 @@ class Child:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
 
+    def tend(self, now: float) -> str:
+        """For a child that is not running: ``"restart"`` once its backoff has passed (counted as a restart:
+        start it again), ``"wait"`` during the backoff, ``"refused"`` past its role's budget."""
+        if self.restart_at is None:
+            delay = self.restarts.after_crash(now)
+            if delay is None:
+                return "refused"
+            self.restart_at = now + delay
+            log.warning("%s exited with code %s; restarting in %.1fs", self.name, self.proc.returncode, delay)
+            return "wait"
+        if now < self.restart_at:
+            return "wait"
+        self.restart_at = None
+        self.restarts.restarted(now)
+        return "restart"
+
     def log_tail(self, n: int = 25) -> str:
         if not self.log_path.exists():
             return ""
@@ -163,15 +179,10 @@ class LocalBackend:
                 return Outcome(
                     False, f"learner exited with code {c.proc.returncode} while stopping{self._tail(c)}"
                 )
-            if c.restart_at is None:
-                delay = c.restarts.after_crash(now)
-                if delay is None:
-                    return Outcome(False, f"{c.restarts.refusal()}{self._tail(c)}")
-                c.restart_at = now + delay
-                log.warning("%s exited with code %s; restarting in %.1fs", c.name, c.proc.returncode, delay)
-            elif now >= c.restart_at:
-                c.restart_at = None
-                c.restarts.restarted(now)
+            step = c.tend(now)
+            if step == "refused":
+                return Outcome(False, f"{c.restarts.refusal()}{self._tail(c)}")
+            if step == "restart":
                 self._restart(c)
         return None
 
