@@ -3,11 +3,11 @@
     python bench/vs_trl.py [--workload tiny|heavy|both] [--steps N] [--target R] [--trl-env DIR]
 
 Per workload it runs, one after the other in the same invocation: TRL 1.16 ``GRPOTrainer`` (one process),
-``launch.py --mode sync``, ``launch.py --mode async`` and, on request, ``sync-all`` (sync mode with every
-process given all the cores, as the phases alternate: issue #17's "fair" sync baseline, made by replacing
-the plan's thread split for that run; it measured 7× slower than the split on the tiny demo under load, so
-launch keeps the split), and prints s/step, time to ``--target`` reward (5-step moving average) and final
-reward for each, as ratios to TRL. The last line is one JSON object.
+``launch.py --mode sync`` (each phase on every core, as the phases alternate), ``launch.py --mode async``
+and, on request, ``sync-split`` (sync mode with async's thread split, one core per side on 2 cores: the
+policy before issue #17, made by replacing the plan's thread split for that run), and prints s/step, time to
+``--target`` reward (5-step moving average) and final reward for each, as ratios to TRL. The last line is
+one JSON object.
 ``--rounds N`` repeats the runs N times, interleaved (trl, sync, async, trl, sync, …), and reports the
 median of each figure and of each same-round ratio.
 
@@ -269,16 +269,18 @@ def tandem_overrides(w: dict[str, Any]) -> list[str]:
     ]
 
 
-# tandem runs through launch.main with the plan's thread split replaced when asked: ``all`` (every process
-# gets every core: sync-all) or a fixed count per process (``--threads``).
+# tandem runs through launch.main with the plan's thread split replaced when asked: ``split`` (async's split
+# in sync mode: sync-split) or a fixed count per process (``--threads``).
 LAUNCH_WITH_SPLIT = """
-import os, sys
+import sys
 import launch
 import launcher.plan as plan
 how = sys.argv.pop(1)
+planned = plan.thread_split
 def replaced(cfg, cores=None):
-    n = (cores or os.cpu_count() or 1) if how == "all" else int(how)
-    return n, n
+    if how == "split":
+        return planned(cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": "async"})}), cores)
+    return int(how), int(how)
 plan.thread_split = replaced
 sys.exit(launch.main(sys.argv[1:]))
 """
@@ -287,7 +289,7 @@ sys.exit(launch.main(sys.argv[1:]))
 def run_tandem(
     run: str, w: dict[str, Any], steps: int, out: Path, target: float, threads: int
 ) -> dict[str, Any]:
-    mode, split = ("sync", "all") if run == "sync-all" else (run, str(threads) if threads else None)
+    mode, split = ("sync", "split") if run == "sync-split" else (run, str(threads) if threads else None)
     overrides = tandem_overrides(w)
     if split is None:
         run_dir = run_mode(mode, "configs/tiny.yaml", steps, out, overrides)
@@ -367,7 +369,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="repeat the runs, interleaved; report medians")
     ap.add_argument("--out", type=Path, default=None, help="directory for the runs (default: a temp dir)")
     ap.add_argument(
-        "--runs", default="trl,sync,async", help="comma-separated subset of trl,sync,async,sync-all"
+        "--runs", default="trl,sync,async", help="comma-separated subset of trl,sync,async,sync-split"
     )
     args = ap.parse_args()
 

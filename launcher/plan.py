@@ -52,16 +52,21 @@ class RunPlan:
 
 
 def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
-    """CPU threads for each server and for the learner: servers first, the learner takes what is left.
+    """CPU threads for each server and for the learner.
 
-    The same in sync mode, although there the phases alternate: giving each phase every core measured
-    7× slower per step on the tiny demo (OpenMP threads of small ops wait at barriers, badly so on a
-    shared machine), so the split stays (``bench/vs_trl.py --runs sync-all`` measures the alternative).
+    async: generation and training run at once, so they split the cores: the servers first
+    (``rollout.threads`` or an equal share), the learner takes what is left. sync: the phases alternate,
+    so each has every core: the servers share them while generating, then the learner has them all
+    (the colocated baseline TRL, verl and AReaL compare against; on the generation-heavy workload of
+    ``bench/vs_trl.py`` it measured 1.6 -> 1.1 s/step against the split). ``rollout.threads`` and
+    ``learner.threads`` override either share (on a busy machine, 1 avoids OpenMP barrier stalls).
     """
     cores = cores or os.cpu_count() or 1
-    per_server = cfg.rollout.threads or max(1, cores // (cfg.rollout.num_servers + 1))
-    learner = max(1, cores - per_server * cfg.rollout.num_servers)
-    return per_server, learner
+    servers, learner = cfg.rollout.num_servers, cfg.learner.threads
+    if cfg.run.mode == "sync":
+        return cfg.rollout.threads or max(1, cores // servers), learner or cores
+    per_server = cfg.rollout.threads or max(1, cores // (servers + 1))
+    return per_server, learner or max(1, cores - per_server * servers)
 
 
 def server_tp(cfg: Config) -> int:
@@ -98,4 +103,8 @@ def plan_run(
         for i in range(cfg.rollout.num_servers)
     ]
     env = {"TANDEM_RUN_GROUP": run_dir.name, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if cfg.run.mode == "sync" and "OMP_WAIT_POLICY" not in os.environ:
+        # Sync processes share every core by turns: an OpenMP thread spinning after its phase ended would
+        # take a core from the phase that started (measured 1.29 -> 1.12x TRL's s/step on the tiny demo).
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     return RunPlan(cfg, run_dir, config_path, [learner, *servers], env)

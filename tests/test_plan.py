@@ -12,13 +12,14 @@ from tandem.config import load_config
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def config(mode: str, **rollout: int):
+def config(mode: str, learner_threads: int = 0, **rollout: int):
     raw = {
         "run": {"name": "plan", "mode": mode},
         "model": {"actor": "assets/tiny/actor"},
         "data": {"prompts": str(ROOT / "pyproject.toml")},
         "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
         "rollout": rollout,
+        "learner": {"threads": learner_threads},
     }
     return load_config(None, raw=raw)
 
@@ -30,8 +31,9 @@ def config(mode: str, **rollout: int):
         ("async", 1, 0, 16, (8, 8)),
         ("async", 3, 0, 16, (4, 4)),
         ("async", 1, 3, 16, (3, 13)),  # rollout.threads first, the learner takes what is left
-        ("sync", 1, 0, 2, (1, 1)),  # the same split in sync (all cores per phase measured slower)
-        ("sync", 3, 0, 16, (4, 4)),
+        ("sync", 1, 0, 2, (2, 2)),  # the phases alternate: each has every core
+        ("sync", 3, 0, 16, (5, 16)),  # the servers share the cores while generating
+        ("sync", 2, 3, 16, (3, 16)),
         ("async", 4, 0, 2, (1, 1)),  # never below one thread
     ],
 )
@@ -39,7 +41,23 @@ def test_thread_split(mode: str, servers: int, threads: int, cores: int, expecte
     assert thread_split(config(mode, num_servers=servers, threads=threads), cores) == expected
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_learner_threads_override_the_share(mode: str) -> None:
+    assert thread_split(config(mode, learner_threads=1, num_servers=1, threads=1), 16) == (1, 1)
+
+
 def test_plan_gives_each_role_its_threads(tmp_path: Path) -> None:
-    cfg = config("sync", num_servers=2, threads=3)
+    cfg = config("async", num_servers=2, threads=3)
     plan = plan_run(cfg, tmp_path, tmp_path / "config.yaml", resume=False, cores=8)
     assert [r.threads for r in plan.roles] == [2, 3, 3]
+    assert "OMP_WAIT_POLICY" not in plan.env  # async processes keep their own cores: spinning is free
+
+
+def test_sync_plan_shares_every_core_without_spinning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cfg = config("sync", num_servers=2)
+    plan = plan_run(cfg, tmp_path, tmp_path / "config.yaml", resume=False, cores=8)
+    assert [r.threads for r in plan.roles] == [8, 4, 4]
+    assert plan.env["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice stands
+    assert "OMP_WAIT_POLICY" not in plan_run(cfg, tmp_path, tmp_path / "c.yaml", resume=False, cores=8).env
