@@ -258,7 +258,9 @@ class RolloutConfig(Section):
         description="hf engine: apply a pending weight update between decode steps, not only between batches.",
     )
     threads: int = Field(
-        0, ge=0, description="CPU threads per server (0: an equal share of the cores; in sync mode, of all of them)."
+        0,
+        ge=0,
+        description="CPU threads per server (0: an equal share of the cores; in sync mode, of all of them).",
     )
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="The server's OpenAI-compatible API.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="Settings used when engine is vllm.")
@@ -503,7 +505,9 @@ class LearnerConfig(Section):
         8, ge=1, description="Trajectories per forward/backward; minibatches accumulate micro-batches."
     )
     threads: int = Field(
-        0, ge=0, description="CPU threads per learner rank (0: the cores the servers leave; in sync mode, all)."
+        0,
+        ge=0,
+        description="CPU threads per learner rank (0: the cores the servers leave; in sync mode, all).",
     )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of actor and critic.")
     offload_optimizer: bool = Field(

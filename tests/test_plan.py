@@ -53,7 +53,9 @@ def test_plan_gives_each_role_its_threads(tmp_path: Path) -> None:
     assert "OMP_WAIT_POLICY" not in plan.env  # async processes keep their own cores: spinning is free
 
 
-def test_sync_plan_shares_every_core_without_spinning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_plan_shares_every_core_without_spinning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cfg = config("sync", num_servers=2)
     plan = plan_run(cfg, tmp_path, tmp_path / "config.yaml", resume=False, cores=8)
