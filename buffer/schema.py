@@ -91,7 +91,7 @@ class Trajectory:
     @property
     def min_version(self) -> int:
         """The oldest policy version that produced a token (staleness is measured from it)."""
-        versions = self.token_versions[self.generated]
+        versions = self.token_versions if self.loss_mask.all() else self.token_versions[self.generated]
         return int(versions.min()) if len(versions) else int(self.meta.get("version", 0))
 
     def staleness(self, learner_version: int) -> int:
@@ -224,13 +224,17 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
             raise SchemaError("loss_mask", "values must be 0 (environment token) or 1 (generated token)")
     else:
         loss_mask = np.ones(n, dtype=np.uint8)
-    generated = loss_mask.astype(bool)
-    if generated.any() and versions[generated].min() < 0:
-        raise SchemaError("token_versions", "versions of generated tokens must be >= 0")
-    if not (versions[~generated] == -1).all():
-        raise SchemaError("token_versions", "environment tokens (loss_mask 0) carry version -1")
-    if (behav[~generated] != 0).any():
-        raise SchemaError("behav_logp", "environment tokens (loss_mask 0) carry log-probability 0")
+    if loss_mask.all():  # every token generated (single-turn): one check instead of five on tiny arrays
+        if n and versions.min() < 0:
+            raise SchemaError("token_versions", "versions of generated tokens must be >= 0")
+    else:
+        generated = loss_mask.astype(bool)
+        if generated.any() and versions[generated].min() < 0:
+            raise SchemaError("token_versions", "versions of generated tokens must be >= 0")
+        if not (versions[~generated] == -1).all():
+            raise SchemaError("token_versions", "environment tokens (loss_mask 0) carry version -1")
+        if (behav[~generated] != 0).any():
+            raise SchemaError("behav_logp", "environment tokens (loss_mask 0) carry log-probability 0")
     prompt = _unpack_array("prompt_tokens", _get(d, "prompt_tokens", list), "int32", max_tokens)
     if len(prompt) == 0:
         raise SchemaError("prompt_tokens", "empty prompt (the first response token has nothing to follow)")
@@ -247,7 +251,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
     ):
         raise SchemaError("reward_parts", "expected a map of str to finite number")
     reward = float(_get(d, "reward", (int, float)))
-    if not np.isfinite(reward):
+    if not math.isfinite(reward):
         raise SchemaError("reward", f"{reward} is not finite")
     return Trajectory(
         traj_id=_get(d, "traj_id", str),

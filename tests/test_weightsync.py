@@ -237,6 +237,8 @@ def test_shm_version_dir_loads_with_transformers(redis_client, run_id, tmp_path,
             assert len(names) > 1 and (Path(upd.path) / "model.safetensors.index.json").exists()
         reloaded = AutoModelForCausalLM.from_pretrained(upd.path)
         AutoTokenizer.from_pretrained(upd.path)
+        # The checkpoint's other files are linked into each version from one copy, not copied per version.
+        assert (Path(upd.path) / "config.json").stat().st_nlink == 2
         want = model.state_dict()
         for name, t in reloaded.state_dict().items():
             assert torch.equal(t, want[name]), name
@@ -502,6 +504,9 @@ def _zero3_rank(rank: int, port: int, url: str, cfg_raw: dict, out_dir: str) -> 
     import deepspeed
     from transformers import AutoModelForCausalLM
 
+    from tandem.prebuild import prepare_extensions
+
+    prepare_extensions()  # as the learner does: a stale torch lock file from a killed loader is cleared
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = Config.model_validate(cfg_raw)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.actor)

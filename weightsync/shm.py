@@ -266,6 +266,7 @@ class ShmPublisher:
         self._notifier = ThreadPoolExecutor(1, thread_name_prefix="shm-progress")
         self._notes: list[Future[None]] = []
         self._writing: bytes | None = None  # ``[version, token]``, sent with the version's first note
+        self._config_files: list[Path] | None = None  # under ``.config``, linked into every version
         # Run inside the announce transaction after ``latest``: the learner's buffer.queue_version, so
         # admission for a version opens in the same round trip that announces its weights.
         self.announce_hooks: list[Callable[[redis.client.Pipeline, int], None]] = []
@@ -427,10 +428,25 @@ class ShmPublisher:
         return [_Entry(e.name, e.dtype, e.shape, names[e.file], e.begin, e.end, e.checksum) for e in entries]
 
     def _copy_config(self, tmp: Path) -> None:
-        if self.config_dir is None or not self.config_dir.is_dir():
-            return
-        for src in self.config_dir.iterdir():
-            if src.is_file() and not src.name.endswith(WEIGHT_SUFFIXES):
+        """Give the version the checkpoint's other files (config, tokenizer), so it loads as a checkpoint.
+
+        They are copied once per publisher into ``.config`` and hard-linked into each version: a link
+        costs a fraction of a copy, which a tiny model pays on every step.
+        """
+        if self._config_files is None:
+            self._config_files = []
+            if self.config_dir is not None and self.config_dir.is_dir():
+                stable = self.root / ".config"
+                shutil.rmtree(stable, ignore_errors=True)
+                stable.mkdir()
+                for src in self.config_dir.iterdir():
+                    if src.is_file() and not src.name.endswith(WEIGHT_SUFFIXES):
+                        shutil.copyfile(src, stable / src.name)
+                        self._config_files.append(stable / src.name)
+        for src in self._config_files:
+            try:
+                os.link(src, tmp / src.name)
+            except OSError:  # a filesystem without hard links
                 shutil.copyfile(src, tmp / src.name)
 
     def _replace_dir(self, tmp: Path, final: Path) -> None:
