@@ -30,8 +30,9 @@ venv. Nothing touches a hub: the model is a local directory and the dataset an i
 
 How the TRL run is made to match tandem's (learner/models.py, learner/losses.py, learner/advantages.py):
   fp32 on CPU, ``per_device_train_batch_size=32``, ``num_generations=8``, ``steps_per_generation=1``,
-  ``num_iterations=1``, no gradient accumulation, no gradient checkpointing (TRL's default is on); AdamW (torch, not fused) with tandem's defaults
-  (β=(0.9, 0.999), ε=1e-8, no weight decay), constant learning rate, gradient clip 1.0; ``beta=0`` (no
+  ``num_iterations=1``, no gradient accumulation, no gradient checkpointing (TRL's default is on); torch's
+  fused AdamW (TRL's default ``adamw_torch_fused``, and tandem's) with tandem's defaults (β=(0.9, 0.999),
+  ε=1e-8, no weight decay), constant learning rate, gradient clip 1.0; ``beta=0`` (no
   reference model, tandem's ``kl_coef: 0``); ``loss_type="dapo"`` (a token-level mean over the whole
   batch, which is tandem's loss aggregation); ε_low 0.2 / ε_high 0.28 as tandem's defaults; GRPO
   advantages scaled by the group std.
@@ -179,7 +180,7 @@ def trl_child(args: argparse.Namespace) -> None:
         temperature=1.0,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
-        optim="adamw_torch",
+        optim="adamw_torch_fused",
         weight_decay=0.0,
         max_grad_norm=1.0,
         beta=0.0,

@@ -169,6 +169,8 @@ class PPOLearner(OnlineRuntime):
         """``prox_logp`` (None unless ``actor``), reference logprobs and critic values of every response
         token. Shape: (B, R) each."""
         m, temperature = self.models, self.models.temperature
+        if not actor and m.reference is None and m.critic is None:  # GRPO, one optimizer step: no pass
+            return None, None, None
         prox_logp = torch.zeros_like(batch.behav_logp) if actor else None
         ref_logp = None if m.reference is None else torch.zeros_like(batch.behav_logp)
         old_values = None if m.critic is None else torch.zeros_like(batch.behav_logp)
