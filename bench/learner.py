@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # bench/buffer.py and bench/weightsync.py would shadow the packages of the same name.
@@ -74,6 +75,23 @@ def timed(fn, iters: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved(
+    set_arm: Callable[[bool], None],
+    step: Callable[[], None],
+    iters: int,
+    order: tuple[bool, bool] = (True, False),
+) -> dict[bool, float]:
+    """An A/B interleaved round by round: median seconds of ``step`` under each arm, first round dropped."""
+    times: dict[bool, list[float]] = {arm: [] for arm in order}
+    for _ in range(iters + 1):
+        for arm in order:
+            set_arm(arm)
+            t0 = time.perf_counter()
+            step()
+            times[arm].append(time.perf_counter() - t0)
+    return {arm: statistics.median(ts[1:]) for arm, ts in times.items()}
 
 
 def bare_step(engine, trajs: list[Trajectory], micro: int) -> None:
@@ -135,14 +153,10 @@ def main() -> None:
         print(f"bare DeepSpeed fwd/bwd/step (padded): {bare:,.0f} tokens/s")
         # algorithm.prox_forward: the same step with and without the proximal no-grad pass, interleaved.
         learner.layout = max(ours, key=ours.get)
-        prox_s = {True: [], False: []}
-        for _ in range(args.iters + 1):
-            for skip in (True, False):
-                learner.prox_is_current = skip
-                t0 = time.perf_counter()
-                learner.train(batch)
-                prox_s[skip].append(time.perf_counter() - t0)
-        skip_s, full_s = (statistics.median(prox_s[k][1:]) for k in (True, False))
+        prox_s = interleaved(
+            lambda skip: setattr(learner, "prox_is_current", skip), lambda: learner.train(batch), args.iters
+        )
+        skip_s, full_s = prox_s[True], prox_s[False]
         print(
             f"proximal forward: {1000 * full_s:.0f} ms per step with it, {1000 * skip_s:.0f} ms skipped "
             f"(prox_forward=auto with one optimizer step); saves {100 * (1 - skip_s / full_s):.0f}%"
@@ -151,15 +165,14 @@ def main() -> None:
         # (``engine.enable_backward_allreduce``), interleaved; make_engine keeps it unless this pays.
         learner.prox_is_current = True
         actor = learner.models.actor
-        ar_s = {True: [], False: []}
-        for _ in range(args.iters + 1):
-            for allreduce in (False, True):
-                actor.enable_backward_allreduce = allreduce
-                t0 = time.perf_counter()
-                learner.train(batch)
-                ar_s[allreduce].append(time.perf_counter() - t0)
+        ar_s = interleaved(
+            lambda on: setattr(actor, "enable_backward_allreduce", on),
+            lambda: learner.train(batch),
+            args.iters,
+            order=(False, True),
+        )
         actor.enable_backward_allreduce = True
-        off_s, on_s = (statistics.median(ar_s[k][1:]) for k in (False, True))
+        off_s, on_s = ar_s[False], ar_s[True]
         print(
             f"gradient allreduce at world 1: {1000 * on_s:.0f} ms per step with it, {1000 * off_s:.0f} ms "
             f"skipped; saves {100 * (1 - off_s / on_s):.0f}%"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ from buffer.streams import ReplayBuffer
 from learner import acked_ranges as ar
 from learner.ppo import PPOLearner
 from tandem.config import load_config
-from tests.test_learner import group, raw_config
+from tests.test_learner import group, lineage, raw_config
 
 
 def naive(members: set, barriers: set) -> list:
@@ -94,14 +93,6 @@ def test_a_long_lineage_stays_compact() -> None:
 
 
 # ----------------------------------------------------------------------------------- end to end
-
-
-def lineage(run_dir: Path) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for line in (run_dir / "trained.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        out[row["version"]] = row["ids"]
-    return out
 
 
 @pytest.mark.slow

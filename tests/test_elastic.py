@@ -23,7 +23,15 @@ from buffer.streams import ReplayBuffer
 from tandem import fleet
 from tests.test_launch import ROOT, attach, inspect_redis, launch_cmd, leftover_processes
 from tests.test_launch import prompts as prompts
-from tests.test_weightsync import SPAWN, _await, _subscriber_main, assert_bit_identical, make_cfg, weights
+from tests.test_weightsync import (
+    SPAWN,
+    _await,
+    _stop_subscribers,
+    _subscriber_main,
+    assert_bit_identical,
+    make_cfg,
+    weights,
+)
 from weightsync import make_publisher
 from weightsync.base import Registry, weights_key
 
@@ -73,12 +81,7 @@ def test_dist_joiner_gets_the_current_version_at_once(
         pub.publish(weights(3).items(), 3)  # and the next version reaches both
         _await(lambda: all((out / f"{s}-v3.safetensors").exists() for s in "AC"), "v3 at A and C", procs)
     finally:
-        for sid in procs:
-            redis_client.set(f"{run_id}:test:{sid}", "stop")
-        for p in procs.values():
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        _stop_subscribers(redis_client, run_id, procs)
         pub.close()
     assert sorted(f.name for f in out.glob("C-*")) == ["C-v2.safetensors", "C-v3.safetensors"]
     for f in out.glob("*.safetensors"):

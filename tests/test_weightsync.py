@@ -106,6 +106,16 @@ def _await(cond, what: str, procs: dict, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _stop_subscribers(client: redis.Redis, run: str, procs: dict) -> None:
+    """Tell every ``_subscriber_main`` to stop, then join it (killed after 30 s)."""
+    for sid in procs:
+        client.set(f"{run}:test:{sid}", "stop")
+    for p in procs.values():
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport", ["shm", "dist"])
@@ -158,12 +168,7 @@ def test_exchange_late_join_and_skip(transport, redis_server, redis_client, run_
         live({"B"})
         publish(6, ["A", "B", "C"])
     finally:
-        for sid in procs:
-            redis_client.set(f"{run_id}:test:{sid}", "stop")
-        for p in procs.values():
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        _stop_subscribers(redis_client, run_id, procs)
         pub.close()
     assert {sid: p.exitcode for sid, p in procs.items()} == {"A": 0, "B": 0, "C": 0}
 
