@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -88,11 +89,15 @@ class Trajectory:
                 runs.append((kind, i, i + 1))
         return runs
 
-    @property
+    @cached_property
     def min_version(self) -> int:
-        """The oldest policy version that produced a token (staleness is measured from it)."""
-        versions = self.token_versions if self.loss_mask.all() else self.token_versions[self.generated]
-        return int(versions.min()) if len(versions) else int(self.meta.get("version", 0))
+        """The oldest policy version that produced a token (staleness is measured from it).
+
+        Computed once: the buffer's staleness screen and the learner's batch both ask for it."""
+        versions = self.token_versions
+        if len(versions) and value_range(self.loss_mask)[0] == 0:  # multi-turn: generated tokens only
+            versions = versions[self.generated]
+        return int(value_range(versions)[0]) if len(versions) else int(self.meta.get("version", 0))
 
     def staleness(self, learner_version: int) -> int:
         """``v - min(token_versions)`` at learner version ``v`` (docs/design.md §3.2)."""
@@ -113,6 +118,28 @@ class PromptRecord:
 
 
 # ------------------------------------------------------------------------------------------------ codec
+
+SHORT = 256  # arrays up to this long are reduced through a Python list (see value_range)
+
+
+def value_range(a: np.ndarray) -> tuple[Any, Any]:
+    """``(min, max)`` of a non-empty integer array as Python numbers.
+
+    A numpy reduction pays about 2 µs of call overhead, several times the work on a response of a few
+    dozen tokens, and each trajectory's validation needs several: a short array goes through a list
+    instead. Not for floats (NaN ordering): see :func:`_logprobs_valid`.
+    """
+    if len(a) <= SHORT:
+        xs = a.tolist()
+        return min(xs), max(xs)
+    return a.min().item(), a.max().item()
+
+
+def _logprobs_valid(a: np.ndarray) -> bool:
+    """Every log-probability finite and <= 0 (a little float slack above); NaN fails every comparison."""
+    if len(a) <= SHORT:
+        return all(-math.inf < x <= 1e-4 for x in a.tolist())
+    return bool(a.min() > -np.inf and a.max() <= 1e-4)
 
 
 def _pack_array(a: np.ndarray) -> list[Any]:
@@ -214,18 +241,19 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
     for name, arr in (("behav_logp", behav), ("token_versions", versions)):
         if len(arr) != n:
             raise SchemaError(name, f"length {len(arr)} != len(response_tokens) {n}")
-    if n and not (behav.min() > -np.inf and behav.max() <= 1e-4):  # NaN fails both comparisons
+    if n and not _logprobs_valid(behav):
         raise SchemaError("behav_logp", "log-probabilities must be finite and <= 0")
     if d["v"] >= 2:
         loss_mask = _unpack_array("loss_mask", _get(d, "loss_mask", list), "uint8", max_tokens)
         if len(loss_mask) != n:
             raise SchemaError("loss_mask", f"length {len(loss_mask)} != len(response_tokens) {n}")
-        if n and loss_mask.max() > 1:
-            raise SchemaError("loss_mask", "values must be 0 (environment token) or 1 (generated token)")
     else:
         loss_mask = np.ones(n, dtype=np.uint8)
-    if loss_mask.all():  # every token generated (single-turn): one check instead of five on tiny arrays
-        if n and versions.min() < 0:
+    mask_lo, mask_hi = value_range(loss_mask) if n else (1, 1)
+    if mask_hi > 1:
+        raise SchemaError("loss_mask", "values must be 0 (environment token) or 1 (generated token)")
+    if mask_lo == 1:  # every token generated (single-turn): one check instead of three
+        if n and value_range(versions)[0] < 0:
             raise SchemaError("token_versions", "versions of generated tokens must be >= 0")
     else:
         generated = loss_mask.astype(bool)
@@ -239,8 +267,8 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
     if len(prompt) == 0:
         raise SchemaError("prompt_tokens", "empty prompt (the first response token has nothing to follow)")
     for name, arr in (("prompt_tokens", prompt), ("response_tokens", resp)):
-        if len(arr) and arr.min() < 0:
-            raise SchemaError(name, f"negative token id {int(arr.min())}")
+        if len(arr) and (lo := value_range(arr)[0]) < 0:
+            raise SchemaError(name, f"negative token id {lo}")
     finish = _get(d, "finish_reason", str)
     if finish not in FINISH_REASONS:
         raise SchemaError("finish_reason", f"{finish!r} not one of {FINISH_REASONS}")

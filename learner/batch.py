@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from buffer.schema import Trajectory, decode_trajectory, encode_trajectory
+from buffer.schema import Trajectory, decode_trajectory, encode_trajectory, value_range
 
 Layout = Literal["pack", "pad"]
 
@@ -76,8 +76,8 @@ def trajectory_problem(t: Trajectory, vocab_size: int) -> str | None:
     an out-of-range id would otherwise fail inside the embedding, on every retry after a restart.
     """
     for name, ids in (("prompt_tokens", t.prompt_tokens), ("response_tokens", t.response_tokens)):
-        if len(ids) and int(ids.max()) >= vocab_size:
-            return f"{name}: token id {int(ids.max())} outside the model's vocabulary of {vocab_size}"
+        if len(ids) and (hi := value_range(ids)[1]) >= vocab_size:
+            return f"{name}: token id {hi} outside the model's vocabulary of {vocab_size}"
     return None
 
 

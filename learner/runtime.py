@@ -37,29 +37,44 @@ log = logging.getLogger("learner")
 
 
 class Stats:
-    """Weighted means accumulated over micro-batches and reduced over ranks once per step."""
+    """Weighted means accumulated over micro-batches and reduced over ranks once per step.
+
+    ``add`` only records its tensors; ``reduce`` sums them per key in a few tensor ops, then one
+    all-reduce. On a small model a step is dominated by per-op overhead, and summing a dozen metrics one
+    by one per micro-batch cost about a tenth of the step.
+    """
 
     def __init__(self) -> None:
-        self.sums: dict[str, Tensor] = {}
-        self.weights: dict[str, Tensor] = {}
+        self.keys: list[str] = []
+        self.totals: list[Tensor] = []  # 1-d pieces, in the order of ``keys``
+        self.weights: list[Tensor] = []
 
     def add(self, key: str, total: Tensor, weight: Tensor) -> None:
-        total, weight = total.detach().float(), weight.detach().float()
-        finite = torch.isfinite(total)  # not e.g. the explained variance of constant returns
-        self.sums[key] = self.sums.get(key, 0.0) + torch.where(finite, total, 0.0)
-        self.weights[key] = self.weights.get(key, 0.0) + torch.where(finite, weight, 0.0)
+        self.keys.append(key)
+        self.totals.append(total.detach().float().reshape(1))
+        self.weights.append(weight.detach().float().reshape(1))
 
     def add_means(self, metrics: dict[str, Tensor], weight: Tensor) -> None:
-        for key, mean in metrics.items():
-            self.add(key, mean * weight, weight)
+        """Several means of the same weight (``metrics`` holds 0-d tensors)."""
+        if not metrics:
+            return
+        weight = weight.detach().float().reshape(1)
+        self.keys.extend(metrics)
+        self.totals.append(torch.stack([m.detach().float() for m in metrics.values()]) * weight)
+        self.weights.append(weight.expand(len(metrics)))
 
     def reduce(self) -> dict[str, float]:
         """One all-reduce for every metric; only the keys with weight (a metric of no token is left out)."""
-        keys = sorted(self.sums)  # the same keys on every rank: the same code ran
+        keys = sorted(set(self.keys))  # the same keys on every rank: the same code ran
         if not keys:
             return {}
-        packed = torch.stack([torch.stack([self.sums[k], self.weights[k]]) for k in keys])  # (K, 2)
-        if dist.get_world_size() > 1:
+        totals, weights = torch.cat(self.totals), torch.cat(self.weights)
+        finite = torch.isfinite(totals)  # not e.g. the explained variance of constant returns
+        pos = {k: i for i, k in enumerate(keys)}
+        index = torch.tensor([pos[k] for k in self.keys], device=totals.device)
+        pieces = torch.stack([torch.where(finite, totals, 0.0), torch.where(finite, weights, 0.0)], 1)
+        packed = torch.zeros(len(keys), 2, device=totals.device).index_add_(0, index, pieces)  # (K, 2)
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(packed)
         return {k: s / w for k, (s, w) in zip(keys, packed.tolist(), strict=True) if w > 0}
 

@@ -292,3 +292,31 @@ def test_explained_variance_hand_values():
     _, m = value_loss(values, values, returns, mask)
     assert m["value/explained_variance"].item() == pytest.approx(0.6)
     assert math.isnan(explained_variance(values, torch.ones_like(values), mask).item())
+
+
+def test_stats_weighted_means_match_a_naive_loop():
+    """Stats (learner/runtime.py) sums per key over micro-batches, skips non-finite totals with their
+    weight, and leaves out keys of no weight: checked against a plain dict loop."""
+    from learner.runtime import Stats
+
+    rng = torch.Generator().manual_seed(0)
+    calls = []
+    for _ in range(5):  # five micro-batches
+        w = torch.randint(0, 4, (), generator=rng).float()
+        loss = torch.randn((), generator=rng) * w
+        metrics = {"policy/a": torch.rand((), generator=rng), "policy/b": torch.rand((), generator=rng)}
+        calls.append((w, loss, metrics))
+    calls[2][2]["policy/b"] = torch.tensor(float("nan"))  # e.g. explained variance of constant returns
+    stats, sums, weights = Stats(), {}, {}
+    for w, loss, metrics in calls:
+        stats.add("loss/x", loss, w)
+        stats.add_means(metrics, w)
+        stats.add("never", torch.tensor(1.0), torch.tensor(0.0))
+        for k, total in [("loss/x", loss), *((k, m * w) for k, m in metrics.items())]:
+            if math.isfinite(float(total)):
+                sums[k] = sums.get(k, 0.0) + float(total)
+                weights[k] = weights.get(k, 0.0) + float(w)
+    got = stats.reduce()
+    assert set(got) == {"loss/x", "policy/a", "policy/b"}  # "never" had no weight
+    for k, v in got.items():
+        assert v == pytest.approx(sums[k] / weights[k], rel=1e-6), k

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from buffer.schema import (
+    SHORT,
     PromptRecord,
     SchemaError,
     Trajectory,
@@ -17,6 +18,7 @@ from buffer.schema import (
     decode_trajectory,
     encode_prompt,
     encode_trajectory,
+    value_range,
 )
 
 
@@ -146,6 +148,55 @@ def test_decode_refuses_naming_the_field(what: str, fn: Callable[[dict[str, Any]
         decode_trajectory(mutated(fn))
     assert e.value.field == field, str(e.value)
     assert str(e.value).startswith(f"{field}: ")
+
+
+def long_traj(n: int) -> dict[str, Any]:
+    """A valid trajectory's map with an ``n``-token response."""
+    d = msgpack.unpackb(encode_trajectory(full_traj()))
+    d.update(
+        response_tokens=arr("<i4", [7] * n),
+        behav_logp=arr("<f4", [-1.0] * n),
+        token_versions=arr("<i4", [3] * n),
+        loss_mask=arr("|u1", [1] * n),
+    )
+    return d
+
+
+BAD_AT_THE_END: list[tuple[str, str, str, float]] = [
+    ("NaN logp", "behav_logp", "<f4", np.nan),
+    ("-inf logp", "behav_logp", "<f4", -np.inf),
+    ("positive logp", "behav_logp", "<f4", 0.5),
+    ("negative token", "response_tokens", "<i4", -2),
+    ("negative version", "token_versions", "<i4", -1),
+    ("loss_mask of 2", "loss_mask", "|u1", 2),
+]
+
+
+@pytest.mark.parametrize("n", [SHORT - 1, SHORT + 1], ids=["list path", "numpy path"])
+@pytest.mark.parametrize(
+    ("what", "field", "dtype", "bad"), BAD_AT_THE_END, ids=[c[0] for c in BAD_AT_THE_END]
+)
+def test_short_and_long_arrays_are_checked_alike(n: int, what: str, field: str, dtype: str, bad: float):
+    """Short arrays are reduced in Python, long ones in numpy (value_range): both refuse the same values,
+    wherever they sit (NaN last, where a Python min/max would skip it)."""
+    good = long_traj(n)
+    assert len(decode_trajectory(msgpack.packb(good, use_bin_type=True)).response_tokens) == n
+    for where in (0, n - 1):
+        d = long_traj(n)
+        values = np.frombuffer(d[field][2], dtype=dtype).copy()
+        values[where] = bad
+        d[field] = arr(dtype, values.tolist())
+        with pytest.raises(SchemaError) as e:
+            decode_trajectory(msgpack.packb(d, use_bin_type=True))
+        assert e.value.field == field, str(e.value)
+
+
+def test_value_range_matches_numpy_on_both_paths():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, SHORT, SHORT + 1, 4 * SHORT):
+        a = rng.integers(-(2**31), 2**31 - 1, size=n, dtype=np.int32)
+        assert value_range(a) == (int(a.min()), int(a.max()))
+        assert all(type(x) is int for x in value_range(a))
 
 
 @pytest.mark.parametrize(
