@@ -261,11 +261,11 @@ def test_shm_garbage_collection_waits_for_live_subscribers_and_recycles_files(re
     for v in range(2, 5):
         pub.publish(weights(v).items(), v)
         fast.poll()
-    assert pub.versions_on_disk() == [1, 2, 3, 4]  # slow still holds v1
+    assert pub.versions_on_disk() == pub._versions == [1, 2, 3, 4]  # slow still holds v1
 
     assert slow.poll().version == 4
     pub.publish(weights(5).items(), 5)  # v1..v3 retire; two of their files stay in the free pool
-    assert pub.versions_on_disk() == [4, 5]
+    assert pub.versions_on_disk() == pub._versions == [4, 5]
     assert redis_client.get(weights_key(run_id, "manifest", 2)) is None
     free = {p.stat().st_ino for p in (tmp_path / ".free").iterdir()}
     assert len(free) == 2  # no more than one version's shards
@@ -280,10 +280,25 @@ def test_shm_garbage_collection_waits_for_live_subscribers_and_recycles_files(re
     fast.close()
     for v in range(7, 9):
         pub.publish(weights(v).items(), v)
-    assert pub.versions_on_disk() == [6, 7, 8]  # stale (live) holds v6
+    assert pub.versions_on_disk() == pub._versions == [6, 7, 8]  # stale (live) holds v6
     time.sleep(0.3)
     pub.publish(weights(9).items(), 9)
-    assert pub.versions_on_disk() == [8, 9]
+    assert pub.versions_on_disk() == pub._versions == [8, 9]
+
+
+def test_shm_progress_notes_only_for_shards_worth_checking_early(redis_client, run_id, tmp_path, monkeypatch):
+    """A shard under PROGRESS_BYTES gets no note (its manifest follows at once); a bigger one does."""
+    pub = ShmPublisher(redis_client, run_id, tmp_path, shard_bytes=1 << 20)
+    noted: list[int] = []
+    note = pub._note_progress
+    monkeypatch.setattr(
+        pub, "_note_progress", lambda path, spans: (noted.append(len(spans)), note(path, spans))
+    )
+    pub.publish(weights(0).items(), 0)
+    assert noted == []
+    monkeypatch.setattr(shm, "PROGRESS_BYTES", 64 << 10)
+    pub.publish(weights(1).items(), 1)
+    assert noted == [1]  # the embedding's shard (1.2 MB, one tensor); the small tensors' shard is not
 
 
 def test_shm_wait_for_names_the_missing_learner(redis_client, run_id):
@@ -364,7 +379,10 @@ def test_shm_announce_carries_the_learner_version_in_one_transaction(redis_clien
     pubsub.close()
 
 
-def test_shm_range_corrupted_before_its_early_check_is_rejected(redis_client, run_id, tmp_path, caplog):
+def test_shm_range_corrupted_before_its_early_check_is_rejected(
+    redis_client, run_id, tmp_path, caplog, monkeypatch
+):
+    monkeypatch.setattr(shm, "PROGRESS_BYTES", 64 << 10)  # shards this small are noted (and checked early)
     pub = ShmPublisher(redis_client, run_id, tmp_path, shard_bytes=1 << 20)
     sub = ShmSubscriber(redis_client, run_id, "s0")
     pub.publish(weights(0).items(), 0)
