@@ -100,14 +100,16 @@ redis.call('HSET', KEYS[2], 'epoch', ARGV[3], 'index', ARGV[4])
 return #ARGV - 4
 """
 
-# KEYS[1] admitted, KEYS[2] version; ARGV: n, batch_size, max_staleness. Returns {ok, admitted, bound}.
+# KEYS[1] admitted, KEYS[2] version; ARGV: n, batch_size, max_staleness, groups. Admits as many groups of
+# n (up to ``groups``) as fit under the bound; returns {groups admitted, admitted, bound}.
 _ADMIT_LUA = """
 local v = tonumber(redis.call('GET', KEYS[2]) or '0')
 local bound = (v + tonumber(ARGV[3]) + 1) * tonumber(ARGV[2])
 local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
 local n = tonumber(ARGV[1])
-if admitted + n > bound then return {0, admitted, bound} end
-return {1, redis.call('INCRBY', KEYS[1], n), bound}
+local k = math.min(tonumber(ARGV[4]), math.floor((bound - admitted) / n))
+if k < 1 then return {0, admitted, bound} end
+return {k, redis.call('INCRBY', KEYS[1], k * n), bound}
 """
 
 
@@ -674,6 +676,14 @@ class ReplayBuffer:
 
     def admit(self, n: int, *, batch_size: int, max_staleness: int) -> bool:
         """Atomically admit a group of n trajectories if ``admitted + n <= (v + max_staleness + 1) * batch_size``."""
+        return self.admit_groups(n, 1, batch_size=batch_size, max_staleness=max_staleness) == 1
+
+    def admit_groups(self, n: int, groups: int, *, batch_size: int, max_staleness: int) -> int:
+        """Atomically admit as many groups of n as fit under the bound, at most ``groups``; returns how many.
+
+        One round trip for a server's whole batch of groups instead of one per group."""
+        if groups < 1:
+            raise ValueError(f"admit_groups: groups must be >= 1, got {groups}")
         if n < 1 or n > (max_staleness + 1) * batch_size:
             # A group larger than one staleness window could only start once the learner had trained on
             # data that this very group is part of: it would wait forever.
@@ -681,10 +691,10 @@ class ReplayBuffer:
                 f"admit: group of {n} must be in 1..(max_staleness + 1) * batch_size = "
                 f"{(max_staleness + 1) * batch_size}"
             )
-        ok, _, _ = self._admit(
-            keys=[self._admitted_key, self._version_key], args=[n, batch_size, max_staleness]
+        got, _, _ = self._admit(
+            keys=[self._admitted_key, self._version_key], args=[n, batch_size, max_staleness, groups]
         )
-        return bool(ok)
+        return int(got)
 
     def release(self, n: int) -> None:
         """Give back admission for n trajectories that will never be appended (a server abandoning work)."""
@@ -725,27 +735,30 @@ class ReplayBuffer:
         should_stop: Callable[[], bool] | None = None,
         while_waiting: Callable[[], None] | None = None,
         wake_channels: Sequence[str] = (),
-    ) -> bool:
-        """Block until admitted (True), or until timeout_s passes or should_stop() is true (False).
+        groups: int = 1,
+    ) -> int:
+        """Block until at least one group of n is admitted, taking up to ``groups`` at once; returns how
+        many (0 when timeout_s passes or should_stop() is true first).
 
         Wakes on each version announcement (and on any of ``wake_channels``) and re-checks every
         ADMISSION_POLL_S regardless. ``while_waiting`` runs at each wake-up: a rollout server takes new
         weights there, since the learner's next version may be waiting on it (a ``dist`` broadcast).
         """
-        if self.admit(n, batch_size=batch_size, max_staleness=max_staleness):
-            return True
+        kw = dict(batch_size=batch_size, max_staleness=max_staleness)
+        if got := self.admit_groups(n, groups, **kw):
+            return got
         deadline = time.monotonic() + timeout_s
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(self._version_channel, *wake_channels)
         try:
             while True:
-                if self.admit(n, batch_size=batch_size, max_staleness=max_staleness):
-                    return True
+                if got := self.admit_groups(n, groups, **kw):
+                    return got
                 if while_waiting is not None:
                     while_waiting()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (should_stop is not None and should_stop()):
-                    return False
+                    return 0
                 pubsub.get_message(timeout=min(remaining, ADMISSION_POLL_S))
         finally:
             pubsub.close()

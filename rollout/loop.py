@@ -151,22 +151,21 @@ class RolloutLoop:
     # ------------------------------------------------------------------------------------------- stages
 
     def admit(self) -> bool:
-        """Gain admission for up to ``prompts_per_batch`` groups: wait for the first, take the rest if free."""
+        """Gain admission for up to ``prompts_per_batch`` groups: wait for the first, take the rest if free
+        (one Redis call when the window is open)."""
         a, n, start = self.cfg.algorithm, self.sampling.n, time.perf_counter()
-        while self.credits < self.cfg.rollout.prompts_per_batch:
+        want = self.cfg.rollout.prompts_per_batch - self.credits
+        if want > 0:
             kw = dict(batch_size=a.batch_size, max_staleness=self.cfg.max_staleness)
             if self.credits:
-                ok = self.buffer.admit(n, **kw)
+                self.credits += self.buffer.admit_groups(n, want, **kw)
             else:
-                ok = self.buffer.wait_admission(
-                    n, **kw, timeout_s=POLL_S, should_stop=self.should_stop,
+                self.credits += self.buffer.wait_admission(
+                    n, **kw, groups=want, timeout_s=POLL_S, should_stop=self.should_stop,
                     # The learner may be publishing the very version that opens admission, and a dist
                     # broadcast waits for this server to join: take weights while waiting.
                     while_waiting=self.poll_weights, wake_channels=[weights_key(self.cfg.run.name, "announce")],
                 )  # fmt: skip
-            if not ok:
-                break
-            self.credits += 1
         self.timers["time/wait_admission"] += time.perf_counter() - start
         return self.credits > 0
 

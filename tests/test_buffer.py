@@ -480,6 +480,37 @@ def test_admission_never_exceeds_the_bound_under_concurrency(redis_client: redis
         buf.admit(33, batch_size=batch_size, max_staleness=max_staleness)
 
 
+def test_admit_groups_takes_as_many_whole_groups_as_fit_atomically(redis_client: redis.Redis, run_id: str):
+    batch_size, max_staleness, n = 16, 1, 3
+    bound = (0 + max_staleness + 1) * batch_size  # 32: ten groups of 3 fit
+    got: list[int] = []
+
+    def hammer() -> None:
+        buf = buffer(redis_client, run_id)
+        got.extend(
+            buf.admit_groups(n, 4, batch_size=batch_size, max_staleness=max_staleness) for _ in range(5)
+        )
+
+    threads = [threading.Thread(target=hammer) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(0 <= k <= 4 for k in got) and sum(got) == bound // n
+    assert int(redis_client.get(f"{run_id}:admitted")) == (bound // n) * n
+    buf = buffer(redis_client, run_id)
+    buf.set_version(1)  # bound 48, 30 admitted: six groups fit, though seven are asked for
+    assert buf.admit_groups(n, 7, batch_size=batch_size, max_staleness=max_staleness) == 6
+    assert (
+        buf.wait_admission(n, batch_size=batch_size, max_staleness=max_staleness, timeout_s=0.2, groups=2)
+        == 0
+    )
+    buf.set_version(2)
+    assert (
+        buf.wait_admission(n, batch_size=batch_size, max_staleness=max_staleness, timeout_s=5, groups=2) == 2
+    )
+
+
 def test_wait_admission_wakes_on_a_new_version(redis_client: redis.Redis, run_id: str):
     buf = buffer(redis_client, run_id)
     assert buf.admit(4, batch_size=4, max_staleness=0)
