@@ -63,6 +63,16 @@ class PromptFeeder:
             256, 16 * groups_per_step, 16 * cfg.rollout.num_servers * cfg.rollout.prompts_per_batch
         )
         self.key = f"{cfg.run.name}:feeder"
+        self._order: tuple[int, list[int]] | None = None  # (pass, order) of the pass being fed
+
+    def order(self, epoch: int) -> list[int]:
+        """The records' order in pass ``epoch``: a shuffle seeded by (run seed, pass), made once per pass."""
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.records)))
+            if self.cfg.data.shuffle:
+                random.Random(self.cfg.run.seed * 100_003 + epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
 
     def top_up(self) -> int:
         from buffer.schema import PromptRecord
@@ -75,10 +85,7 @@ class PromptFeeder:
         at = (epoch, index)
         batch = []
         while len(batch) < missing and epoch < self.cfg.data.epochs:
-            order = list(range(len(self.records)))
-            if self.cfg.data.shuffle:
-                random.Random(self.cfg.run.seed * 100_003 + epoch).shuffle(order)
-            i = order[index]
+            i = self.order(epoch)[index]
             rec = self.records[i]
             batch.append(
                 PromptRecord(
@@ -89,7 +96,7 @@ class PromptFeeder:
                 )
             )
             index += 1
-            if index == len(order):
+            if index == len(self.records):
                 epoch, index = epoch + 1, 0
         if batch and self.buffer.feed_prompts(batch, position_key=self.key, at=at, to=(epoch, index)) < 0:
             return 0  # the position moved since it was read (a retried top-up that had run): nothing twice

@@ -102,3 +102,37 @@ def test_the_feeder_position_and_its_prompts_move_together_once(redis_client, ru
     assert buf.feed_prompts(prompts, position_key=key, at=(0, 0), to=(0, 3)) == -1
     assert buf.prompts_pending() == 3
     assert redis_client.hmget(key, "epoch", "index") == [b"0", b"3"]
+
+
+def test_the_feeder_emits_each_pass_in_its_seeded_order(redis_client, run_id, tmp_path) -> None:
+    """Pass after pass, across top-ups that end mid-pass: the ids a naive replay of the seeded shuffles gives."""
+    import random
+
+    from buffer.schema import decode_prompt
+    from launcher.feeder import PromptFeeder, PromptSet
+    from tandem.config import load_config
+
+    records = [{"id": f"r{i}", "prompt": f"q{i}"} for i in range(7)]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(f'{{"id": "{r["id"]}", "prompt": "{r["prompt"]}"}}\n' for r in records))
+    raw = {
+        "run": {"name": run_id, "seed": 3},
+        "model": {"actor": "unused"},
+        "data": {"prompts": str(data), "epochs": 3, "shuffle": True},
+        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+    }
+    cfg = load_config(None, raw=raw)
+    buf = ReplayBuffer(redis_client, cfg.run.name, consumer="launch")
+    feeder = PromptFeeder(cfg, PromptSet(records, [[1]] * 7), buf, redis_client)
+    feeder.depth = 5  # top-ups of 5 cross the pass boundaries at different offsets
+    emitted = []
+    while feeder.top_up():
+        entries = redis_client.xrange(f"{run_id}:prompts")
+        emitted += [decode_prompt(f[b"d"]).prompt_id for _, f in entries]
+        redis_client.xdel(f"{run_id}:prompts", *[i for i, _ in entries])
+    want = []
+    for e in range(3):
+        order = list(range(7))
+        random.Random(3 * 100_003 + e).shuffle(order)
+        want += [f"r{i}@{e}" for i in order]
+    assert emitted == want
