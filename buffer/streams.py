@@ -246,6 +246,34 @@ class _GroupStream(Generic[R]):
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, 0.2)
 
+    def append_groups(
+        self,
+        groups: Sequence[tuple[Sequence[bytes], Sequence[str]]],
+        *,
+        maxlen: int,
+        timeout_s: float,
+        ack_stream: _GroupStream[Any],
+    ) -> list[list[str]]:
+        """``append`` for several ``(payloads, ack_ids)`` groups in one round trip (a pipeline of the same
+        script): each group is still its own atomic call, contiguous and refused alone as a duplicate
+        (``[]``); a group the stream has no room for yet then waits for room as ``append`` does."""
+        pipe = self.client.pipeline(transaction=False)
+        for payloads, ack_ids in groups:
+            if maxlen and len(payloads) > maxlen:
+                raise ValueError(f"{self.key}: {len(payloads)} entries can never fit in maxlen {maxlen}")
+            argv = [maxlen, ack_stream.group, len(ack_ids), *ack_ids, *payloads]
+            self._put(keys=[self.key, ack_stream.key], args=argv, client=pipe)
+        out = []
+        for (payloads, ack_ids), ids in zip(groups, pipe.execute(), strict=True):
+            if ids is None:  # no room yet
+                out.append(
+                    self.append(payloads, maxlen=maxlen, timeout_s=timeout_s, ack=(ack_stream, ack_ids))
+                )
+                continue
+            ack_stream._outstanding.difference_update(ack_ids)
+            out.append([] if ids == 0 else [_str(i) for i in ids])
+        return out
+
     def keep_claimed(self, ids: Sequence[str]) -> None:
         """Reset the idle time of entries this consumer holds (XCLAIM ... JUSTID), so a long piece of work
         on them is not mistaken for a dead consumer's and claimed by another."""
@@ -553,17 +581,30 @@ class ReplayBuffer:
         If one of them was already answered (another server claimed it and appended first), nothing is
         appended and [] is returned: each prompt's group enters the stream once.
         """
-        payloads = [encode_trajectory(t) for t in trajs]
-        for t, p in zip(trajs, payloads, strict=True):
-            if len(p) > self.max_traj_bytes:
-                raise ValueError(
-                    f"trajectory {t.traj_id}: {len(p)} bytes exceeds max_traj_bytes {self.max_traj_bytes}"
-                )
+        payloads = [self._encode_checked(t) for t in trajs]
         ids = self._traj.append(
             payloads, maxlen=self.maxlen, timeout_s=self.put_timeout_s, ack=(self._prompts, ack_prompts)
         )
         self._put_count += len(ids)
         return ids
+
+    def put_groups(self, groups: Sequence[tuple[Sequence[Trajectory], str]]) -> list[list[str]]:
+        """``put(group, ack_prompts=[prompt id])`` for each ``(group, prompt id)``, in one round trip; a
+        group whose prompt was already answered is refused alone (``[]``)."""
+        encoded = [([self._encode_checked(t) for t in trajs], [prompt]) for trajs, prompt in groups]
+        got = self._traj.append_groups(
+            encoded, maxlen=self.maxlen, timeout_s=self.put_timeout_s, ack_stream=self._prompts
+        )
+        self._put_count += sum(map(len, got))
+        return got
+
+    def _encode_checked(self, t: Trajectory) -> bytes:
+        payload = encode_trajectory(t)
+        if len(payload) > self.max_traj_bytes:
+            raise ValueError(
+                f"trajectory {t.traj_id}: {len(payload)} bytes exceeds max_traj_bytes {self.max_traj_bytes}"
+            )
+        return payload
 
     def take(
         self,

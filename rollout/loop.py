@@ -281,14 +281,18 @@ class RolloutLoop:
         ]
 
     def put(self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-        """One atomic append per group, acknowledging its prompt with it (groups stay contiguous).
+        """One atomic append per group, acknowledging its prompt with it (groups stay contiguous), all in
+        one round trip.
 
         Returns the groups appended: a group whose prompt another server already answered is refused.
         """
         start = time.perf_counter()
         appended = []
-        for taken, group in zip(prompts, groups, strict=True):
-            if self.buffer.put(group, ack_prompts=[taken.id]):
+        ids = self.buffer.put_groups(
+            [(group, taken.id) for taken, group in zip(prompts, groups, strict=True)]
+        )
+        for taken, group, got in zip(prompts, groups, ids, strict=True):
+            if got:
                 appended.append(group)
             else:
                 self.duplicates += 1

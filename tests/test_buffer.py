@@ -453,6 +453,36 @@ def test_a_slow_server_keeps_its_claim_and_a_duplicate_answer_is_refused(
     assert slow.prompts_pending() == 0
 
 
+def test_put_groups_appends_each_group_atomically_in_one_call(redis_client: redis.Redis, run_id: str):
+    """A server's groups go in one pipeline: each stays contiguous, a group whose prompt was answered is
+    refused alone, and a group with no room yet waits for the learner to make room."""
+    buffer(redis_client, run_id, "launch").put_prompts([PromptRecord(f"p{i}", "q", [1]) for i in range(4)])
+    server = buffer(redis_client, run_id, "s0", maxlen=4)
+    held = server.take_prompts(4, timeout_s=1)
+    server.ack_prompts([held[1].id])  # p1 answered elsewhere meanwhile
+    learner = buffer(redis_client, run_id, "learner")
+    drained: list[str] = []
+
+    def drain() -> None:  # room for the fourth group only once the learner takes the first
+        time.sleep(0.3)
+        got = learner.take(2, timeout_s=5)
+        drained.extend(t.traj.traj_id for t in got)
+        learner.ack([t.id for t in got])
+
+    t = threading.Thread(target=drain)
+    t.start()
+    groups = [[traj(10 * g + i, group=f"g{g}") for i in range(2)] for g in range(4)]
+    start = time.monotonic()
+    got = server.put_groups([(group, p.id) for group, p in zip(groups, held, strict=True)])
+    assert time.monotonic() - start >= 0.3  # the fourth group waited for room
+    t.join(timeout=10)
+    assert [len(ids) for ids in got] == [2, 0, 2, 2]
+    assert drained == ["t0", "t1"]
+    rest = [x.traj.traj_id for x in learner.take(10, timeout_s=0.5)]
+    assert rest == ["t20", "t21", "t30", "t31"]  # each group contiguous, in order
+    assert server.prompts_pending() == 0
+
+
 # -------------------------------------------------------------------------------------------- admission
 
 
