@@ -115,6 +115,7 @@ class HFEngine:
             **dict(self.model.named_parameters(remove_duplicate=False)),
             **dict(self.model.named_buffers(remove_duplicate=False)),
         }
+        self._parameters = list(self.model.named_parameters())  # what a full update must cover, once
         self._lora_base: dict[str, torch.Tensor] = {}  # each adapted layer's W0 (weightsync/adapters.py)
         self._lock = threading.Lock()
         self._running = threading.Event()
@@ -280,7 +281,7 @@ class HFEngine:
                     apply_adapter(adapter, self._tensors, self._lora_base)
                 except (KeyError, ValueError) as e:
                     raise WeightSyncError(f"update v{update.version}: {e}") from None
-            missing = [n for n, p in self.model.named_parameters() if id(p) not in seen]
+            missing = [n for n, p in self._parameters if id(p) not in seen]
             if missing and not adapter:
                 raise WeightSyncError(
                     f"update v{update.version}: {len(missing)} parameters missing, e.g. {missing[:3]}; "
@@ -302,6 +303,6 @@ class HFEngine:
         self._running.set()
         with self._lock:
             self.model = None  # type: ignore[assignment]
-            self._tensors = {}
+            self._tensors, self._parameters = {}, []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
