@@ -53,7 +53,13 @@ def picked(logits: torch.Tensor, c: Completion) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
 
 
-def test_logprobs_match_a_fresh_forward_pass(engine: HFEngine, prompts: list[list[int]]) -> None:
+@pytest.mark.parametrize("lengths", ["mixed", "one"])
+def test_logprobs_match_a_fresh_forward_pass(
+    engine: HFEngine, prompts: list[list[int]], lengths: str
+) -> None:
+    """Left-padded prompts (an attention mask) and prompts of one length (none: plain causal attention)."""
+    if lengths == "one":
+        prompts = [prompts[1], prompts[1][::-1], prompts[1][1:] + prompts[1][:1]]
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3))
     assert [len(g) for g in out] == [2, 2, 2]
     for prompt, group in zip(prompts, out, strict=True):

@@ -179,12 +179,15 @@ class HFEngine:
         out = [Completion([], [], "length", []) for _ in rows]
         step_ids, mask = self._left_pad(rows)  # (B, P)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P): left padding does not shift positions
+        # Prompts of one length (a GRPO group shares its prompt) need no mask: plain causal attention, and
+        # transformers skips building a 4-D mask at every step. Rows that finish leave no padding behind.
+        padded = len({len(r) for r in rows}) > 1
         cache = DynamicCache(config=self.model.config)
         active = list(range(len(rows)))  # row index of each batch entry
         for step in range(sampling.max_new_tokens):
             self._running.wait()  # pause() holds generation here, outside the lock, until resume()
             with self._lock:  # per step, so HTTP requests and weight updates interleave with long calls
-                logits = self._forward(step_ids, mask, positions, cache)  # (b, V)
+                logits = self._forward(step_ids, mask if padded else None, positions, cache)  # (b, V)
                 version = self._version
                 tokens, logps = sample_tokens(logits, sampling, generator)  # (b,), (b,)
             keep = []
@@ -203,7 +206,8 @@ class HFEngine:
                 cache.batch_select_indices(idx)
                 mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
                 active = [active[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)  # (b, T + 1)
+            if padded:
+                mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)  # (b, T + 1)
             positions = positions[:, -1:] + 1  # (b, 1)
             step_ids = tokens[:, None]  # (b, 1)
         return out
@@ -236,9 +240,11 @@ class HFEngine:
         return ids.to(self.device), mask.to(self.device)
 
     def _forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+        self, input_ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: DynamicCache
     ) -> torch.Tensor:
-        """Logits of the last position. Shapes: ids/positions (B, t), mask (B, T_total) -> (B, V)."""
+        """Logits of the last position; ``mask`` None when no row is padded (causal attention).
+
+        Shapes: ids/positions (B, t), mask (B, T_total) -> (B, V)."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
