@@ -316,6 +316,10 @@ def _s(x: float | None) -> str:
     return "not reached" if x is None else f"{x:.1f} s"
 
 
+def _r(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
 def _median(xs: list[float | None]) -> float | None:
     """The median of the values that exist (a run that never reached the target has None)."""
     xs = [x for x in xs if x is not None]
@@ -333,6 +337,7 @@ def report(
     print("| run | s/step | ×TRL | T_gen ms | T_train ms | time to target | ×TRL | final reward |")
     print("|---|---|---|---|---|---|---|---|")
     out: dict[str, Any] = {}
+    spread: list[str] = []
     for run in rounds[0]:
         r = {k: _median([rnd[run][k] for rnd in rounds]) for k in rounds[0][run]}
         sp = _median([_ratio(rnd[run]["s_per_step"], rnd["trl"]["s_per_step"]) for rnd in rounds])
@@ -346,9 +351,18 @@ def report(
             None if r["time_to_target_s"] is None else round(r["time_to_target_s"], 2)
         )
         out[f"{name}_{run}_final_reward"] = round(r["final_reward"], 3)
+        if run != "trl" and len(rounds) > 1:  # the spread behind each median
+            per = [
+                (_ratio(rnd[run]["s_per_step"], rnd["trl"]["s_per_step"]),
+                 _ratio(rnd[run]["time_to_target_s"], rnd["trl"]["time_to_target_s"]))
+                for rnd in rounds
+            ]  # fmt: skip
+            spread.append(f"[vs_trl]   {run} per round ×TRL (s/step, time to target): " + ", ".join(
+                f"({_r(a)}, {_r(b)})" for a, b in per))  # fmt: skip
         if run != "trl":
             out[f"{name}_{run}_s_per_step_vs_trl"] = None if sp is None else round(sp, 3)
             out[f"{name}_{run}_time_to_target_vs_trl"] = None if tt is None else round(tt, 3)
+    print("\n".join(spread))
     return out
 
 
