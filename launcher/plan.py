@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tandem.config import Config
 
+SYNC_SPINCOUNT = 10_000  # libgomp busy-wait spins in sync mode, about 0.1 ms (GOMP_SPINCOUNT)
+
 
 @dataclass(frozen=True)
 class Role:
@@ -107,4 +109,9 @@ def plan_run(
         # Sync processes share every core by turns: an OpenMP thread spinning after its phase ended would
         # take a core from the phase that started (measured 1.29 -> 1.12x TRL's s/step on the tiny demo).
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+        if "GOMP_SPINCOUNT" not in os.environ:
+            # Yet a thread that sleeps at once must be woken for each of a step's many small ops: libgomp
+            # (torch's OpenMP) spinning ~0.1 ms bridges those gaps and still sleeps soon after a phase
+            # (the tiny demo's learner and generation steps ran 17-23% slower with no spin at all).
+            env["GOMP_SPINCOUNT"] = str(SYNC_SPINCOUNT)
     return RunPlan(cfg, run_dir, config_path, [learner, *servers], env)

@@ -51,15 +51,22 @@ def test_plan_gives_each_role_its_threads(tmp_path: Path) -> None:
     plan = plan_run(cfg, tmp_path, tmp_path / "config.yaml", resume=False, cores=8)
     assert [r.threads for r in plan.roles] == [2, 3, 3]
     assert "OMP_WAIT_POLICY" not in plan.env  # async processes keep their own cores: spinning is free
+    assert "GOMP_SPINCOUNT" not in plan.env
 
 
 def test_sync_plan_shares_every_core_without_spinning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     cfg = config("sync", num_servers=2)
     plan = plan_run(cfg, tmp_path, tmp_path / "config.yaml", resume=False, cores=8)
     assert [r.threads for r in plan.roles] == [8, 4, 4]
-    assert plan.env["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice stands
-    assert "OMP_WAIT_POLICY" not in plan_run(cfg, tmp_path, tmp_path / "c.yaml", resume=False, cores=8).env
+    # Passive, after a short spin (~0.1 ms) that bridges the gaps between one step's ops.
+    assert plan.env["OMP_WAIT_POLICY"] == "PASSIVE" and plan.env["GOMP_SPINCOUNT"] == "10000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")  # the user's own choices stand
+    env = plan_run(cfg, tmp_path, tmp_path / "c.yaml", resume=False, cores=8).env
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    env = plan_run(cfg, tmp_path, tmp_path / "c.yaml", resume=False, cores=8).env
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
