@@ -119,7 +119,6 @@ class MicroBatch:
     targets: Tensor  # (b, R) next-token labels of the response, 0 on padding
     logit_row: Tensor  # (b,) row of input_ids holding sequence i
     logit_start: Tensor  # (b,) column whose logits predict response token 0 of sequence i
-    first_logit: int  # min(logit_start): no response token is read from an earlier column
 
 
 def micro_batches(
@@ -150,7 +149,6 @@ def _build(batch: Batch, rows: Tensor, layout: Layout, device: torch.device) -> 
         input_ids, position_ids = torch.from_numpy(padded), None
         logit_row, logit_start = torch.arange(len(seqs)), prompt_lens - 1
     return MicroBatch(
-        first_logit=int(logit_start.min()),
         rows=rows,
         input_ids=input_ids.to(device),
         position_ids=None if position_ids is None else position_ids.to(device),
@@ -163,15 +161,12 @@ def _build(batch: Batch, rows: Tensor, layout: Layout, device: torch.device) -> 
 def response_view(per_position: Tensor, mb: MicroBatch) -> Tensor:
     """Gather the response positions of every sequence out of a forward pass's output.
 
-    ``per_position`` covers every column, or (logits of ``policy_logits``) only the last ``K`` of them:
-    the columns left out come first, so the offset is the difference in length. Positions past a
-    sequence's end are clamped to a valid column; the caller's mask zeroes them.
+    Positions past a sequence's end are clamped to a valid column; the caller's mask zeroes them.
 
-    Shape: per_position (rows, N, ...) or (rows, K, ...) -> (b, R, ...).
+    Shape: per_position (rows, N, ...) -> (b, R, ...).
     """
     width = mb.targets.shape[1]
-    offset = mb.input_ids.shape[1] - per_position.shape[1]
-    cols = (mb.logit_start[:, None] - offset + torch.arange(width, device=mb.targets.device)).clamp(
+    cols = (mb.logit_start[:, None] + torch.arange(width, device=mb.targets.device)).clamp(
         max=per_position.shape[1] - 1
     )  # (b, R)
     return per_position[mb.logit_row[:, None], cols]

@@ -32,7 +32,6 @@ Known limit: under ZeRO-3 the weights are loaded whole on every rank and partiti
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import socket
@@ -257,37 +256,9 @@ def load_models(cfg: Config, device: torch.device) -> Models:
 
 
 def policy_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
-    """float32 logits of the tempered policy from the first column a response token is read from on.
-
-    The LM head skips the prompt columns before it (transformers' ``logits_to_keep``, as TRL does): with
-    long prompts and a large vocabulary the (rows, N, V) logits are the step's largest tensor.
-    :func:`~learner.batch.response_view` finds the offset from the shape. A model whose ``forward`` has
-    no ``logits_to_keep`` returns every column.
-
-    Shape: (rows, K, V), K = N − ``mb.first_logit`` (or N).
-    """
-    keep = mb.input_ids.shape[1] - mb.first_logit
-    kw = {"logits_to_keep": keep} if takes_logits_to_keep(model) else {}
-    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **kw).logits.float()
-    return logits / temperature if temperature > 0 and temperature != 1.0 else logits
-
-
-_TAKES_LOGITS_TO_KEEP: dict[type, bool] = {}
-
-
-def takes_logits_to_keep(model: nn.Module) -> bool:
-    """Whether the causal LM under DeepSpeed's and peft's wrappers accepts ``logits_to_keep``."""
-    while True:
-        if hasattr(model, "get_base_model"):  # peft
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "module", None), nn.Module):  # DeepSpeed engine
-            model = model.module
-        else:
-            break
-    kind = type(model)
-    if kind not in _TAKES_LOGITS_TO_KEEP:
-        _TAKES_LOGITS_TO_KEEP[kind] = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return _TAKES_LOGITS_TO_KEEP[kind]
+    """float32 logits of the tempered policy at every position. Shape: (rows, N, V)."""
+    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits.float()
+    return logits / temperature if temperature > 0 else logits
 
 
 def values(critic: nn.Module, mb: MicroBatch) -> Tensor:

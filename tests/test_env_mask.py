@@ -107,13 +107,12 @@ def test_learner_sends_no_gradient_into_env_positions(gae_learner: Learner) -> N
         assert captured[name], name
         for input_ids, out in captured[name]:
             grad = out.grad.abs()
-            grad = grad.sum(-1) if grad.dim() == 3 else grad  # (b, L), or (b, K): the last K columns
-            offset = input_ids.shape[1] - grad.shape[1]  # columns the LM head skipped (logits_to_keep)
+            grad = grad.sum(-1) if grad.dim() == 3 else grad  # (b, L)
             for k, row in enumerate(input_ids.tolist()):
                 t = next(t for t in trajs if row[: t_len(t)] == seq(t))
                 p = len(t.prompt_tokens)
                 for j, generated in enumerate(t.loss_mask.tolist()):
-                    g = grad[k, p - 1 + j - offset].item()  # logits at p-1+j predict response token j
+                    g = grad[k, p - 1 + j].item()  # logits at p-1+j predict response token j
                     if generated:
                         assert g > 0, (name, t.traj_id, j)
                     else:

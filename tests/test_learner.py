@@ -25,7 +25,7 @@ from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer
 from learner.batch import decode_batch, encode_batch, make_batch
 from learner.losses import logprobs_from_logits
-from learner.models import load_models, policy_logits, takes_logits_to_keep
+from learner.models import load_models
 from learner.ppo import PPOLearner as Learner
 from tandem.config import Config, load_config
 from tandem.telemetry import history_key, ready_key, stop_key
@@ -99,13 +99,6 @@ def test_forward_layouts_equal_one_sequence_at_a_time(grpo_learner: Learner, lay
     grpo_learner.layout = layout
     prox_logp, ref_logp, values = grpo_learner.score(batch)
     assert ref_logp is None and values is None  # grpo without KL builds neither critic nor reference
-    # The LM head ran on the response columns only (logits_to_keep): the check below covers the offset.
-    mbs = grpo_learner.micro(batch, torch.arange(len(batch)))
-    assert takes_logits_to_keep(grpo_learner.models.actor) and any(mb.first_logit > 0 for mb in mbs)
-    for mb in mbs:
-        with torch.no_grad():
-            kept = policy_logits(grpo_learner.models.actor, mb, 1.0)
-        assert kept.shape[1] == mb.input_ids.shape[1] - mb.first_logit
     module = grpo_learner.models.actor.module
     for i, t in enumerate(trajs):
         ids = torch.tensor(np.concatenate([t.prompt_tokens, t.response_tokens]), dtype=torch.long)[None]
