@@ -89,6 +89,53 @@ def test_dist_joiner_gets_the_current_version_at_once(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_restarted_dist_subscriber_asks_for_a_new_round(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path
+):
+    """A server killed and restarted under the same name finds the last round's offer and go, whose ranks
+    name it (its earlier incarnation). It must not join that finished rendezvous (a timeout, a crash, a
+    restart, the same again: how test_servers_join_and_leave_a_running_run once hung) but ask for the
+    current weights, and get them."""
+    from safetensors.torch import load_file
+
+    cfg = make_cfg(run_id, tiny_ckpt["actor"], transport="dist")
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    registry = Registry(redis_client, run_id, cfg.weightsync.timeout_s)
+    pub = make_publisher(cfg, redis_client)
+    procs = {}
+
+    def start(key: str, out: Path) -> None:
+        procs[key] = SPAWN.Process(
+            target=_subscriber_main, args=(redis_server.url, cfg.model_dump(), "A", str(out)), daemon=True
+        )
+        procs[key].start()
+
+    try:
+        start("A", first)
+        _await(lambda: "A" in registry.live(), "A registered", procs)
+        pub.publish(weights(0).items(), 0)
+        _await(lambda: (first / "A-v0.safetensors").exists(), "A at v0", procs)
+        procs.pop("A").kill()  # SIGKILL: its registration and the round's go stay behind
+        start("A again", second)
+        deadline = time.monotonic() + 60
+        while not (second / "A-v0.safetensors").exists():
+            assert procs["A again"].exitcode is None, "the restarted subscriber died"
+            assert time.monotonic() < deadline, "the restarted subscriber never received v0"
+            if pub.joiners_waiting():
+                pub.publish(weights(0).items(), 0)
+            time.sleep(0.05)
+        go = msgpack.unpackb(redis_client.get(weights_key(run_id, "go")))
+        assert go["version"] == 0 and go["ranks"] == ["A"] and go["round"] == [0, 2]  # a round of its own
+    finally:
+        _stop_subscribers(redis_client, run_id, procs)
+        pub.close()
+    assert_bit_identical(load_file(second / "A-v0.safetensors"), weights(0), ordered=False)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_learner_waiting_for_data_serves_a_dist_joiner(
     redis_server, redis_client, run_id, tiny_ckpt, tmp_path

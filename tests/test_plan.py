@@ -70,3 +70,16 @@ def test_sync_plan_shares_every_core_without_spinning(
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     env = plan_run(cfg, tmp_path, tmp_path / "c.yaml", resume=False, cores=8).env
     assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
+
+
+def test_children_do_not_inherit_a_rendezvous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch.py run from a torchrun or SLURM step (or a test process that ran a learner in-process)."""
+    from launcher.backends.local import RENDEZVOUS_VARS, plan_children
+
+    for var in RENDEZVOUS_VARS:
+        monkeypatch.setenv(var, "47003" if var == "MASTER_PORT" else "0")
+    monkeypatch.setenv("TANDEM_KEEP_ME", "1")
+    plan = plan_run(config("async"), tmp_path, tmp_path / "config.yaml", resume=False, cores=2)
+    for child in plan_children(plan):
+        assert not set(RENDEZVOUS_VARS) & set(child.env), child.name
+        assert child.env["TANDEM_KEEP_ME"] == "1"  # the rest of the environment passes through

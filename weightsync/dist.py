@@ -373,6 +373,16 @@ class DistSubscriber:
     def _join(self, offer: dict) -> Update | None:
         v, host, port, rnd = offer["version"], offer["host"], offer["port"], _round(offer)
         publisher = f"publisher {host}:{port}"
+        if self._started(rnd):
+            # The round began before this process asked to join. Its ranks may still name this server: an
+            # earlier incarnation that crashed and was restarted. That rendezvous is over; ask for a new one.
+            self._skipped.add(rnd)
+            log.info(
+                "%s: dist v%d had started before this process joined; waiting for a new round",
+                self.server_id,
+                v,
+            )
+            return None
         pipe = self.client.pipeline()
         pipe.rpush(weights_key(self.run, "join", *rnd), self.server_id)
         pipe.pexpire(weights_key(self.run, "join", *rnd), int(self.timeout_s * 4000))
@@ -406,6 +416,10 @@ class DistSubscriber:
         stream = _Stream(self, group, v, publisher, manifest, _device(offer["backend"]))
         self._stream = stream
         return Update(v, manifest, stream.tensors)
+
+    def _started(self, rnd: tuple[int, int]) -> bool:
+        raw = self.client.get(weights_key(self.run, "go"))
+        return raw is not None and _round(msgpack.unpackb(raw)) >= rnd
 
     def _await_go(self, rnd: tuple[int, int]) -> list[str] | None:
         """The rank order of round ``rnd`` ([] if a newer round has started), or None on timeout."""

@@ -98,6 +98,9 @@ class Child:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def _gpu_count() -> int:
     try:
         import torch
@@ -119,7 +122,10 @@ def _command(role: Role, *, resume: bool = False) -> list[str]:
 def plan_children(plan: RunPlan) -> list[Child]:
     """The learner and the servers as subprocesses, with their commands, environments and devices."""
     gpus = _gpu_count() if plan.cfg.run.device != "cpu" else 0
-    base = {**os.environ, **plan.env}
+    # The launcher owns its children's rendezvous (torchrun for a multi-rank learner, an in-memory store
+    # for a lone one). Inherited from a torchrun or SLURM step, these would send a lone learner to bind the
+    # parent's MASTER_PORT, which a process still holding it turns into EADDRINUSE on every restart.
+    base = {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}, **plan.env}
     base.setdefault("WANDB_SILENT", "true")
     children, next_gpu = [], 0
     for role in plan.roles:
