@@ -379,18 +379,29 @@ class _GroupStream(Generic[R]):
                 raise
         self._group_ready = True
 
+    def reclaim(self, k: int, screen: Screen[R] | None = None) -> list[tuple[str, R, bool]]:
+        """Up to k redelivered records only, as ``take`` returns them: this consumer's own pending entries
+        from an earlier life, then entries idle on dead consumers. Never a new entry; never blocks."""
+        out: list[tuple[str, R, bool]] = []
+        while len(out) < k and (got := self._with_group(self._fetch_redelivered, k - len(out))):
+            accepted = self._screen(got, screen)
+            self._outstanding.update(i for i, _, _ in accepted)
+            out.extend(accepted)
+        return out
+
     def _fetch(self, k: int, block_ms: int | None) -> list[_Raw]:
-        if not self._recovered:
-            own = self._read_own_pending(k)
-            if own:
-                return own
-            self._recovered = True
-        claimed = self._claim(k)
-        if claimed:
-            return claimed
+        if redelivered := self._fetch_redelivered(k):
+            return redelivered
         got = self.client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=k, block=block_ms)
         # After a Redis restart lost a delivery, an entry this instance holds can come back as new.
         return [(_str(i), f, False) for _, es in got for i, f in es if _str(i) not in self._outstanding]
+
+    def _fetch_redelivered(self, k: int) -> list[_Raw]:
+        if not self._recovered:
+            if own := self._read_own_pending(k):
+                return own
+            self._recovered = True
+        return self._claim(k)
 
     def _read_own_pending(self, k: int) -> list[_Raw]:
         """The next page of this consumer's pending entries (XREADGROUP from an id re-delivers them)."""
@@ -675,6 +686,11 @@ class ReplayBuffer:
 
     def take_prompts(self, n: int, timeout_s: float) -> list[TakenPrompt]:
         return [TakenPrompt(i, p, r) for i, p, r in self._prompts.take(n, timeout_s)]
+
+    def reclaim_prompts(self, n: int) -> list[TakenPrompt]:
+        """Up to n prompts that already hold admission, without waiting: those this consumer held in an
+        earlier life and those idle on a dead server. Never a new prompt, which would need admission."""
+        return [TakenPrompt(i, p, r) for i, p, r in self._prompts.reclaim(n)]
 
     def keep_prompts(self, ids: Sequence[str]) -> None:
         """Heartbeat of a server still generating for these prompts: they stay its own (not reclaimed)."""

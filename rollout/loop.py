@@ -130,9 +130,9 @@ class RolloutLoop:
     def step(self) -> int:
         """One admitted batch of prompt groups, generated, scored and appended. Returns groups appended."""
         self.evaluate()  # held-out prompts at the weights now held, when this version is due
-        if not self.admit():
-            return 0
-        prompts = self.take_prompts()
+        # Without admission, still take prompts redelivered from a dead server: they hold its admission, and
+        # enough of them can fill the whole window, which nobody could then enter (docs/design.md §1.3).
+        prompts = self.take_prompts() if self.admit() else self.reclaim_prompts()
         if not prompts:
             return 0
         with ClaimHeartbeat(self.buffer, [p.id for p in prompts]):  # held prompts stay ours meanwhile
@@ -174,6 +174,12 @@ class RolloutLoop:
         prompts = self.buffer.take_prompts(self.credits, timeout_s=POLL_S)
         self.timers["time/take_prompts"] += time.perf_counter() - start
         self.credits -= sum(not p.redelivered for p in prompts)
+        return prompts
+
+    def reclaim_prompts(self) -> list[TakenPrompt]:
+        start = time.perf_counter()
+        prompts = self.buffer.reclaim_prompts(self.cfg.rollout.prompts_per_batch)
+        self.timers["time/take_prompts"] += time.perf_counter() - start
         return prompts
 
     def ensure_fresh_weights(self) -> bool:

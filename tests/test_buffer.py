@@ -453,6 +453,24 @@ def test_a_slow_server_keeps_its_claim_and_a_duplicate_answer_is_refused(
     assert slow.prompts_pending() == 0
 
 
+def test_reclaim_takes_only_redelivered_prompts(redis_client: redis.Redis, run_id: str):
+    """What a server without admission may take: its own prompts from an earlier life and prompts idle on a
+    dead server, which carry admission already; never a new prompt, which needs admission of its own."""
+    buffer(redis_client, run_id, "launch").put_prompts([PromptRecord(f"p{i}", "q", [1]) for i in range(6)])
+    assert len(buffer(redis_client, run_id, "server-0").take_prompts(2, timeout_s=1)) == 2  # then killed
+    assert len(buffer(redis_client, run_id, "server-1").take_prompts(2, timeout_s=1)) == 2  # then killed
+    restarted = buffer(redis_client, run_id, "server-0", claim_idle_ms=100)
+    assert [(p.prompt.prompt_id, p.redelivered) for p in restarted.reclaim_prompts(4)] == [
+        ("p0", True),
+        ("p1", True),
+    ]  # server-1's claim is still young: not taken
+    time.sleep(0.15)
+    got = restarted.reclaim_prompts(4)
+    assert [(p.prompt.prompt_id, p.redelivered) for p in got] == [("p2", True), ("p3", True)]
+    assert restarted.reclaim_prompts(4) == []  # p4 and p5 are new
+    assert [p.prompt.prompt_id for p in restarted.take_prompts(4, timeout_s=0.2)] == ["p4", "p5"]
+
+
 def test_put_groups_appends_each_group_atomically_in_one_call(redis_client: redis.Redis, run_id: str):
     """A server's groups go in one pipeline: each stays contiguous, a group whose prompt was answered is
     refused alone, and a group with no room yet waits for the learner to make room."""

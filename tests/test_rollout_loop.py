@@ -379,6 +379,29 @@ def test_missing_weights_fail_with_a_clear_error_and_prompts_stay_claimable(
     assert len(claimed) == 2 and all(p.redelivered for p in claimed)
 
 
+def test_groups_of_a_dead_server_that_fill_the_window_are_still_answered(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+) -> None:
+    """A server killed holding the whole admission window's prompts (one batch at s = 0): the survivor gains
+    no admission, yet it takes and answers those prompts, which carry the dead server's admission. Waiting
+    for admission first was a deadlock: the learner waited for them, and admission for the learner."""
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{"redis.claim_idle_ms": 100})
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 4)
+    dead = ReplayBuffer.from_config(redis_client, cfg, consumer="server-1")
+    assert dead.admit_groups(2, 2, batch_size=4, max_staleness=0) == 2  # the window is full
+    held = [p.prompt.prompt_id for p in dead.take_prompts(2, timeout_s=1)]  # ... and then it is killed
+    time.sleep(0.2)
+    h = Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0"))
+    assert h.loop.step() == 2
+    trajs = learner.take(4)
+    assert sorted({t.prompt_id for t in trajs}) == sorted(held)
+    assert int(redis_client.get(f"{run_id}:admitted")) == 4  # the dead server's, used once
+    assert learner.buffer.prompts_pending() == 2  # the two new prompts still wait for admission
+    h.telemetry.close()
+
+
 def test_claim_heartbeat_keeps_prompts_through_a_long_generation(redis_client, run_id) -> None:
     def buf(consumer: str) -> ReplayBuffer:
         return ReplayBuffer(redis_client, run_id, consumer=consumer, claim_idle_ms=300)
