@@ -266,8 +266,7 @@ def tandem_overrides(w: dict[str, Any]) -> list[str]:
         "algorithm.ppo_epochs=1",
         # One server and one learner overlap fully at 1; at 2 the server runs a batch ahead and its data
         # arrives staler (tiny: the same samples/s, staleness 1.0 vs 1.9, reward 0.5 in 3.5 s vs 3.8 s).
-        # configs/tiny.yaml keeps 2: at 1, groups lost with a killed server can fill the admission window
-        # (README, "Where we fall short").
+        # Pinned here too, so the figures do not move with configs/tiny.yaml.
         "algorithm.max_staleness=1",
         f"learner.micro_batch_size={PROMPTS_PER_STEP * GROUP}",
         f"learner.actor_lr={w['lr']}",

@@ -287,7 +287,7 @@ def chaos_run(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=24, help="kill -9s over the run (every role in turn)")
-    ap.add_argument("--steps", type=int, default=0, help="learner steps (0: 40 + 12 per kill)")
+    ap.add_argument("--steps", type=int, default=0, help="learner steps (0: 40 + 100 per kill)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="where the run goes (default: a temporary directory)")
     args = ap.parse_args(argv)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="tandem-chaos-"))
     ckpt = make_tiny(out / "tiny")
     prompts = write_prompts(out / "echo.jsonl", make_records("echo", 200))
-    steps = args.steps or 40 + 12 * args.kills
+    steps = args.steps or 40 + 100 * args.kills  # 12 per kill ended before the 10th kill, idle
     tally, _ = chaos_run(
         ckpt["actor"], ckpt["critic"], prompts, out / "runs", kills=args.kills, steps=steps, seed=args.seed,
         timeout_s=max(900.0, 60.0 * args.kills),

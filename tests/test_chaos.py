@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 def test_the_run_heals_itself_under_kill_9_of_every_role(tiny_ckpt, tmp_path: Path) -> None:
     prompts = write_prompts(tmp_path / "echo.jsonl", make_records("echo", 200))
-    # Enough steps that the kills land before the run ends: on an idle machine a step takes ~0.1 s and 120
-    # steps ended after 8 kills; 360 steps took 13 kills (53 s) in a run here.
-    kills, steps = 12, 480
+    # Enough steps that the kills land before the run ends: on an idle machine 480 steps took 13 kills
+    # (53 s) in a run here, too close to 12.
+    kills, steps = 12, 600
     tally, output = chaos_run(
         tiny_ckpt["actor"], tiny_ckpt["critic"], prompts, tmp_path / "runs", kills=kills, steps=steps,
         seed=1, timeout_s=900,

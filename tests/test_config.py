@@ -75,23 +75,23 @@ def test_cross_field_check_names_both_fields() -> None:
 
 
 def test_sync_interval_beyond_the_staleness_bound_is_refused() -> None:
-    tiny = ROOT / "configs/tiny.yaml"  # max_staleness 2
-    assert load_config(tiny, ["algorithm.sync_interval=3"]).algorithm.sync_interval == 3
+    tiny, s2 = ROOT / "configs/tiny.yaml", "algorithm.max_staleness=2"
+    assert load_config(tiny, [s2, "algorithm.sync_interval=3"]).algorithm.sync_interval == 3
     with pytest.raises(
         ConfigError,
         match=r"^invalid config .*\n  algorithm\.sync_interval \(4\) must be <= max_staleness \+ 1 \(3\)",
     ):
-        load_config(tiny, ["algorithm.sync_interval=4"])
+        load_config(tiny, [s2, "algorithm.sync_interval=4"])
     with pytest.raises(
         ConfigError, match=r"algorithm\.sync_interval \(2\) must be <= max_staleness \+ 1 \(1; run\.mode=sync"
     ):
-        load_config(tiny, ["algorithm.sync_interval=2", "run.mode=sync"])
+        load_config(tiny, [s2, "algorithm.sync_interval=2", "run.mode=sync"])
 
 
 def test_sync_mode_is_on_policy_whatever_the_configured_bound() -> None:
     tiny = ROOT / "configs/tiny.yaml"
-    assert load_config(tiny).max_staleness == 2
-    assert load_config(tiny, ["run.mode=sync"]).max_staleness == 0
+    assert load_config(tiny, ["algorithm.max_staleness=2"]).max_staleness == 2
+    assert load_config(tiny, ["algorithm.max_staleness=2", "run.mode=sync"]).max_staleness == 0
 
 
 def test_bad_override_syntax() -> None:
