@@ -6,6 +6,7 @@ Owns every data-path key of a run (docs/design.md §1.6, §3, §6)::
     {run}:traj:stale     entries refused as too stale               {run}:prompts       prompts, group "rollout"
     {run}:prompts:dead   malformed prompts                          {run}:counts        dead/stale counters (hash)
     {run}:version        the learner's policy version               {run}:admitted      admitted trajectories
+    {run}:credits        groups each server was admitted for and has not yet spent on prompts (hash)
     {run}:version:changed   pub/sub channel announcing each new version
 
 Delivery is at-least-once, acknowledged only once the effect is durable: a trajectory after the optimizer
@@ -26,7 +27,9 @@ step that used it, a prompt when its trajectories are appended. Choices, and why
   things. Both are acknowledged in the same transaction that moves them, counted exactly in
   ``{run}:counts``, and capped (approximately) at ``DEAD_MAXLEN`` entries: they are for inspection.
 - Admission (AReaL's staleness manager, moved into Redis so K servers share one counter): a Lua script
-  INCRBYs ``{run}:admitted`` only if ``admitted + n <= (v + max_staleness + 1) * batch_size``.
+  INCRBYs ``{run}:admitted`` only if ``admitted + n <= (v + max_staleness + 1) * batch_size``, and records
+  the groups as the server's unspent credits in the same step: a server killed before it takes prompts for
+  them leaves them in ``{run}:credits``, where its next life adopts them (otherwise they would be lost).
 """
 
 from __future__ import annotations
@@ -100,8 +103,9 @@ redis.call('HSET', KEYS[2], 'epoch', ARGV[3], 'index', ARGV[4])
 return #ARGV - 4
 """
 
-# KEYS[1] admitted, KEYS[2] version; ARGV: n, batch_size, max_staleness, groups. Admits as many groups of
-# n (up to ``groups``) as fit under the bound; returns {groups admitted, admitted, bound}.
+# KEYS[1] admitted, KEYS[2] version, KEYS[3] credits; ARGV: n, batch_size, max_staleness, groups, consumer.
+# Admits as many groups of n (up to ``groups``) as fit under the bound, records them as the consumer's
+# unspent credits; returns {groups admitted, admitted, bound}.
 _ADMIT_LUA = """
 local v = tonumber(redis.call('GET', KEYS[2]) or '0')
 local bound = (v + tonumber(ARGV[3]) + 1) * tonumber(ARGV[2])
@@ -109,6 +113,7 @@ local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
 local n = tonumber(ARGV[1])
 local k = math.min(tonumber(ARGV[4]), math.floor((bound - admitted) / n))
 if k < 1 then return {0, admitted, bound} end
+redis.call('HINCRBY', KEYS[3], ARGV[5], k)
 return {k, redis.call('INCRBY', KEYS[1], k * n), bound}
 """
 
@@ -563,6 +568,7 @@ class ReplayBuffer:
             client, f"{run}:prompts", "rollout", consumer, decode=decode_prompt, **common
         )
         self._version_key, self._admitted_key = f"{run}:version", f"{run}:admitted"
+        self._credits_key = f"{run}:credits"
         self._version_channel = f"{run}:version:changed"
         self._admit = client.register_script(_ADMIT_LUA)
         self._feed = client.register_script(_FEED_LUA)
@@ -749,13 +755,38 @@ class ReplayBuffer:
                 f"{(max_staleness + 1) * batch_size}"
             )
         got, _, _ = self._admit(
-            keys=[self._admitted_key, self._version_key], args=[n, batch_size, max_staleness, groups]
+            keys=[self._admitted_key, self._version_key, self._credits_key],
+            args=[n, batch_size, max_staleness, groups, self.consumer],
         )
         return int(got)
 
     def release(self, n: int) -> None:
         """Give back admission for n trajectories that will never be appended (a server abandoning work)."""
         self.client.decrby(self._admitted_key, n)
+
+    def held_credits(self) -> int:
+        """Groups this consumer was admitted for and has not spent on prompts: left by an earlier life of
+        this consumer that was killed, or 0. A restarted server adopts them."""
+        return max(
+            0, int(self.client.hget(self._credits_key, self.consumer) or 0)
+        )  # < 0 only after a lost write
+
+    def spend_credits(self, groups: int) -> None:
+        """Record that ``groups`` credits were spent on new prompts (which now carry that admission).
+
+        Called right after the prompts are read: a kill in between leaves both the prompts (redelivered) and
+        the credits, and the next life admits that many groups too many, which the staleness screen at
+        take time bounds. The other order would lose them, which can stall a small window."""
+        if groups:
+            self.client.hincrby(self._credits_key, self.consumer, -groups)
+
+    def release_credits(self, groups: int, n: int) -> None:
+        """Give back ``groups`` unspent credits of n trajectories each (a server stopping cleanly)."""
+        if groups:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.decrby(self._admitted_key, groups * n)
+            pipe.hincrby(self._credits_key, self.consumer, -groups)
+            pipe.execute()
 
     def reack(self) -> int:
         """Re-acknowledge the trajectories this instance acked lately (after a Redis restart; idempotent)."""
@@ -770,15 +801,18 @@ class ReplayBuffer:
         the old counter would hold every server until the learner caught up: a deadlock. What is truly
         admitted is what was trained (``version * batch_size``), plus the trajectories still in the stream
         (including trained-but-not-checkpointed ones, which will be trained again), plus the groups of
-        prompts a server has claimed but not answered (they are redelivered and keep their admission).
-        Call it before the restarted learner announces its version (launch restarts the servers with it).
+        prompts a server has claimed but not answered (they are redelivered and keep their admission), plus
+        the credits servers hold unspent (``{run}:credits``: a live server spends them, a restarted one
+        adopts them). Call it before the restarted learner announces its version.
 
         A live learner recounting after a Redis restart (which can lose or repeat admission increments,
         docs/design.md §6.6) passes ``trained_unacked``: trajectories in ``version`` that are still in the
         stream, awaiting their checkpoint, so they are not counted twice.
         """
         in_flight = self._prompts.pending()
-        admitted = version * batch_size + self._traj.length() - trained_unacked + in_flight * n_samples
+        credits = sum(max(0, int(c)) for c in self.client.hvals(self._credits_key))
+        admitted = version * batch_size + self._traj.length() - trained_unacked
+        admitted += (in_flight + credits) * n_samples
         self.client.set(self._admitted_key, admitted)
         return admitted
 

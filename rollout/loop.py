@@ -104,12 +104,22 @@ class RolloutLoop:
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
         try:
+            self.adopt_credits()
             self.join_current()
             log.info("server-%d: rollout loop started at weights v%d", self.server_id, self.engine.version)
             while not self.should_stop():
                 self.step()
         finally:
             self.close()
+
+    def adopt_credits(self) -> None:
+        """Take over the admission an earlier life of this server was granted and did not spend before it
+        was killed (docs/design.md §3.3); without this, a few such kills could close the window for good."""
+        if held := self.buffer.held_credits():
+            log.warning(
+                "server-%d: adopted %d unspent admission credits of an earlier life", self.server_id, held
+            )
+            self.credits += held
 
     def join_current(self) -> None:
         """Before the first token, take the weights the learner has now (a server joining a running run,
@@ -173,7 +183,9 @@ class RolloutLoop:
         start = time.perf_counter()
         prompts = self.buffer.take_prompts(self.credits, timeout_s=POLL_S)
         self.timers["time/take_prompts"] += time.perf_counter() - start
-        self.credits -= sum(not p.redelivered for p in prompts)
+        spent = sum(not p.redelivered for p in prompts)
+        self.buffer.spend_credits(spent)
+        self.credits -= spent
         return prompts
 
     def reclaim_prompts(self) -> list[TakenPrompt]:
@@ -405,7 +417,7 @@ class RolloutLoop:
     def close(self) -> None:
         """Give back admission this server holds but will not use, so the learner is not starved."""
         if self.credits:
-            self.buffer.release(self.credits * self.sampling.n)
+            self.buffer.release_credits(self.credits, self.sampling.n)
             self.credits = 0
         try:
             returned = self.buffer.return_prompts()

@@ -594,6 +594,21 @@ def test_refused_trajectories_give_their_admission_back(redis_client: redis.Redi
     assert int(redis_client.get(f"{run_id}:admitted")) == 4 - 2
 
 
+def test_unspent_credits_are_kept_per_server_and_counted_by_recount(redis_client: redis.Redis, run_id: str):
+    """Admission granted but not yet spent on prompts is recorded per server, atomically with the counter,
+    so a killed server's next life can adopt it and a recount can include it."""
+    kw = dict(batch_size=4, max_staleness=1)  # room for 8 trajectories: four groups of 2
+    a, b = buffer(redis_client, run_id, "server-0"), buffer(redis_client, run_id, "server-1")
+    assert a.admit_groups(2, 3, **kw) == 3 and b.admit_groups(2, 3, **kw) == 1
+    a.spend_credits(1)
+    assert buffer(redis_client, run_id, "server-0").held_credits() == 2  # a next life of server-0 sees 2
+    assert b.held_credits() == 1
+    b.release_credits(1, 2)  # server-1 stops cleanly
+    assert b.held_credits() == 0 and int(redis_client.get(f"{run_id}:admitted")) == 6
+    # 0 trained, nothing in the streams or pending: only server-0's 2 unspent groups of 2 remain admitted.
+    assert a.recount_admission(0, batch_size=4, n_samples=2) == 4
+
+
 def test_recount_admission_after_a_learner_restart(redis_client: redis.Redis, run_id: str):
     """Trained + still in the stream + claimed-but-unanswered groups; the crashed run's count is discarded."""
     buf = buffer(redis_client, run_id)

@@ -402,6 +402,25 @@ def test_groups_of_a_dead_server_that_fill_the_window_are_still_answered(
     h.telemetry.close()
 
 
+def test_a_restarted_server_adopts_the_admission_its_killed_life_had_not_spent(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+) -> None:
+    """server-0 is killed right after it was admitted for the whole window (one batch at s = 0), before it
+    took a prompt. Its next life adopts those credits and answers new prompts; without them the window
+    would stay closed until a learner restart recounted it."""
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path)
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 4)
+    first_life = ReplayBuffer.from_config(redis_client, cfg, consumer="server-0")
+    assert first_life.admit_groups(2, 2, batch_size=4, max_staleness=0) == 2  # ... and then it is killed
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+        trajs = learner.take(4)
+    assert len({t.prompt_id for t in trajs}) == 2
+    assert int(redis_client.get(f"{run_id}:admitted")) == 4  # adopted, not admitted again
+    assert first_life.held_credits() == 0
+
+
 def test_claim_heartbeat_keeps_prompts_through_a_long_generation(redis_client, run_id) -> None:
     def buf(consumer: str) -> ReplayBuffer:
         return ReplayBuffer(redis_client, run_id, consumer=consumer, claim_idle_ms=300)
