@@ -180,6 +180,18 @@ class EmbeddedRedis:
         )
         return self.start(timeout_s)
 
+    def wait_aof_written(self, timeout_s: float = 10.0) -> None:
+        """For crash tests: block until no answered write waits in Redis's AOF buffer. ``everysec`` may
+        postpone the write (up to 2 s) behind a slow fsync, and a SIGKILL then loses it (docs/design.md §6.6)."""
+        client = self.client()
+        deadline = time.monotonic() + timeout_s
+        while (waiting := int(client.info("persistence")["aof_buffer_length"])) > 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"redis-server on port {self.port}: {waiting} AOF bytes unwritten after {timeout_s}s"
+                )
+            time.sleep(0.01)
+
     def kill(self) -> None:
         """Hard kill (SIGKILL), for crash tests: only what the AOF already holds survives."""
         if self.proc is not None:

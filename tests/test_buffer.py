@@ -244,6 +244,7 @@ def test_unacked_entries_survive_a_redis_crash(tmp_path: Path):
         buf.put([traj(i) for i in range(6)])
         taken = buf.take(4, timeout_s=1)
         buf.ack([t.id for t in taken[:2]])
+        server.wait_aof_written()  # a slow disk can postpone the write; that loss is another test's (§6.6)
         server.kill()  # SIGKILL: only what the AOF holds survives
         server.start()
         buf = buffer(server.client(), "crash", "learner-0")
