@@ -417,17 +417,19 @@ class DistSubscriber:
         self._stream = stream
         return Update(v, manifest, stream.tensors)
 
-    def _started(self, rnd: tuple[int, int]) -> bool:
+    def _go(self) -> dict | None:
+        """The newest round's start signal (its round and rank order), or None before any round started."""
         raw = self.client.get(weights_key(self.run, "go"))
-        return raw is not None and _round(msgpack.unpackb(raw)) >= rnd
+        return msgpack.unpackb(raw) if raw is not None else None
+
+    def _started(self, rnd: tuple[int, int]) -> bool:
+        return (go := self._go()) is not None and _round(go) >= rnd
 
     def _await_go(self, rnd: tuple[int, int]) -> list[str] | None:
         """The rank order of round ``rnd`` ([] if a newer round has started), or None on timeout."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            raw = self.client.get(weights_key(self.run, "go"))
-            go = msgpack.unpackb(raw) if raw is not None else None
-            if go is not None and _round(go) >= rnd:
+            if (go := self._go()) is not None and _round(go) >= rnd:
                 return go["ranks"] if _round(go) == rnd else []
             left = deadline - time.monotonic()
             if left <= 0:
