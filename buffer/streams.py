@@ -356,10 +356,7 @@ class _GroupStream(Generic[R]):
         while len(out) < n:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             block_ms = min(remaining_ms, self.block_cap_ms) if remaining_ms >= 1 else None
-            accepted = self._screen(self._with_group(self._fetch, n - len(out), block_ms), screen)
-            # Outstanding at once, so a re-scan of our pending list later in this call skips them.
-            self._outstanding.update(i for i, _, _ in accepted)
-            out.extend(accepted)
+            out.extend(self._hand_out(self._with_group(self._fetch, n - len(out), block_ms), screen))
             if time.monotonic() >= deadline:
                 break
         return out
@@ -389,10 +386,14 @@ class _GroupStream(Generic[R]):
         from an earlier life, then entries idle on dead consumers. Never a new entry; never blocks."""
         out: list[tuple[str, R, bool]] = []
         while len(out) < k and (got := self._with_group(self._fetch_redelivered, k - len(out))):
-            accepted = self._screen(got, screen)
-            self._outstanding.update(i for i, _, _ in accepted)
-            out.extend(accepted)
+            out.extend(self._hand_out(got, screen))
         return out
+
+    def _hand_out(self, entries: list[_Raw], screen: Screen[R] | None) -> list[tuple[str, R, bool]]:
+        accepted = self._screen(entries, screen)
+        # Outstanding at once, so a re-scan of our pending list later in the same take skips them.
+        self._outstanding.update(i for i, _, _ in accepted)
+        return accepted
 
     def _fetch(self, k: int, block_ms: int | None) -> list[_Raw]:
         if redelivered := self._fetch_redelivered(k):
@@ -767,9 +768,8 @@ class ReplayBuffer:
     def held_credits(self) -> int:
         """Groups this consumer was admitted for and has not spent on prompts: left by an earlier life of
         this consumer that was killed, or 0. A restarted server adopts them."""
-        return max(
-            0, int(self.client.hget(self._credits_key, self.consumer) or 0)
-        )  # < 0 only after a lost write
+        held = int(self.client.hget(self._credits_key, self.consumer) or 0)
+        return max(0, held)  # below 0 only after Redis lost a write
 
     def spend_credits(self, groups: int) -> None:
         """Record that ``groups`` credits were spent on new prompts (which now carry that admission).
