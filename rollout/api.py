@@ -9,12 +9,14 @@ tokens, :mod:`rollout.sessions`).
 The same engine serves the rollout loop; the engine serialises the two (the hf engine per decode step).
 
 Hardening (docs/design.md §6.4): binds to loopback by default; an optional bearer token guards ``/v1/*``; bodies
-over ``max_request_bytes`` get 413 before they are read; ``max_tokens`` is bounded by ``max_tokens_limit``
-and the model's context; a request holds at most ``max_prompts_per_request`` prompts and asks for at most
-``max_total_tokens_per_request`` tokens (prompts × n × max_tokens); past ``max_concurrent_requests``
-requests in flight, the next gets 429 at once. A client that disconnects cancels its generation, streamed
-or not (between decode steps, on engines that offer them). Every failure is a JSON error in OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, and the server keeps serving.
+over ``max_request_bytes`` get 413 before they are read; a body that is not UTF-8, or holds a string with
+a lone surrogate or NUL (any field, nested or not), gets 400 naming the field; ``max_tokens`` is bounded by
+``max_tokens_limit`` and the model's context; a request holds at most ``max_prompts_per_request`` prompts
+and asks for at most ``max_total_tokens_per_request`` tokens (prompts × n × max_tokens); past
+``max_concurrent_requests`` requests in flight, the next gets 429 at once. A client that disconnects
+cancels its generation, streamed or not (between decode steps, on engines that offer them). Every failure
+is a JSON error in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status,
+and the server keeps serving.
 
 Departures from OpenAI: ``top_logprobs`` lists only the sampled token (engines record the behaviour
 logprob of what they sampled, not alternatives); streamed choices send their ``finish_reason`` once the
@@ -47,7 +49,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -96,10 +99,58 @@ class ServerMetrics:
 # ---------------------------------------------------------------------------------------------- requests
 
 
-class _Sampling(BaseModel):
-    """Fields both endpoints share. Strict: ``"5"`` is not a number and ``true`` is not an integer."""
+def text_problem(s: str) -> str | None:
+    """Why ``s`` is not text a request may carry, or None.
+
+    JSON can spell a lone surrogate (``"\\ud800"``), and Python's decoder lets UTF-8-encoded surrogates
+    through too; such a string cannot be encoded, so the tokenizer (or any reply echoing it) would fail.
+    NUL is refused as well: C-level consumers of prompts and logs treat it as the end of the string.
+    """
+    if (nul := s.find("\x00")) >= 0:
+        return f"contains a NUL character (\\u0000) at position {nul}"
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"contains a lone surrogate (\\u{ord(s[e.start]):04x}) at position {e.start}"
+    return None
+
+
+def _first_bad_text(data: Any) -> tuple[str, str] | None:
+    """``(param, problem)`` of the first string in a parsed JSON body (values and keys, in document order)
+    that :func:`text_problem` refuses. Iterative: a deeply nested body must not exhaust the stack."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if problem := text_problem(value):
+                return ".".join(path), problem
+        elif isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and (problem := text_problem(key)):
+                    return ".".join(path), f"a key {problem}"
+            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend(((*path, str(i)), v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+class _Request(BaseModel):
+    """A request body. Every string in it, known field or not, must be valid Unicode text without NUL:
+    checked on the raw body before the fields, so the error names the field (docs/design.md §6.4)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        if (bad := _first_bad_text(data)) is not None:
+            param, problem = bad
+            raise PydanticCustomError("invalid_text", "{problem}", {"param": param, "problem": problem})
+        return data
+
+
+class _Sampling(_Request):
+    """Fields both endpoints share. Strict: ``"5"`` is not a number and ``true`` is not an integer."""
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -143,7 +194,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class FinishRequest(BaseModel):
+class FinishRequest(_Request):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     reward: float = Field(allow_inf_nan=False)
@@ -566,6 +617,8 @@ class API:
         sid = request.headers.get("x-session-id") or req.session_id
         if sid is not None and not 0 < len(sid) <= 128:
             raise APIError(400, "X-Session-Id must be 1..128 characters", param="session_id")
+        if sid is not None and (problem := text_problem(sid)):
+            raise APIError(400, f"session_id: {problem}", param="session_id")
         return sid
 
     async def session_call(
@@ -594,6 +647,8 @@ class API:
 
     async def finish_session(self, session_id: str, req: FinishRequest) -> dict[str, Any]:
         """Close a session into a trajectory with the agent's reward; the server's sink takes it."""
+        if problem := text_problem(session_id):  # the path's id; the body's strings were checked already
+            raise APIError(400, f"session_id: {problem}", param="session_id")
         try:
             t = self.sessions.finish(session_id, req.reward, req.group_id)
         except SessionError as e:
@@ -772,6 +827,9 @@ def create_app(
             return error_response(
                 400, "the request body is not valid JSON", "invalid_request_error", code="invalid_json"
             )
+        if err["type"] == "invalid_text":  # raised on the whole body, naming the field itself
+            param = err["ctx"]["param"] or None
+            return error_response(400, f"{param or 'body'}: {err['msg']}", "invalid_request_error", param)
         if not loc:
             return error_response(400, "the request body must be a JSON object", "invalid_request_error")
         param = ".".join(loc)
@@ -779,6 +837,13 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if isinstance(bad := e.__cause__, UnicodeDecodeError):  # FastAPI's 400 for a body json.loads refused
+            return error_response(
+                400,
+                f"the request body is not valid UTF-8: {bad.reason} at byte {bad.start}",
+                "invalid_request_error",
+                code="invalid_utf8",
+            )
         return error_response(e.status_code, str(e.detail), "invalid_request_error")
 
     @app.exception_handler(_ClientGone)

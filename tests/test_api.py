@@ -171,6 +171,96 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
 
 
+# Hostile text (docs/design.md §6.4): raw bodies, since a well-behaved client cannot send these strings.
+# JSON spells a lone surrogate as "\ud800"; the UTF-8 bytes ED A0 80 decode to one as well.
+SURROGATE, NUL = '"\\ud800"', '"a\\u0000b"'
+HOSTILE_TEXT = [
+    ("prompt, surrogate", "/v1/completions", f'{{"model": "tiny", "prompt": {SURROGATE}}}', "prompt"),
+    ("prompt, NUL", "/v1/completions", f'{{"model": "tiny", "prompt": {NUL}}}', "prompt"),
+    ("prompt list", "/v1/completions", f'{{"model": "tiny", "prompt": ["ok", {SURROGATE}]}}', "prompt.1"),
+    (
+        "prompt, streamed",
+        "/v1/completions",
+        f'{{"model": "tiny", "prompt": {SURROGATE}, "stream": true}}',
+        "prompt",
+    ),
+    ("model", "/v1/completions", f'{{"model": {SURROGATE}, "prompt": "x"}}', "model"),
+    ("stop", "/v1/completions", f'{{"model": "tiny", "prompt": "x", "stop": ["\\n", {NUL}]}}', "stop.1"),
+    ("unknown field", "/v1/completions", f'{{"model": "tiny", "prompt": "x", "user": {NUL}}}', "user"),
+    (
+        "message content",
+        "/v1/chat/completions",
+        f'{{"model": "tiny", "messages": [{{"role": "user", "content": {SURROGATE}}}]}}',
+        "messages.0.content",
+    ),
+    (
+        "message content part",
+        "/v1/chat/completions",
+        '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}, '
+        f'{{"role": "user", "content": [{{"type": "text", "text": {NUL}}}]}}]}}',
+        "messages.1.content.0.text",
+    ),
+    (
+        "session id",
+        "/v1/chat/completions",
+        f'{{"model": "tiny", "session_id": {NUL}, "messages": [{{"role": "user", "content": "x"}}]}}',
+        "session_id",
+    ),
+    ("finish group_id", "/v1/sessions/s/finish", f'{{"reward": 1.0, "group_id": {SURROGATE}}}', "group_id"),
+]
+
+
+@pytest.mark.parametrize(("what", "route", "body", "param"), HOSTILE_TEXT, ids=[h[0] for h in HOSTILE_TEXT])
+def test_invalid_text_gets_400_naming_the_field(
+    url: str, what: str, route: str, body: str, param: str
+) -> None:
+    r = httpx.post(
+        f"{url}{route}", content=body.encode(), headers={"content-type": "application/json"}, timeout=30
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(f"{param}: contains a ")
+    assert "lone surrogate (\\ud800)" in err["message"] or "NUL" in err["message"]
+    ok = httpx.post(
+        f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30
+    )
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/sessions/s/finish"])
+def test_a_body_that_is_not_utf8_gets_400(url: str, route: str) -> None:
+    headers = {"content-type": "application/json"}
+    r = httpx.post(
+        f"{url}{route}", content=b'{"model": "tiny", "prompt": "a\xff"}', headers=headers, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_utf8", r.text
+    # UTF-8 bytes that encode a surrogate are accepted by Python's decoder: the field check names them.
+    r = httpx.post(
+        f"{url}{route}", content=b'{"model": "tiny", "prompt": "a\xed\xa0\x80"}', headers=headers, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_a_session_path_with_nul_gets_400(url: str) -> None:
+    r = httpx.post(f"{url}/v1/sessions/a%00b/finish", json={"reward": 1.0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
+
+
+def test_unicode_text_is_served(url: str) -> None:
+    """What the checks refuse is narrow: non-ASCII text, emoji, escapes of valid characters all pass."""
+    body = '{"model": "tiny", "max_tokens": 2, "prompt": "caf\\u00e9 \\ud83d\\ude00 日本 \\t"}'
+    r = httpx.post(
+        f"{url}/v1/completions",
+        content=body.encode(),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "naïve ✓"}]}
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30).status_code == 200
+
+
 def test_chat_errors(url: str, client: openai.OpenAI) -> None:
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
