@@ -5,7 +5,7 @@
 Per workload it runs, one after the other in the same invocation: TRL 1.16 ``GRPOTrainer`` (one process),
 ``launch.py --mode sync`` (each phase on every core, as the phases alternate), ``launch.py --mode async``
 and, on request, ``sync-split`` (sync mode with async's thread split, one core per side on 2 cores: the
-policy before issue #17, made by replacing the plan's thread split for that run), and prints s/step, time to
+earlier sync policy, made by replacing the plan's thread split for that run), and prints s/step, time to
 ``--target`` reward (5-step moving average) and final reward for each, as ratios to TRL. The last line is
 one JSON object.
 ``--rounds N`` repeats the runs N times, interleaved (trl, sync, async, trl, sync, …), and reports the

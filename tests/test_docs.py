@@ -3,7 +3,8 @@
 Docstrings, comments, configs and docs cite the design by section (``docs/README.md``). These tests read
 every file git tracks (or would track: untracked files it does not ignore), parse the citations, and fail
 naming the file, the line and the citation whose file or heading is missing. They also fail on a citation
-of notes that live outside the repository, which a user who clones the project cannot open.
+of notes that live outside the repository, which a user who clones the project cannot open, and on
+references to how the project was developed (work sessions, tracker numbers), which mean nothing to one.
 """
 
 from __future__ import annotations
@@ -171,3 +172,66 @@ def test_nothing_cites_notes_outside_the_repository() -> None:
             if FORBIDDEN.search(line):
                 hits.append(f"{_rel(path)}:{i}: {line.strip()}")
     assert not hits, "cite docs/<file>.md §N instead:\n" + "\n".join(hits)
+
+
+# ------------------------------------------------------------------------------- development-process words
+
+# How the project was built (its work sessions, its tracker's numbers) means nothing to a user who clones
+# it: docs and comments say what the code does, dated by calendar date where history matters
+# (docs/changes.md). Each pattern below is a process reference; the test cases show what stays allowed.
+PROCESS_WORDS = re.compile(
+    "|".join(
+        [
+            r"\b[Ss]essions?\s+\d+\b",  # "session 6", "sessions 3 to 5" (agent sessions are ids, not numbers)
+            r"\b[Rr]ounds?\s+\d+\s+of\s+(?:development|work)\b",  # "round 3 of development"
+            r"\b(?:[Ii]ssues?|PRs?|[Pp]ull\s+requests?|[Tt]ickets?)[\s-]#?\d+\b",  # "issue #17", "issue-18"
+            r"(?:^|[\s(\[,;])#\d{1,5}\b(?![\w-])",  # a bare tracker number: "(#17)", "see #4" (prose: "No. 1")
+        ]
+    )
+)
+_COLOUR = re.compile(r"colou?r|fill|stroke|background", re.IGNORECASE)  # "#333" there is a colour
+
+
+def process_words(text: str) -> list[tuple[int, str]]:
+    """``(line, match)`` of every development-process reference in ``text``."""
+    hits = []
+    for i, line in enumerate(text.splitlines(), 1):
+        for m in PROCESS_WORDS.finditer(line):
+            if m.group().lstrip(" \t([,;").startswith("#") and _COLOUR.search(line):
+                continue
+            hits.append((i, m.group().strip()))
+    return hits
+
+
+def test_process_word_patterns_flag_references_and_nothing_else() -> None:
+    flagged = [
+        "measured in session 6",
+        "Sessions 3 to 5 found it",
+        "the policy before issue #17",
+        "Merge branch 'issue-18-elastic'",
+        "fixed in this round 2 of development",
+        "see (#12) for the design",
+        "as PR #40 did",
+    ]
+    allowed = [
+        "## 1. Processes",
+        "# 1) a comment numbering its steps",
+        "x = 1  # 2 threads",
+        "a black-box agent's session: X-Session-Id",
+        "scope='session'",
+        "medians of 3 interleaved rounds, rounds 0.96-1.01",
+        'print(f"round {r}: buffer")',
+        "color: #333",
+        "`#[0-9]` in a regex",
+        "children run in their own sessions",
+    ]
+    assert [bool(process_words(t)) for t in flagged] == [True] * len(flagged)
+    assert [t for t in allowed if process_words(t)] == []
+
+
+def test_no_development_process_words_in_the_repository() -> None:
+    hits = [f"{_rel(p)}:{line}: {word}" for p in repo_files() for line, word in process_words(p.read_text())]
+    assert not hits, (
+        "development-process references (say what the code does; date history in docs/changes.md):\n"
+        + "\n".join(hits)
+    )
