@@ -24,6 +24,9 @@ What this module owns and why it looks the way it does:
   critic initialisation.
 - **dtype.** ``model.dtype: auto`` is bfloat16 on GPU and float32 on CPU. Logits are upcast to float32
   before log-probabilities and divided by the sampling temperature, to be comparable to ``behav_logp``.
+- **Chunked head.** :func:`policy_logprobs` gives the same log-probabilities and entropies from the last
+  hidden states without the ``(tokens, V)`` logits (``learner/lm_head.py``, docs/design.md §4.8);
+  :func:`output_head` says whether a model's head allows it.
 
 Known limit: under ZeRO-3 the weights are loaded whole on every rank and partitioned by
 ``deepspeed.initialize`` (no ``zero.Init`` loading), which is fine until one model no longer fits in host RAM.
@@ -45,7 +48,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from learner.batch import MicroBatch
+from learner.batch import MicroBatch, response_view
+from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
 from tandem.config import Config
 from tandem.prebuild import prepare_extensions
 
@@ -259,6 +263,75 @@ def policy_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tenso
     """float32 logits of the tempered policy at every position. Shape: (rows, N, V)."""
     logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits.float()
     return logits / temperature if temperature > 0 else logits
+
+
+def output_head(model: nn.Module) -> nn.Linear | None:
+    """The causal LM's output layer when the chunked head (``learner/lm_head.py``) can stand in for its
+    logits, else None.
+
+    None for a head that is not a plain ``nn.Linear`` (a LoRA-adapted or ``modules_to_save`` head: its
+    weight is not the one the forward uses) and for models that post-process their logits (soft-capping,
+    a logit scale), which only the model's own forward computes faithfully. A LoRA actor whose head is
+    frozen (the default) qualifies: its trunk runs with the adapters, the head is the plain base layer.
+    """
+    module = model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model
+    if hasattr(module, "peft_config"):  # peft: the adapters are injected into the base model in place
+        module = module.get_base_model()
+    head = module.get_output_embeddings()
+    config = getattr(module, "config", None)
+    if type(head) is not nn.Linear or any(
+        getattr(config, k, None) is not None for k in ("final_logit_softcapping", "logit_scale")
+    ):
+        return None
+    # ZeRO-3 partitions the weight (marked with ``ds_id``) and gathers it only inside the head's own
+    # forward and backward hooks; the chunked head would need it gathered again for its backward.
+    # Gathering it once per micro-batch (``deepspeed.zero.GatheredParameters``) is the way to add it, but
+    # it cannot be tested on one CPU rank here, so ZeRO-3 keeps the plain path.
+    if hasattr(head.weight, "ds_id"):
+        return None
+    return head
+
+
+def policy_logprobs(
+    model: nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    mask: Tensor,
+    head: nn.Linear,
+    *,
+    chunk_logits: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor]:
+    """Log-probabilities of ``mb.targets`` and entropies of the tempered policy, without its logits.
+
+    The same numbers as ``logprobs_from_logits`` / ``entropy_from_logits`` of :func:`policy_logits`, from
+    the last hidden states and ``head`` a chunk of tokens at a time (docs/design.md §4.8). The model is
+    still called through its own forward (a DeepSpeed engine hooks its outputs for backward) with
+    ``logits_to_keep=1``: the head then runs on one position only. Only ``mask``-ed tokens are computed;
+    the rest are 0. Without ``with_entropy`` the entropy is zeros.
+
+    Shape: mask (b, R) -> logp (b, R), entropy (b, R), float32.
+    """
+    out = model(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    hidden = response_view(out.hidden_states[-1], mb)  # (b, R, H): after the final norm
+    valid = mask.bool()
+    logp, entropy = chunked_logprobs_entropy(
+        hidden[valid],
+        head.weight,
+        mb.targets[valid],
+        bias=head.bias,
+        temperature=temperature,
+        chunk=chunk_tokens(head.out_features, chunk_logits),
+        with_entropy=with_entropy,
+    )
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, entropy)
 
 
 def values(critic: nn.Module, mb: MicroBatch) -> Tensor:

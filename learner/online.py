@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -63,6 +65,28 @@ log = logging.getLogger("learner")
 
 CONSUMER = "learner-0"  # stable across restarts: the buffer re-delivers this consumer's pending entries
 POLL_S = 1.0  # how often a wait for data re-checks for a stop request
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory since the previous call, in GiB: ``memory/peak_gb`` of a learner step.
+
+    On GPU the allocator's peak (``max_memory_allocated``), then reset. On CPU the resident set's
+    high-water mark (``VmHWM``), then reset through ``/proc/self/clear_refs``, so each step reports its
+    own peak; where that is not possible, ``getrusage``'s peak over the process's lifetime.
+    """
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset the high-water mark to the current resident set
+        return kib / 2**20
+    except (OSError, StopIteration, ValueError):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 class OnlineRuntime(Runtime):

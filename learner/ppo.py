@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from buffer.schema import Trajectory
 from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
 from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
 from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
-from learner.models import Models, load_models, policy_logits, values, visiting
-from learner.online import OnlineRuntime
+from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
+from learner.online import OnlineRuntime, peak_memory_gb
 from learner.runtime import Stats
 from tandem.config import Config
 
@@ -130,6 +130,7 @@ class PPOLearner(OnlineRuntime):
                 "weightsync/bytes": float(self.sync_bytes),
                 "time/checkpoint": t4 - t3,
                 "throughput/train_tokens_per_s": batch.num_tokens / (t2 - t1),
+                "memory/peak_gb": peak_memory_gb(self.device),
                 "learner/version": self.version,
             }
         )
@@ -168,7 +169,7 @@ class PPOLearner(OnlineRuntime):
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """``prox_logp`` (None unless ``actor``), reference logprobs and critic values of every response
         token. Shape: (B, R) each."""
-        m, temperature = self.models, self.models.temperature
+        m = self.models
         if not actor and m.reference is None and m.critic is None:  # GRPO, one optimizer step: no pass
             return None, None, None
         prox_logp = torch.zeros_like(batch.behav_logp) if actor else None
@@ -178,21 +179,50 @@ class PPOLearner(OnlineRuntime):
         if m.critic is not None:
             m.critic.eval()
         for mb in self.micro(batch, torch.arange(len(batch))):
+            mask = batch.mask[mb.rows]
             if prox_logp is not None:
-                prox_logp[mb.rows] = logprobs_from_logits(
-                    response_view(policy_logits(m.actor, mb, temperature), mb), mb.targets
-                )
+                prox_logp[mb.rows] = self.logprobs(m.actor, mb, mask)[0]
             if ref_logp is not None:
                 with visiting(m.reference, self.device, m.reference_on_cpu) as ref:
-                    ref_logp[mb.rows] = logprobs_from_logits(
-                        response_view(policy_logits(ref, mb, temperature), mb), mb.targets
-                    )
+                    ref_logp[mb.rows] = self.logprobs(ref, mb, mask)[0]
             if old_values is not None:
                 old_values[mb.rows] = response_view(values(m.critic, mb), mb)
         # Each row was filled by exactly one rank (zeros elsewhere): a sum assembles the whole batch.
         return tuple(
             None if t is None else self.all_sum(t * batch.mask) for t in (prox_logp, ref_logp, old_values)
         )
+
+    def logprobs(
+        self,
+        model: nn.Module,
+        mb: MicroBatch,
+        mask: Tensor,
+        *,
+        entropy: bool = False,
+        entropy_grad: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probabilities of ``mb.targets`` under the tempered ``model`` and, with ``entropy``, its
+        entropies (with gradient only with ``entropy_grad``). Shape: (b, R) each, valid where ``mask``.
+
+        Above ``learner.chunked_head_threshold`` logits (vocabulary x response tokens) the chunked head
+        computes them from the hidden states without a (b, R, V) tensor (docs/design.md §4.8); below it the
+        logits are small and the plain path (no recompute in backward) is kept.
+        """
+        lc, temperature = self.cfg.learner, self.models.temperature
+        head = None if lc.chunked_head == "off" else output_head(model)
+        if head is not None and (
+            lc.chunked_head == "on" or head.out_features * mb.targets.numel() > lc.chunked_head_threshold
+        ):
+            logp, ent = policy_logprobs(
+                model, mb, temperature, mask, head, chunk_logits=lc.chunked_head_chunk, with_entropy=entropy
+            )
+            return logp, (ent if entropy_grad else ent.detach()) if entropy else None
+        logits = response_view(policy_logits(model, mb, temperature), mb)  # (b, R, V)
+        logp = logprobs_from_logits(logits, mb.targets)
+        if not entropy:
+            return logp, None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return logp, entropy_from_logits(logits)
 
     def ppo_update(
         self,
@@ -234,8 +264,10 @@ class PPOLearner(OnlineRuntime):
     ) -> None:
         a, rows = self.cfg.algorithm, mb.rows
         mask = batch.mask[rows]  # (b, R)
-        logits = response_view(policy_logits(self.models.actor, mb, self.models.temperature), mb)  # (b, R, V)
-        logp = logprobs_from_logits(logits, mb.targets)  # (b, R)
+        # (b, R) each; the entropy carries gradient only when it is in the loss
+        logp, entropy = self.logprobs(
+            self.models.actor, mb, mask, entropy=True, entropy_grad=a.entropy_coef > 0
+        )
         # The batch's only optimizer step starts from the proximal policy: logp *is* prox_logp here.
         prox = logp.detach() if prox_logp is None else prox_logp[rows]
         loss, metrics = policy_loss(
@@ -246,8 +278,7 @@ class PPOLearner(OnlineRuntime):
         n = mask.sum()
         stats.add("loss/policy", loss * num_tokens, n)
         stats.add_means(metrics, n)
-        with torch.set_grad_enabled(a.entropy_coef > 0):
-            entropy = masked_mean(entropy_from_logits(logits), mask, num_tokens)
+        entropy = masked_mean(entropy, mask, num_tokens)
         stats.add("policy/entropy", entropy * num_tokens, n)
         loss = loss - a.entropy_coef * entropy if a.entropy_coef > 0 else loss
         if ref_logp is not None:

@@ -12,7 +12,12 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from tandem.tiny import make_tiny
 
     paths = make_tiny(
-        args.out, seed=args.seed, hidden=args.hidden, layers=args.layers, head_dim=args.head_dim
+        args.out,
+        seed=args.seed,
+        hidden=args.hidden,
+        layers=args.layers,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab_size,
     )
     for name, p in paths.items():
         print(f"{name}: {p}")
@@ -76,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="attention head size (default hidden/4; vLLM's CPU build needs >= 32)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="pad embedding and head to this many rows (e.g. 151936, Qwen2's); the tokenizer is unchanged",
     )
     p.set_defaults(fn=_make_tiny)
 

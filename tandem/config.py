@@ -537,6 +537,20 @@ class LearnerConfig(Section):
     lora: LoRAConfig = Field(
         default_factory=LoRAConfig, description="LoRA adapters on the actor (docs/stages.md §5)."
     )
+    chunked_head: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="PPO log-probs and entropy from the hidden states a chunk of tokens at a time, never the whole (tokens, vocab) logits (docs/design.md §4.8): auto above chunked_head_threshold, on always, off never. Plain logits under ZeRO-3 and for a LoRA-adapted head.",
+    )
+    chunked_head_threshold: int = Field(
+        1 << 26,
+        ge=0,
+        description="auto: the chunked head when vocab size x response tokens of a micro-batch exceeds this (2^26 float32 logits are 256 MiB).",
+    )
+    chunked_head_chunk: int = Field(
+        1 << 24,
+        ge=1,
+        description="Logits per chunk of the chunked head (tokens per chunk: this / vocab size, at least 1).",
+    )
 
 
 class WeightSyncConfig(Section):

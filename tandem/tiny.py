@@ -105,15 +105,21 @@ def make_tiny(
     hidden: int = 64,
     layers: int = 2,
     head_dim: int | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, Path]:
     """Build and save ``actor/`` (causal LM) and ``critic/`` (scalar head; doubles as a reward model).
 
     Returns the paths. Idempotent in content: the same seed gives the same weights. ``head_dim`` as in
     :func:`tiny_config` (``head_dim=32``: the same size, 2 heads of 32, loadable by vLLM's CPU build).
+    ``vocab_size`` pads the embedding and the (tied) head to that many rows while the tokenizer keeps its
+    small vocabulary, as real checkpoints carry unused rows (Qwen2's 151,936 rows for ~151,650 tokens):
+    a model with a real vocabulary's head cost at a tiny model's trunk cost.
     """
     out = Path(out_dir)
     tokenizer = build_tokenizer()
-    cfg = tiny_config(len(tokenizer), hidden=hidden, layers=layers, head_dim=head_dim)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
+    cfg = tiny_config(vocab_size or len(tokenizer), hidden=hidden, layers=layers, head_dim=head_dim)
     torch.manual_seed(seed)
     actor = Qwen2ForCausalLM(cfg)
     torch.manual_seed(seed + 1)

@@ -1,0 +1,281 @@
+"""The chunked output head (``learner/lm_head.py``) against the plain logits path it replaces.
+
+Losses and gradients (w.r.t. the last hidden states and the head weight, tied or untied, with a bias, at
+temperatures other than 1 and at 0, through a mask) must match the plain path within 1e-5 relative, on
+random tiny Qwen2 models; a PPO learner step must give the same losses and weights with it on and off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from learner import lora
+from learner.advantages import masked_mean
+from learner.batch import make_batch, micro_batches, response_view
+from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
+from learner.losses import entropy_from_logits, logprobs_from_logits
+from learner.models import load_models, output_head, policy_logits, policy_logprobs
+from learner.online import peak_memory_gb
+from learner.ppo import PPOLearner
+from tandem.config import LoRAConfig, load_config
+from tandem.tiny import make_tiny
+from tests.test_learner import group, raw_config
+
+RTOL = 1e-5
+VOCAB = 300
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Within 1e-5 relative, elementwise and to the tensor's scale (entries near 0 have no digits)."""
+    atol = RTOL * float(want.detach().abs().max())
+    got, want = got.detach(), want.detach()
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def random_lm(*, tied: bool, seed: int = 0) -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # logits of a few units, as a trained model has (init gives ~0.1)
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+def ppo_like_loss(logp: torch.Tensor, entropy: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor):
+    """A policy-gradient-shaped loss that reads both outputs through the mask."""
+    return masked_mean(-weight * logp, mask) - 0.3 * masked_mean(entropy, mask)
+
+
+def tiny_batch(seed: int = 0):
+    trajs = [t for g in range(3) for t in group(g, 3, seed=seed)]
+    trajs[4].finish_reason = "abort"  # a fully masked row
+    return make_batch(trajs, 0)
+
+
+# ------------------------------------------------------------------------------------- the function alone
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+@pytest.mark.parametrize("bias", [False, True])
+def test_function_matches_plain_logits(temperature: float, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    n, h, v = 23, 16, 97
+    hidden = torch.randn(n, h, generator=gen, requires_grad=True)
+    weight = (0.5 * torch.randn(v, h, generator=gen)).requires_grad_()
+    b = (0.5 * torch.randn(v, generator=gen)).requires_grad_() if bias else None
+    labels = torch.randint(0, v, (n,), generator=gen)
+    mask = (torch.rand(n, generator=gen) > 0.3).float()
+    adv = torch.randn(n, generator=gen)
+    inputs = [hidden, weight] + ([b] if bias else [])
+
+    logits = torch.nn.functional.linear(hidden, weight, b).float()
+    logits = logits / temperature if temperature > 0 else logits
+    want_lp = logprobs_from_logits(logits[None], labels[None])[0]
+    want_ent = entropy_from_logits(logits[None])[0]
+    want = ppo_like_loss(want_lp, want_ent, adv, mask)
+    want_grads = torch.autograd.grad(want, inputs)
+
+    lp, ent = chunked_logprobs_entropy(hidden, weight, labels, bias=b, temperature=temperature, chunk=5)
+    got = ppo_like_loss(lp, ent, adv, mask)
+    got_grads = torch.autograd.grad(got, inputs)
+
+    assert_close(lp, want_lp, "logp")
+    assert_close(ent, want_ent, "entropy")
+    assert_close(got, want, "loss")
+    for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads, strict=False):
+        assert_close(g, w, f"grad {name}")
+
+
+def test_logprob_only_and_entropy_only_gradients() -> None:
+    """Each output's gradient alone (the other unused): the scoring passes and an entropy bonus."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(11, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(40, 8, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 40, (11,), generator=gen)
+    for pick in (0, 1):
+        logits = (hidden @ weight.T) / 1.3
+        want_out = (logprobs_from_logits(logits[None], labels[None])[0], entropy_from_logits(logits[None])[0])
+        want = torch.autograd.grad(want_out[pick].sum(), [hidden, weight])
+        got_out = chunked_logprobs_entropy(hidden, weight, labels, temperature=1.3, chunk=4)
+        got = torch.autograd.grad(got_out[pick].sum(), [hidden, weight])
+        for g, w in zip(got, want, strict=True):
+            assert_close(g, w, f"output {pick}")
+    lp, ent = chunked_logprobs_entropy(hidden, weight, labels, with_entropy=False)
+    assert torch.all(ent == 0) and not ent.requires_grad and lp.requires_grad
+
+
+def test_chunk_tokens_bounds_the_chunk() -> None:
+    assert chunk_tokens(151_936, 1 << 24) == 110
+    assert chunk_tokens(151_936, 10) == 1  # never zero tokens
+    assert chunk_tokens(52, 1 << 24) == (1 << 24) // 52
+
+
+# ------------------------------------------------------------------------------- on a real causal LM
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_model_path_matches_plain_logits(tied: bool, temperature: float) -> None:
+    """policy_logprobs (hidden states of the model's own forward, mask, response view) against
+    policy_logits + losses: the same loss and the same gradient on every parameter and on the hidden
+    states, tied head (gradient shared with the embedding) or not."""
+    batch = tiny_batch()
+    results = {}
+    for path in ("plain", "chunked"):
+        model = random_lm(tied=tied)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        loss = torch.zeros(())
+        captured: list[torch.Tensor] = []
+
+        def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor, captured=captured) -> None:
+            out.retain_grad()  # the last hidden states (after the final norm)
+            captured.append(out)
+
+        hook = model.model.norm.register_forward_hook(keep)
+        for mb in micro_batches(batch, torch.arange(len(batch)), 4, "pad", torch.device("cpu")):
+            mask = batch.mask[mb.rows]
+            adv = torch.linspace(-1, 1, mask.numel()).reshape(mask.shape)
+            if path == "plain":
+                logits = response_view(policy_logits(model, mb, temperature), mb)
+                lp, ent = logprobs_from_logits(logits, mb.targets), entropy_from_logits(logits)
+            else:
+                head = output_head(model)
+                assert head is model.lm_head
+                lp, ent = policy_logprobs(
+                    model, mb, temperature, mask, head, chunk_logits=VOCAB * 3, with_entropy=True
+                )
+            mb_loss = ppo_like_loss(lp, ent, adv, mask)
+            mb_loss.backward()
+            loss = loss + mb_loss.detach()
+        hook.remove()
+        grads_h = [h.grad for h in captured]
+        results[path] = (loss, grads_h, {n: p.grad for n, p in model.named_parameters()})
+    (loss_p, gh_p, gp_p), (loss_c, gh_c, gp_c) = results["plain"], results["chunked"]
+    assert_close(loss_c, loss_p, "loss")
+    for g, w in zip(gh_c, gh_p, strict=True):
+        assert_close(g, w, "grad hidden")
+    assert gp_p.keys() == gp_c.keys()
+    for name in gp_p:
+        assert_close(gp_c[name], gp_p[name], f"grad {name}")
+    assert float(gp_p["lm_head.weight" if not tied else "model.embed_tokens.weight"].abs().max()) > 0
+
+
+def test_lora_actor_uses_the_chunked_head_with_its_adapters() -> None:
+    """A LoRA actor with a frozen head: the trunk runs with its adapters, only they get gradients."""
+    batch = tiny_batch(seed=1)
+    mb = micro_batches(batch, torch.arange(len(batch)), 9, "pad", torch.device("cpu"))[0]
+    mask = batch.mask[mb.rows]
+    grads = {}
+    for path in ("plain", "chunked"):
+        model = lora.wrap(random_lm(tied=True), LoRAConfig(rank=4, alpha=8))
+        gen = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at 0: make the adapters matter
+                p.data = torch.randn(p.shape, generator=gen) * 0.1
+        if path == "plain":
+            logits = response_view(policy_logits(model, mb, 0.8), mb)
+            lp, ent = logprobs_from_logits(logits, mb.targets), entropy_from_logits(logits)
+        else:
+            head = output_head(model)
+            assert head is not None and not head.weight.requires_grad
+            lp, ent = policy_logprobs(model, mb, 0.8, mask, head, chunk_logits=VOCAB * 4, with_entropy=True)
+        ppo_like_loss(lp, ent, torch.ones_like(mask), mask).backward()
+        grads[path] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads["plain"] and all("lora_" in n for n in grads["plain"])
+    for name, want in grads["plain"].items():
+        assert_close(grads["chunked"][name], want, f"grad {name}")
+
+
+def test_an_adapted_head_keeps_the_plain_path() -> None:
+    model = lora.wrap(random_lm(tied=False), LoRAConfig(rank=4, alpha=8, target_modules=["lm_head"]))
+    assert output_head(model) is None
+
+
+# ------------------------------------------------------------------------------------- the learner step
+
+
+@pytest.fixture(scope="module")
+def padded_ckpt(tmp_path_factory):
+    """The tiny checkpoint with its head padded to VOCAB rows (``make-tiny --vocab-size``)."""
+    paths = make_tiny(tmp_path_factory.mktemp("tiny-padded"), vocab_size=VOCAB)
+    return paths
+
+
+def test_make_tiny_pads_embedding_and_head(padded_ckpt) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(padded_ckpt["actor"])
+    assert model.get_input_embeddings().num_embeddings == VOCAB
+    assert model.get_output_embeddings().out_features == VOCAB
+    assert len(AutoTokenizer.from_pretrained(padded_ckpt["actor"])) < VOCAB
+    with pytest.raises(ValueError, match="below the tokenizer"):
+        make_tiny(padded_ckpt["actor"].parent / "bad", vocab_size=10)
+
+
+def learner_step(padded_ckpt, tmp_path, chunked: str, monkeypatch) -> tuple[dict, dict, dict, int]:
+    """One ``train`` of a PPO learner on a fixed batch: (stats, weights before, weights after, chunked calls)."""
+    raw = raw_config(
+        padded_ckpt, "redis://unused", f"chunked-{chunked}", tmp_path / chunked,
+        rollout={"temperature": 0.7, "n_samples": 4},
+        algorithm={"kl_coef": 0.1, "entropy_coef": 0.05, "ppo_epochs": 2, "minibatch_size": 4},
+        learner={"chunked_head": chunked, "chunked_head_threshold": 0, "chunked_head_chunk": VOCAB * 5},
+    )  # fmt: skip
+    cfg = load_config(None, raw=raw)
+    learner = PPOLearner(cfg, tmp_path / chunked)
+    learner.models = load_models(cfg, learner.device)
+    calls = []
+    import learner.ppo as ppo
+
+    real = ppo.policy_logprobs
+    monkeypatch.setattr(ppo, "policy_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    batch = make_batch([t for g in range(2) for t in group(g, 4, seed=5)], 0)
+    module = learner.models.actor.module
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    stats = learner.train(batch)
+    after = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return stats, before, after, len(calls)
+
+
+def test_learner_step_is_the_same_with_the_chunked_head(padded_ckpt, tmp_path, monkeypatch) -> None:
+    """A whole PPO step (prox and reference passes, two epochs, KL and entropy in the loss): the same
+    losses, metrics and updated weights with the chunked head on ('auto' at threshold 0) and off."""
+    off, w_before, w_off, calls_off = learner_step(padded_ckpt, tmp_path, "off", monkeypatch)
+    auto, _, w_auto, calls_auto = learner_step(padded_ckpt, tmp_path, "auto", monkeypatch)
+    assert calls_off == 0 and calls_auto > 0  # the chunked head did run, and only when asked
+    for key in ("loss/policy", "loss/kl", "policy/kl", "policy/entropy", "policy/approx_kl"):
+        np.testing.assert_allclose(auto[key], off[key], rtol=RTOL, atol=RTOL * 1e-2, err_msg=key)
+    assert off["loss/kl"] != 0 and off["policy/approx_kl"] != 0  # the second epoch moved the policy
+    # Adam divides each gradient by its own scale, so where a gradient is ~0 its rounding noise sets the
+    # step: weights agree to a small fraction of one step (lr), not to 1e-5 of their size.
+    lr = 1e-2
+    for name, w in w_off.items():
+        torch.testing.assert_close(w_auto[name], w, rtol=RTOL, atol=1e-2 * lr, msg=name)
+        assert not torch.equal(w, w_before[name]), name  # every weight was trained
+
+
+def test_auto_keeps_plain_logits_below_the_threshold(padded_ckpt, tmp_path, monkeypatch) -> None:
+    raw = raw_config(padded_ckpt, "redis://unused", "below", tmp_path)
+    cfg = load_config(None, raw=raw)  # default threshold: 2^26 logits, far above this batch
+    learner = PPOLearner(cfg, tmp_path)
+    learner.models = load_models(cfg, learner.device)
+    import learner.ppo as ppo
+
+    monkeypatch.setattr(ppo, "policy_logprobs", lambda *a, **k: pytest.fail("chunked below threshold"))
+    learner.train(make_batch(group(0, 8), 0))
+
+
+def test_peak_memory_is_per_step() -> None:
+    cpu = torch.device("cpu")
+    peak_memory_gb(cpu)
+    x = torch.ones(1 << 27)  # 0.5 GiB
+    x.add_(1)
+    with_x = peak_memory_gb(cpu)
+    del x
+    peak_memory_gb(cpu)  # the interval that freed x still saw it
+    assert peak_memory_gb(cpu) < with_x - 0.4
