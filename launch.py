@@ -5,6 +5,7 @@
     python launch.py --attach runs/tiny-20261122-101500 --servers +2   # grow a running run's fleet
     python launch.py configs/tiny.yaml --ray [auto|local|ADDRESS]     # on a Ray cluster
     python launch.py pipeline configs/pipeline-tiny.yaml               # SFT -> RM -> PPO (learner/pipeline.py)
+    python launch.py plan configs/tiny-ppo.yaml --devices 8            # candidate placements, ranked
 
 A thin command line over the ``launcher`` package (docs/design.md §1.5): validate the config and the
 prompts, pick a backend (``local`` subprocesses by default; ``--ray`` or ``--backend NAME``), and run.
@@ -76,6 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # every candidate placement, ranked by predicted step time (docs/design.md §11)
+        from placement.report import main as plan
+
+        return plan(argv[1:])
     if argv[:1] == ["pipeline"]:  # the training stages in one command (docs/stages.md §4)
         from learner.pipeline import main as pipeline
 

@@ -24,7 +24,8 @@ import redis
 
 from buffer.retry import connect
 from launcher.backends.local import Child, plan_children
-from launcher.plan import Role, RunPlan, server_tp, thread_split
+from launcher.plan import Role, RunPlan, server_tp
+from placement.local import thread_split
 from tandem import fleet
 from tandem.config import Config, ConfigError, load_config, redact
 from tandem.telemetry import ready_key, stop_key

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from placement.local import thread_split
 from tandem.config import Config
 
 SYNC_SPINCOUNT = 10_000  # libgomp busy-wait spins in sync mode, about 0.1 ms (GOMP_SPINCOUNT)
@@ -53,24 +54,6 @@ class RunPlan:
         return self.roles[1:]
 
 
-def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
-    """CPU threads for each server and for the learner.
-
-    async: generation and training run at once, so they split the cores: the servers first
-    (``rollout.threads`` or an equal share), the learner takes what is left. sync: the phases alternate,
-    so each has every core: the servers share them while generating, then the learner has them all
-    (the colocated baseline TRL, verl and AReaL compare against; on the generation-heavy workload of
-    ``bench/vs_trl.py`` it measured 1.6 -> 1.1 s/step against the split). ``rollout.threads`` and
-    ``learner.threads`` override either share (on a busy machine, 1 avoids OpenMP barrier stalls).
-    """
-    cores = cores or os.cpu_count() or 1
-    servers, learner = cfg.rollout.num_servers, cfg.learner.threads
-    if cfg.run.mode == "sync":
-        return cfg.rollout.threads or max(1, cores // servers), learner or cores
-    per_server = cfg.rollout.threads or max(1, cores // (servers + 1))
-    return per_server, learner or max(1, cores - per_server * servers)
-
-
 def server_tp(cfg: Config) -> int:
     """GPUs per rollout server: the engine's tensor-parallel degree (1 for hf)."""
     return {"vllm": cfg.rollout.vllm.tensor_parallel_size, "sglang": cfg.rollout.sglang.tp_size}.get(
@@ -105,7 +88,7 @@ def plan_run(
         for i in range(cfg.rollout.num_servers)
     ]
     env = {"TANDEM_RUN_GROUP": run_dir.name, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if cfg.run.mode == "sync" and "OMP_WAIT_POLICY" not in os.environ:
+    if cfg.placement_mode == "colocate" and "OMP_WAIT_POLICY" not in os.environ:
         # Sync processes share every core by turns: an OpenMP thread spinning after its phase ended would
         # take a core from the phase that started (measured 1.29 -> 1.12x TRL's s/step on the tiny demo).
         env["OMP_WAIT_POLICY"] = "PASSIVE"

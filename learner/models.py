@@ -19,7 +19,7 @@ What this module owns and why it looks the way it does:
 - **LoRA.** With ``learner.lora.rank > 0`` the actor (of ppo, sft, dpo) is wrapped in peft adapters and
   only they train (``learner/lora.py``); the reference stays the plain base model.
 - **Reference.** A frozen plain module (no optimizer state, nothing to partition), loaded only when
-  ``kl_coef > 0``; with ``reference_on_cpu`` it lives on CPU and visits the device for its forward pass.
+  ``kl_coef > 0``; with ``placement.reference: learner_cpu`` it lives on CPU and visits the device for its forward pass.
   The reward model itself is scored on the rollout servers, not here; the learner only reads it as a
   critic initialisation.
 - **dtype.** ``model.dtype: auto`` is bfloat16 on GPU and float32 on CPU. Logits are upcast to float32
@@ -242,7 +242,7 @@ def load_models(cfg: Config, device: torch.device) -> Models:
         reference = (
             _causal_lm(cfg.model.reference or cfg.model.actor, cfg, dtype).eval().requires_grad_(False)
         )
-        reference.to("cpu" if cfg.learner.reference_on_cpu else device)
+        reference.to("cpu" if cfg.placement.reference == "learner_cpu" else device)
     return Models(
         actor=make_engine(actor, cfg, dtype, cfg.learner.actor_lr),
         critic=None if critic is None else make_engine(critic, cfg, dtype, cfg.learner.critic_lr),
@@ -252,7 +252,7 @@ def load_models(cfg: Config, device: torch.device) -> Models:
         ),
         device=device,
         temperature=cfg.rollout.temperature,
-        reference_on_cpu=cfg.learner.reference_on_cpu,
+        reference_on_cpu=cfg.placement.reference == "learner_cpu",
     )
 
 

@@ -32,7 +32,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
-from launcher.plan import thread_split
+from placement.local import thread_split
 from rollout.api import HTTPServer, ServerMetrics, create_app
 from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams

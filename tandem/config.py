@@ -514,7 +514,6 @@ class LearnerConfig(Section):
         False,
         description="Keep optimizer state and step on CPU (ZeRO-Offload, zero_stage >= 1): pays on GPU when Adam state does not fit (docs/stages.md §6).",
     )
-    reference_on_cpu: bool = Field(False, description="Keep the frozen reference model on CPU between uses.")
     num_ranks: int = Field(1, ge=1, description="Learner ranks (processes); >1 launches through torchrun.")
     take_timeout_s: float = Field(
         600.0, gt=0, description="How long a step waits for a batch before failing with a clear error."
@@ -551,6 +550,51 @@ class LearnerConfig(Section):
         ge=1,
         description="Logits per chunk of the chunked head (tokens per chunk: this / vocab size, at least 1).",
     )
+
+
+class PlacementConfig(Section):
+    """Where the run's models go (docs/design.md §11); ``python launch.py plan CONFIG`` ranks the choices."""
+
+    mode: Literal["separate", "colocate"] | None = Field(
+        None,
+        description="separate: servers and learner on disjoint devices, overlapping; colocate: both on every device, taking turns (needs run.mode=sync). null follows run.mode (sync: colocate, async: separate).",
+    )
+    generation_share: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="separate mode: the fraction of the devices (CPU threads) given to the rollout servers; null gives every process an equal share.",
+    )
+    reference: Literal["learner", "learner_cpu", "server", "own"] = Field(
+        "learner",
+        description="Where the reference runs: learner (resident), learner_cpu (offloaded between uses); server and own are predicted by the planner only.",
+    )
+    critic: Literal["learner", "own"] = Field(
+        "learner", description="Where the critic trains: learner; own (its own ranks) is predicted only."
+    )
+    reward_model: Literal["server", "own"] = Field(
+        "server", description="Where the reward model scores: server; own (its own worker) is predicted only."
+    )
+    scoring: Literal["serial", "split"] = Field(
+        "serial",
+        description="The learner's no-grad forwards: serial (each on every device in turn); split (disjoint subsets at once) is predicted only.",
+    )
+
+    @model_validator(mode="after")
+    def _runnable(self) -> PlacementConfig:
+        # The planner ranks every placement; these are the ones the processes can run today.
+        for name, value, runnable in (
+            ("reference", self.reference, ("learner", "learner_cpu")),
+            ("critic", self.critic, ("learner",)),
+            ("reward_model", self.reward_model, ("server",)),
+            ("scoring", self.scoring, ("serial",)),
+        ):
+            if value not in runnable:
+                raise ValueError(
+                    f"placement.{name}={value} is predicted by `launch.py plan` but not yet run by the "
+                    f"processes; use {' or '.join(runnable)}"
+                )
+        return self
 
 
 class WeightSyncConfig(Section):
@@ -691,6 +735,10 @@ class Config(Section):
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation on the servers.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, logs and wandb.")
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig,
+        description="Devices of generation and learning, and where each model runs.",
+    )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Placement on a Ray cluster.")
     supervision: SupervisionConfig = Field(
         default_factory=SupervisionConfig, description="Restarts of crashed processes and Redis reconnects."
@@ -699,6 +747,11 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
         a, r = self.algorithm, self.rollout
+        if self.placement.mode == "colocate" and self.run.mode != "sync":
+            raise ValueError(
+                "placement.mode=colocate takes turns on the same devices, which needs run.mode=sync "
+                "(max_staleness 0: the servers generate one batch per version, never while the learner trains)"
+            )
         if self.learner.offload_optimizer and self.learner.zero_stage == 0:
             raise ValueError(
                 "learner.offload_optimizer needs learner.zero_stage >= 1 (ZeRO-Offload; DeepSpeed ignores it at stage 0)"
@@ -756,6 +809,11 @@ class Config(Section):
     @property
     def recipe(self) -> str:
         return self.algorithm.recipe
+
+    @property
+    def placement_mode(self) -> Literal["separate", "colocate"]:
+        """The placement in force: ``placement.mode``, or what ``run.mode`` implies (sync takes turns)."""
+        return self.placement.mode or ("colocate" if self.run.mode == "sync" else "separate")
 
     @property
     def max_staleness(self) -> int:

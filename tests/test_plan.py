@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.plan import plan_run, thread_split
+from launcher.plan import plan_run
+from placement.local import thread_split
 from tandem.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,244 @@
+"""The planner's cost model: per-role scaling laws fitted to measurements, and a plan's predicted step.
+
+Every phase of a step (generation, each scoring forward, each training pass, the weight sync, the
+colocated switch) is timed wherever it runs. The planner knows nothing else: it fits one law per phase,
+
+    t(W, g) = α + β · W / g
+
+(``W`` the phase's tokens per step, ``g`` its devices: a fixed cost plus perfectly divisible work), and
+one per role for memory, ``bytes per device = (M + m · W) / g``. What the laws leave out (communication
+that grows with ``g``, the longest response holding a batch, contention between colocated roles, jitter)
+is what the predicted-against-measured figures show.
+
+:func:`predict` composes the laws for one plan (docs/design.md §11.2):
+
+- **colocated phases add**: generate, switch, score, train, sync, switch back, all on every device;
+- **separated sides overlap**: the servers' side (generation and what is scored there) against the
+  learner's (scoring, training, sync); the slower sets the pace;
+- **scoring** is a sum (``serial``) or the slowest of disjoint subsets (``split``); roles on the ``own``
+  group score and train beside the learning group;
+- **memory is a hard limit**: a plan whose predicted peak exceeds a device's (or the host's) memory is
+  infeasible, whatever its speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from placement.plan import Plan, Roles
+
+# Phases whose time the planner models, and the tokens each one processes (see Workload.tokens).
+PHASES = (
+    "generate",  # the rollout servers' decode (response tokens)
+    "actor_logp",  # the proximal actor's no-grad forward
+    "reference",  # the reference's no-grad forward
+    "critic_values",  # the critic's no-grad forward
+    "reward_model",  # the reward model's forward
+    "actor_train",  # the actor's forward + backward + optimizer step, all epochs
+    "critic_train",  # the critic's
+    "sync",  # publishing the actor's weights to the servers (across devices)
+    "sync_local",  # the same within a device, when colocated (shm on CPU, CUDA IPC on GPU)
+    "switch",  # colocated: engine sleep + learner reload, and back (both directions, one step)
+    "reference_reload",  # learner_cpu: moving the reference to the device and back
+)
+# Memory is per role: what each holds on its devices while it runs.
+MEMORY_ROLES = ("engine", "actor", "reference", "critic", "reward_model")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One step's work: ``samples`` trajectories of ``prompt_len`` + ``response_len`` (means) tokens."""
+
+    samples: int
+    prompt_len: float
+    response_len: float
+
+    def tokens(self, phase: str) -> float:
+        """Tokens a phase processes per step: generation decodes responses, the rest read whole rows."""
+        if phase == "generate":
+            return self.samples * self.response_len
+        return self.samples * (self.prompt_len + self.response_len)
+
+
+@dataclass(frozen=True)
+class Law:
+    """``t = alpha + beta * W / g`` (seconds), or bytes per device ``(alpha + beta * W) / g`` for memory."""
+
+    alpha: float
+    beta: float
+
+    def time(self, tokens: float, devices: int) -> float:
+        return self.alpha + self.beta * tokens / devices
+
+    def bytes(self, tokens: float, devices: int) -> float:
+        return (self.alpha + self.beta * tokens) / devices
+
+
+def fit(xs: Iterable[float], ys: Iterable[float]) -> Law:
+    """Least squares ``y = alpha + beta * x`` with both terms kept non-negative (costs are never negative).
+
+    With a single distinct ``x`` the two terms cannot be told apart; the fit then assumes no fixed cost.
+    """
+    x, y = np.asarray(list(xs), dtype=float), np.asarray(list(ys), dtype=float)
+    if len(x) == 0:
+        raise ValueError("fit: no measurements")
+    if np.ptp(x) <= 1e-12 * max(1.0, abs(x).max()):
+        return Law(0.0, float(y.mean() / x.mean())) if x.mean() > 0 else Law(float(y.mean()), 0.0)
+    beta, alpha = np.polyfit(x, y, 1)
+    if alpha < 0:  # refit through the origin
+        return Law(0.0, float(max(0.0, (x @ y) / (x @ x))))
+    if beta < 0:
+        return Law(float(y.mean()), 0.0)
+    return Law(float(alpha), float(beta))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement: ``phase`` (or memory ``role``) took ``value`` seconds (bytes per device) at W, g."""
+
+    name: str
+    tokens: float
+    devices: int
+    value: float
+
+
+@dataclass
+class CostModel:
+    """Fitted laws: one per phase for time, one per role for memory."""
+
+    time: dict[str, Law] = field(default_factory=dict)
+    memory: dict[str, Law] = field(default_factory=dict)
+
+    @classmethod
+    def from_samples(cls, times: Iterable[Sample], memory: Iterable[Sample] = ()) -> CostModel:
+        by_phase: dict[str, list[Sample]] = {}
+        for s in times:
+            by_phase.setdefault(s.name, []).append(s)
+        by_role: dict[str, list[Sample]] = {}
+        for s in memory:
+            by_role.setdefault(s.name, []).append(s)
+        return cls(
+            {p: fit((s.tokens / s.devices for s in ss), (s.value for s in ss)) for p, ss in by_phase.items()},
+            # bytes per device * g = M + m * W: a line in W
+            {r: fit((s.tokens for s in ss), (s.value * s.devices for s in ss)) for r, ss in by_role.items()},
+        )
+
+    def t(self, phase: str, work: Workload, devices: int) -> float:
+        law = self.time.get(phase)
+        if law is None:
+            raise KeyError(f"no measurements of phase {phase!r}; the profile window must time it")
+        return law.time(work.tokens(phase), max(1, devices))
+
+    def m(self, role: str, work: Workload, devices: int) -> float:
+        law = self.memory.get(role)
+        return 0.0 if law is None else law.bytes(work.tokens("train"), max(1, devices))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    plan: Plan
+    step_s: float  # predicted seconds per learner step
+    generation_s: float  # the servers' side of a step
+    learning_s: float  # the learner's side (scoring, training, sync)
+    peak_bytes: float  # the largest per-device peak over every group
+    host_bytes: float  # host memory the plan parks there (learner_cpu, colocated offload)
+    infeasible: str | None = None  # why the plan does not fit, or None
+
+    @property
+    def feasible(self) -> bool:
+        return self.infeasible is None
+
+
+_SCORER_ROLE = {
+    "actor_logp": "actor",
+    "reference": "reference",
+    "critic_values": "critic",
+    "reward_model": "reward_model",
+}
+
+
+def _split(devices: int, k: int) -> list[int]:
+    """``devices`` into ``k`` near-equal subsets (split scoring)."""
+    return [devices // k + (1 if i < devices % k else 0) for i in range(k)]
+
+
+def predict(
+    plan: Plan,
+    roles: Roles,
+    model: CostModel,
+    work: Workload,
+    *,
+    device_bytes: float = float("inf"),
+    host_bytes: float = float("inf"),
+) -> Prediction:
+    """The plan's step time and peak memory from the fitted laws. A plan that needs a phase never measured
+    cannot be predicted: it comes back infeasible, saying which."""
+    try:
+        return _predict(plan, roles, model, work, device_bytes, host_bytes)
+    except KeyError as e:
+        return Prediction(plan, float("inf"), float("inf"), float("inf"), 0.0, 0.0, str(e.args[0]))
+
+
+def _predict(
+    plan: Plan, roles: Roles, model: CostModel, work: Workload, device_bytes: float, host_bytes: float
+) -> Prediction:
+    t, m = model.t, model.m
+    gen_devs, learn_devs, aux = plan.generation, plan.learning, plan.aux
+    own = plan.own(roles)
+
+    # The servers' side: generation, then what is scored next to it.
+    server = t("generate", work, gen_devs)
+    if roles.reference and plan.reference == "server":
+        server += t("reference", work, gen_devs)
+    if roles.reward_model and plan.reward_model == "server":
+        server += t("reward_model", work, gen_devs)
+
+    # The learner's side: scoring on the learning group (and the own group beside it), then training.
+    forwards = plan.learner_scoring(roles)
+    if plan.scoring == "serial":
+        scoring = sum(t(f, work, learn_devs) for f in forwards)
+    else:
+        scoring = max(t(f, work, g) for f, g in zip(forwards, _split(learn_devs, len(forwards)), strict=True))
+    if roles.reference and plan.reference == "learner_cpu":
+        scoring += t("reference_reload", work, learn_devs)
+    own_scoring = sum(t({"critic": "critic_values"}.get(r, r), work, aux) for r in own)
+    train = t("actor_train", work, learn_devs)
+    own_train = 0.0
+    if roles.critic:
+        if plan.critic == "learner":
+            train += t("critic_train", work, learn_devs)
+        else:
+            own_train = t("critic_train", work, aux)
+    sync = t("sync_local" if plan.mode == "colocate" else "sync", work, learn_devs)
+    learning = max(scoring, own_scoring) + max(train, own_train) + sync
+
+    if plan.mode == "colocate":
+        step = server + t("switch", work, gen_devs) + learning
+    else:
+        step = max(server, learning)
+
+    # Memory per device of each group; colocated sides take turns, so only the larger is resident.
+    server_roles = ["engine"]
+    server_roles += ["reference"] if roles.reference and plan.reference == "server" else []
+    server_roles += ["reward_model"] if roles.reward_model and plan.reward_model == "server" else []
+    learner_roles = ["actor"]
+    learner_roles += ["reference"] if roles.reference and plan.reference == "learner" else []
+    learner_roles += ["critic"] if roles.critic and plan.critic == "learner" else []
+    server_mem = sum(m(r, work, gen_devs) for r in server_roles)
+    learner_mem = sum(m(r, work, learn_devs) for r in learner_roles)
+    own_mem = sum(m(r, work, aux) for r in own) if aux else 0.0
+    host = m("reference", work, 1) if roles.reference and plan.reference == "learner_cpu" else 0.0
+    if plan.mode == "colocate":
+        peak = max(server_mem, learner_mem)
+        host += min(server_mem, learner_mem) * gen_devs  # the side asleep is parked in host memory
+    else:
+        peak = max(server_mem, learner_mem, own_mem)
+    why = None
+    if peak > device_bytes:
+        why = f"needs {peak / 2**30:.2f} GiB per device, {device_bytes / 2**30:.2f} available"
+    elif host > host_bytes:
+        why = f"parks {host / 2**30:.2f} GiB in host memory, {host_bytes / 2**30:.2f} available"
+    return Prediction(plan, step, server, learning, peak, host, why)

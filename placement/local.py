@@ -1,0 +1,123 @@
+"""What a config's placement means for a run, and the planner's first guess before anything is measured.
+
+- :func:`roles_of`: the models a config has besides the actor;
+- :func:`configured_plan`: the config's placement as a :class:`~placement.plan.Plan` on ``devices``;
+- :func:`thread_split`: on CPU a device is a thread, so a plan is a thread budget per process;
+- :func:`prior_model`: per-phase laws from the checkpoints' sizes and a device's nominal speed, so
+  ``launch.py plan`` can rank plans before a run has profiled anything. Measured laws replace it
+  (``placement/cost.py``); its figures are orders of magnitude, and ``launch.py plan`` says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from placement.cost import CostModel, Law
+from placement.plan import Plan, Roles
+from tandem.config import Config
+
+# Nominal sustained speeds: dense bf16 matmuls at realistic utilisation, and memory bandwidth.
+CUDA_FLOPS, CUDA_BANDWIDTH = 300e12, 2.0e12  # an H100-class device
+CPU_FLOPS, CPU_BANDWIDTH = 20e9, 10e9  # one core of a server CPU (fp32)
+
+
+def roles_of(cfg: Config) -> Roles:
+    return Roles(
+        reference=cfg.algorithm.kl_coef > 0,
+        critic=cfg.algorithm.advantage == "gae",
+        reward_model=cfg.model.reward_model is not None,
+    )
+
+
+def configured_plan(cfg: Config, devices: int) -> Plan:
+    """The config's placement on ``devices`` (separate: the servers' share, at least one each side)."""
+    p = cfg.placement
+    if cfg.placement_mode == "colocate":
+        return Plan("colocate", devices, devices, 0, p.reference, p.critic, p.reward_model, p.scoring)
+    servers = cfg.rollout.num_servers
+    share = p.generation_share if p.generation_share is not None else servers / (servers + 1)
+    generation = min(devices - 1, max(1, round(share * devices)))
+    return Plan(
+        "separate", generation, devices - generation, 0, p.reference, p.critic, p.reward_model, p.scoring
+    )
+
+
+def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
+    """CPU threads for each server and for the learner.
+
+    colocate (run.mode sync): the phases take turns, so each has every core: the servers share them
+    while generating, then the learner has them all (the colocated baseline TRL, verl and AReaL compare
+    against; on the generation-heavy workload of ``bench/vs_trl.py`` it measured 1.6 -> 1.1 s/step against
+    the split). separate: generation and training run at once, so they split the cores: the servers'
+    ``placement.generation_share`` (or ``rollout.threads`` each, or an equal share per process), the
+    learner what is left. ``rollout.threads`` and ``learner.threads`` override either share (on a busy
+    machine, 1 avoids OpenMP barrier stalls).
+    """
+    cores = cores or os.cpu_count() or 1
+    servers, learner = cfg.rollout.num_servers, cfg.learner.threads
+    if cfg.placement_mode == "colocate":
+        return cfg.rollout.threads or max(1, cores // servers), learner or cores
+    share = cfg.placement.generation_share
+    if cfg.rollout.threads:
+        per_server = cfg.rollout.threads
+    elif share is not None:
+        per_server = max(1, round(share * cores) // servers)
+    else:
+        per_server = max(1, cores // (servers + 1))
+    return per_server, learner or max(1, cores - per_server * servers)
+
+
+def _params(path: str | None) -> tuple[float, float]:
+    """(parameters, KV bytes per token) of a checkpoint from its config.json; zeros when unreadable."""
+    if path is None:
+        return 0.0, 0.0
+    try:
+        c = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    h, layers, vocab = c.get("hidden_size", 0), c.get("num_hidden_layers", 0), c.get("vocab_size", 0)
+    inter = c.get("intermediate_size", 4 * h)
+    kv_heads = c.get("num_key_value_heads", c.get("num_attention_heads", 1))
+    head_dim = c.get("head_dim") or h // max(1, c.get("num_attention_heads", 1))
+    params = layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h
+    return float(params), float(2 * layers * kv_heads * head_dim * 2)  # K and V, 2 bytes each
+
+
+def prior_model(cfg: Config, *, cuda: bool) -> CostModel:
+    """Laws from FLOPs and bytes: ~2N FLOPs a token forward, ~6N to train, decode bound by reading the
+    weights once per step of a batch of ``prompts_per_batch * n_samples`` sequences."""
+    flops, bandwidth = (CUDA_FLOPS, CUDA_BANDWIDTH) if cuda else (CPU_FLOPS, CPU_BANDWIDTH)
+    n_actor, kv = _params(cfg.model.actor)
+    n_ref = _params(cfg.model.reference or cfg.model.actor)[0]
+    n_critic = _params(cfg.model.critic or cfg.model.actor)[0]
+    n_rm = _params(cfg.model.reward_model)[0]
+    r = cfg.rollout
+    decode_batch = r.prompts_per_batch * r.n_samples
+    call = 2e-4 if cuda else 2e-3  # a forward call's fixed cost (launch, Python)
+    fwd = lambda n: Law(call, 2 * n / flops)  # noqa: E731
+    epochs = cfg.algorithm.ppo_epochs if cfg.recipe == "ppo" else 1
+    weight_bytes = 2 * n_actor
+    return CostModel(
+        time={
+            "generate": Law(call, max(2 * n_actor / flops, weight_bytes / bandwidth / decode_batch)),
+            "actor_logp": fwd(n_actor),
+            "reference": fwd(n_ref),
+            "critic_values": fwd(n_critic),
+            "reward_model": fwd(n_rm),
+            "actor_train": Law(3 * call, epochs * 6 * n_actor / flops),
+            "critic_train": Law(3 * call, epochs * 6 * n_critic / flops),
+            "sync": Law(weight_bytes / (25e9 if cuda else 2e9), 0.0),  # across devices (NVLink / shm copy)
+            "sync_local": Law(weight_bytes / (1e12 if cuda else 10e9), 0.0),  # within a device
+            "switch": Law(2 * weight_bytes / (25e9 if cuda else 10e9), 0.0),  # sleep/wake + offload/reload
+            "reference_reload": Law(2 * n_ref * 2 / (25e9 if cuda else 10e9), 0.0),
+        },
+        memory={
+            "engine": Law(weight_bytes, kv),
+            "actor": Law(16 * n_actor, 2 * n_actor / 1e3),  # bf16 weights, fp32 master, grads, Adam
+            "reference": Law(2 * n_ref, 0.0),
+            "critic": Law(16 * n_critic, 2 * n_critic / 1e3),
+            "reward_model": Law(2 * n_rm, 0.0),
+        },
+    )

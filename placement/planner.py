@@ -1,0 +1,79 @@
+"""The planner: rank every candidate plan by predicted step time, and switch only when it clearly pays.
+
+:func:`rank` is exhaustive (a few hundred plans at 8 devices; each prediction is a handful of
+multiplications). :class:`Replanner` adds hysteresis: a run moves to a better plan only when the time it
+is predicted to save over the steps left beats the measured cost of moving by a margin, and the gain per
+step is more than measurement noise. Plans therefore never flap between two near-equal choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from placement.cost import CostModel, Prediction, Workload, predict
+from placement.plan import Plan, Roles, candidates
+
+
+def rank(
+    roles: Roles,
+    devices: int,
+    model: CostModel,
+    work: Workload,
+    *,
+    device_bytes: float = float("inf"),
+    host_bytes: float = float("inf"),
+    plans: list[Plan] | None = None,
+    observed: dict[Plan, float] | None = None,
+) -> list[Prediction]:
+    """Every plan's prediction: feasible ones first, fastest first; then the infeasible, fastest first.
+
+    ``observed`` maps plans already run to measured/predicted step time: what the laws missed for that
+    plan (contention, a straggler) scales its prediction, so a plan that disappointed is not chosen again
+    on the strength of its formula.
+    """
+    preds = [
+        predict(p, roles, model, work, device_bytes=device_bytes, host_bytes=host_bytes)
+        for p in (plans if plans is not None else candidates(roles, devices))
+    ]
+    if observed:
+        preds = [replace(p, step_s=p.step_s * observed.get(p.plan, 1.0)) for p in preds]
+    return sorted(preds, key=lambda p: (not p.feasible, p.step_s, p.plan.label(roles)))
+
+
+@dataclass
+class Decision:
+    plan: Plan  # the plan to run next (the current one when staying)
+    switch: bool
+    predicted_s: float  # the chosen plan's predicted step time
+    reason: str
+
+
+@dataclass
+class Replanner:
+    """Hysteresis around :func:`rank`: move only for a clear, paid-for gain."""
+
+    min_gain: float = 0.05  # the best plan must be predicted this fraction faster per step
+    margin: float = 2.0  # and save this many times the switch cost over the remaining steps
+
+    def decide(
+        self, current: Plan, ranked: list[Prediction], remaining_steps: int, switch_s: float
+    ) -> Decision:
+        by_plan = {p.plan: p for p in ranked}
+        best = ranked[0]
+        now = by_plan.get(current)
+        if now is None or not now.feasible:
+            return Decision(best.plan, best.plan != current, best.step_s, "current plan infeasible")
+        gain = now.step_s - best.step_s
+        if best.plan == current or gain < self.min_gain * now.step_s:
+            return Decision(
+                current, False, now.step_s, f"gain {gain / now.step_s:.1%} under {self.min_gain:.0%}"
+            )
+        saved = gain * remaining_steps
+        if saved < self.margin * switch_s:
+            return Decision(
+                current,
+                False,
+                now.step_s,
+                f"saves {saved:.2f} s, under {self.margin}x the {switch_s:.2f} s switch",
+            )
+        return Decision(best.plan, True, best.step_s, f"saves {saved:.2f} s over {remaining_steps} steps")

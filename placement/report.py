@@ -1,0 +1,100 @@
+"""``python launch.py plan CONFIG [--devices N]``: every candidate placement, ranked, with its prediction.
+
+Without measurements the laws come from the checkpoints' sizes and nominal device speeds
+(``placement/local.py``: orders of magnitude, labelled as such). The table shows the configured plan's
+rank, so a user sees how far the hand-written choice is from the predicted best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from placement.cost import Prediction, Workload
+from placement.local import configured_plan, prior_model, roles_of
+from placement.plan import Roles
+from placement.planner import rank
+from tandem.config import Config, ConfigError, load_config
+
+GiB = 2**30
+
+
+def workload_of(cfg: Config, prompt_len: float) -> Workload:
+    """One learner step's work: a batch of ``algorithm.batch_size`` rows of about half-length responses."""
+    return Workload(cfg.algorithm.batch_size, prompt_len, cfg.rollout.max_new_tokens / 2)
+
+
+def format_ranking(preds: list[Prediction], roles: Roles, configured: Prediction, top: int) -> str:
+    rows = [
+        f"{'#':>4}  {'plan':<58} {'step ms':>9} {'gen ms':>8} {'learn ms':>9} {'GiB/dev':>8} {'host GiB':>8}"
+    ]
+    for i, p in enumerate(preds[:top]):
+        mark = " *" if p.plan == configured.plan else ""
+        note = f"  infeasible: {p.infeasible}" if not p.feasible else ""
+        rows.append(
+            f"{i + 1:>4}  {p.plan.label(roles) + mark:<58} {p.step_s * 1e3:>9.1f} {p.generation_s * 1e3:>8.1f} "
+            f"{p.learning_s * 1e3:>9.1f} {p.peak_bytes / GiB:>8.2f} {p.host_bytes / GiB:>8.2f}{note}"
+        )
+    where = next(i for i, p in enumerate(preds) if p.plan == configured.plan) + 1
+    rows.append(
+        f"configured (*): rank {where} of {len(preds)}, {configured.step_s * 1e3:.1f} ms/step predicted; "
+        f"best {preds[0].step_s * 1e3:.1f} ms ({configured.step_s / preds[0].step_s:.2f}x)"
+    )
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="launch.py plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    ap.add_argument(
+        "--devices", type=int, default=None, help="devices to place on (CPU: threads; default: cores)"
+    )
+    ap.add_argument("--cuda", action="store_true", help="price devices as GPUs (default: run.device)")
+    ap.add_argument("--device-gb", type=float, default=None, help="memory per device (default 80 on GPU)")
+    ap.add_argument(
+        "--host-gb", type=float, default=None, help="host memory for offloads (default: this host's)"
+    )
+    ap.add_argument("--prompt-len", type=float, default=64.0, help="mean prompt tokens of the workload")
+    ap.add_argument("--top", type=int, default=20, help="rows to print")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.recipe != "ppo":
+        print(
+            f"error: launch.py plan places the online PPO roles; {args.config} is algorithm.recipe={cfg.recipe}",
+            file=sys.stderr,
+        )
+        return 2
+    devices = args.devices or os.cpu_count() or 1
+    if devices < 1:
+        print("error: --devices must be at least 1", file=sys.stderr)
+        return 2
+    cuda = args.cuda or cfg.run.device == "cuda"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    device_bytes = (args.device_gb or 80.0) * GiB if cuda else host / devices
+    if args.device_gb and not cuda:
+        device_bytes = args.device_gb * GiB
+    host_bytes = (args.host_gb * GiB) if args.host_gb else host
+    roles, model, work = roles_of(cfg), prior_model(cfg, cuda=cuda), workload_of(cfg, args.prompt_len)
+    preds = rank(roles, devices, model, work, device_bytes=device_bytes, host_bytes=host_bytes)
+    configured = configured_plan(cfg, devices)
+    mine = next((p for p in preds if p.plan == configured), None)
+    if devices == 1 or mine is None:
+        print(f"error: {devices} device(s) leave no choice of placement for this config", file=sys.stderr)
+        return 2
+    kind = "GPUs" if cuda else "CPU threads"
+    print(
+        f"# {len(preds)} plans on {devices} {kind}, {work.samples} samples x ({work.prompt_len:.0f} + "
+        f"{work.response_len:.0f}) tokens a step; models: actor"
+        + "".join(f", {r}" for r in ("reference", "critic", "reward_model") if getattr(roles, r))
+    )
+    print(
+        "# predicted from checkpoint sizes and nominal device speeds (a prior: orders of magnitude, not a profile)"
+    )
+    print(format_ranking(preds, roles, mine, args.top))
+    return 0

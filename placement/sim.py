@@ -1,0 +1,535 @@
+"""SIMULATION: pretend devices, and phases that sleep for modelled costs while holding them.
+
+This machine has two cores and no GPU, so the device-level behaviour of a placement (colocated roles
+taking turns, separated sides overlapping, memory as a hard limit) is shown here in simulation, and every
+figure drawn from it says so. The rules:
+
+- each pretend **device** is a lock and a memory counter. A phase holds the locks of its devices while it
+  sleeps for its cost, so roles placed on the same devices serialise and roles on disjoint ones overlap,
+  whatever the two real cores are doing. Allocating past a device's capacity raises :class:`SimOOM`
+  naming the device;
+- the **ground truth** (:class:`Truth`) is deliberately richer than the planner's laws: communication that
+  grows with ``log2(g)``, generation held by the longest of heavy-tailed response lengths, contention
+  between forwards that run at once, jitter on every phase and on switches. The planner never reads it:
+  it sees only the phase times and memory peaks this module measures (:attr:`SimRun.samples`).
+
+:class:`SimRun` runs one plan for some steps the way tandem runs it: separated sides as two threads with a
+bounded queue between them (the buffer at ``max_staleness``), colocated phases in turn on every device.
+:func:`run_auto` is ``placement.mode: auto`` on top: a profile window of two probe plans, a fit, the best
+plan, and hysteresis-gated re-planning as the workload drifts.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from placement.cost import CostModel, Sample, Workload, predict
+from placement.plan import Plan, Roles
+from placement.planner import Replanner, rank
+
+GiB = 2**30
+
+
+class SimOOM(MemoryError):
+    """A simulated device (or the host) ran out of memory."""
+
+
+class Cluster:
+    """``devices`` pretend accelerators, each a lock and a memory counter, and the host's memory."""
+
+    def __init__(self, devices: int, device_bytes: float, host_bytes: float = float("inf")) -> None:
+        self.locks = [threading.Lock() for _ in range(devices)]
+        self.capacity = device_bytes
+        self.used = [0.0] * devices
+        self.peak = [0.0] * devices
+        self.host_capacity, self.host_used, self.host_peak = host_bytes, 0.0, 0.0
+        self._mem = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        return len(self.locks)
+
+    @contextmanager
+    def hold(self, devs: Sequence[int]) -> Iterator[None]:
+        """Exclusive use of ``devs`` (locks taken in index order, so two holders never deadlock)."""
+        order = sorted(set(devs))
+        for d in order:
+            self.locks[d].acquire()
+        try:
+            yield
+        finally:
+            for d in reversed(order):
+                self.locks[d].release()
+
+    def alloc(self, devs: Sequence[int], per_device: float, what: str) -> None:
+        with self._mem:
+            for d in devs:
+                if self.used[d] + per_device > self.capacity:
+                    raise SimOOM(
+                        f"simulated device {d} out of memory: {what} needs {per_device / GiB:.2f} GiB, "
+                        f"{self.used[d] / GiB:.2f} of {self.capacity / GiB:.2f} GiB in use"
+                    )
+            for d in devs:
+                self.used[d] += per_device
+                self.peak[d] = max(self.peak[d], self.used[d])
+
+    def free(self, devs: Sequence[int], per_device: float) -> None:
+        with self._mem:
+            for d in devs:
+                self.used[d] -= per_device
+
+    def park(self, nbytes: float, what: str) -> None:
+        """Move ``nbytes`` to host memory (an offload, a sleeping engine)."""
+        with self._mem:
+            if self.host_used + nbytes > self.host_capacity:
+                raise SimOOM(f"simulated host out of memory: {what} parks {nbytes / GiB:.2f} GiB")
+            self.host_used += nbytes
+            self.host_peak = max(self.host_peak, self.host_used)
+
+    def unpark(self, nbytes: float) -> None:
+        with self._mem:
+            self.host_used -= nbytes
+
+
+@dataclass(frozen=True)
+class PhaseTruth:
+    alpha: float  # seconds of fixed cost
+    beta: float  # seconds x devices per token
+    comm: float = 0.0  # seconds per doubling of the devices (collectives)
+
+
+@dataclass(frozen=True)
+class Truth:
+    """The simulator's ground truth (never shown to the planner)."""
+
+    phases: dict[str, PhaseTruth]
+    memory: dict[
+        str, tuple[float, float]
+    ]  # role -> (bytes resident, bytes per token), sharded over its devices
+    decode_step_s: float = (
+        0.0  # per decode step of the batch's longest response: latency no device count hides
+    )
+    tail: float = 2.5  # Pareto shape of response lengths (smaller: heavier tail)
+    max_len_factor: float = 8.0  # responses are cut at this multiple of the mean (max_new_tokens)
+    contention: float = 0.1  # each forward running at once with k-1 others is (1 + c (k-1)) slower
+    colocated_slowdown: float = 0.03  # a colocated phase shares caches and host bandwidth with the sleeper
+    jitter: float = 0.05  # log-normal sigma on every phase
+    switch_jitter: float = 0.2  # log-normal sigma on sleep/wake and offload/reload
+    replace_s: float = 0.05  # moving a run to another plan (restart, reshard)
+
+    def lengths(self, rng: np.random.Generator, work: Workload) -> np.ndarray:
+        """Heavy-tailed response lengths with mean ``work.response_len`` before the cut."""
+        a = self.tail
+        raw = (1.0 + rng.pareto(a, work.samples)) * work.response_len * (a - 1) / a
+        return np.minimum(raw, self.max_len_factor * work.response_len)
+
+    def time(
+        self,
+        phase: str,
+        tokens: float,
+        devices: int,
+        rng: np.random.Generator,
+        *,
+        concurrent: int = 1,
+        colocated: bool = False,
+        longest: float = 0.0,
+    ) -> float:
+        p = self.phases[phase]
+        t = p.alpha + p.beta * tokens / devices + p.comm * math.log2(devices) + self.decode_step_s * longest
+        t *= 1 + self.contention * (concurrent - 1)
+        t *= 1 + (self.colocated_slowdown if colocated else 0.0)
+        sigma = self.switch_jitter if phase in ("switch", "reference_reload") else self.jitter
+        return t * float(rng.lognormal(0.0, sigma))
+
+
+def example_truth(*, tail: float = 2.5, decode_step_s: float = 8e-6) -> Truth:
+    """A ground truth shaped like a ~1.5B-parameter actor with a critic, reference and reward model on
+    80 GiB devices, with step times scaled to tens of milliseconds so a sweep runs in minutes."""
+    fwd = PhaseTruth(0.0002, 0.4e-6, 0.0001)
+    return Truth(
+        phases={
+            "generate": PhaseTruth(0.0005, 6.0e-6, 0.0001),
+            "actor_logp": fwd,
+            "reference": fwd,
+            "critic_values": fwd,
+            "reward_model": fwd,
+            "actor_train": PhaseTruth(0.0003, 1.2e-6, 0.0002),
+            "critic_train": PhaseTruth(0.0003, 1.2e-6, 0.0002),
+            "sync": PhaseTruth(0.001, 0.0, 0.0002),
+            "sync_local": PhaseTruth(0.0005, 0.0, 0.0),
+            "switch": PhaseTruth(0.0015, 0.0, 0.0),
+            "reference_reload": PhaseTruth(0.002, 0.0, 0.0),
+        },
+        memory={
+            "engine": (3 * GiB, 128 * 2**10),
+            "actor": (24 * GiB, 128 * 2**10),
+            "reference": (3 * GiB, 64 * 2**10),
+            "critic": (24 * GiB, 128 * 2**10),
+            "reward_model": (3 * GiB, 64 * 2**10),
+        },
+        decode_step_s=decode_step_s,
+        tail=tail,
+    )
+
+
+@dataclass
+class Groups:
+    generation: list[int]
+    learning: list[int]
+    aux: list[int]
+
+    @classmethod
+    def of(cls, plan: Plan) -> Groups:
+        if plan.mode == "colocate":
+            every = list(range(plan.generation))
+            return cls(every, every, [])
+        g, n = plan.generation, plan.learning
+        return cls(list(range(g)), list(range(g, g + n)), list(range(g + n, plan.devices)))
+
+
+class SimRun:
+    """Runs plans on a :class:`Cluster` under a :class:`Truth`, measuring what a real run would measure."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        truth: Truth,
+        roles: Roles,
+        work_at: Callable[[int], Workload],
+        *,
+        seed: int = 0,
+        max_staleness: int = 1,
+    ) -> None:
+        self.cluster, self.truth, self.roles, self.work_at = cluster, truth, roles, work_at
+        self.rng = np.random.default_rng(seed)
+        self._rng_lock = threading.Lock()
+        self.max_staleness = max_staleness
+        self.samples: list[Sample] = []  # phase times
+        self.memory: list[Sample] = []  # per-device bytes of each role at its peak
+        self.ends: list[float] = []  # wall time at the end of every learner step, over every plan run
+
+    # ----------------------------------------------------------------------------------- one phase
+
+    def _draw(self, phase: str, tokens: float, devs: Sequence[int], **kw: object) -> float:
+        with self._rng_lock:
+            return self.truth.time(phase, tokens, len(devs), self.rng, **kw)  # type: ignore[arg-type]
+
+    def phase(
+        self,
+        name: str,
+        work: Workload,
+        devs: Sequence[int],
+        plan: Plan,
+        *,
+        concurrent: int = 1,
+        longest: float = 0.0,
+    ) -> None:
+        """Sleep for the phase's cost while holding ``devs``; record what it took."""
+        tokens = work.tokens(name)
+        dt = self._draw(
+            name, tokens, devs, concurrent=concurrent, colocated=plan.mode == "colocate", longest=longest
+        )
+        with self.cluster.hold(devs):
+            t0 = time.perf_counter()
+            time.sleep(dt)
+            took = time.perf_counter() - t0
+        self.samples.append(Sample(name, tokens, len(devs), took))
+
+    @contextmanager
+    def resident(
+        self, role: str, work: Workload, devs: Sequence[int], *, per_token: bool = True
+    ) -> Iterator[None]:
+        """A role's memory on ``devs`` for the duration (its resident bytes, plus activations or KV)."""
+        fixed, per_tok = self.truth.memory[role]
+        nbytes = (fixed + (per_tok * work.tokens("train") if per_token else 0.0)) / len(devs)
+        self.cluster.alloc(devs, nbytes, role)
+        self.memory.append(Sample(role, work.tokens("train"), len(devs), nbytes))
+        try:
+            yield
+        finally:
+            self.cluster.free(devs, nbytes)
+
+    # ----------------------------------------------------------------------------------- a step's sides
+
+    def generate(self, plan: Plan, work: Workload, devs: Sequence[int]) -> None:
+        """The servers' side: decode, then what is scored next to generation."""
+        with self._rng_lock:
+            longest = float(self.truth.lengths(self.rng, work).max())
+        with self.resident("engine", work, devs):
+            self.phase("generate", work, devs, plan, longest=longest)
+            if self.roles.reference and plan.reference == "server":
+                with self.resident("reference", work, devs):
+                    self.phase("reference", work, devs, plan)
+            if self.roles.reward_model and plan.reward_model == "server":
+                with self.resident("reward_model", work, devs):
+                    self.phase("reward_model", work, devs, plan)
+
+    def learn(self, plan: Plan, work: Workload, groups: Groups) -> None:
+        """The learner's side: scoring on the learning group (and own group beside it), training, sync."""
+        learn, aux, roles = groups.learning, groups.aux, self.roles
+        learner_roles = ["actor"]
+        learner_roles += ["reference"] if roles.reference and plan.reference == "learner" else []
+        learner_roles += ["critic"] if roles.critic and plan.critic == "learner" else []
+        own = plan.own(roles)
+        offloaded = roles.reference and plan.reference == "learner_cpu"
+        if offloaded:  # parked in host memory between uses; brought back for the scoring forwards
+            self.cluster.park(self.truth.memory["reference"][0], "reference")
+            self.phase("reference_reload", work, learn, plan)
+            learner_roles.append("reference")
+        with ExitStack() as held:
+            for r in learner_roles:
+                held.enter_context(self.resident(r, work, learn))
+            for r in own:
+                held.enter_context(self.resident(r, work, aux))
+            forwards = plan.learner_scoring(roles)
+            jobs: list[Callable[[], None]] = []
+            if plan.scoring == "serial":
+                jobs.append(lambda: [self.phase(f, work, learn, plan) for f in forwards])
+            else:
+                k = len(forwards)
+                for f, subset in zip(forwards, _subsets(learn, k), strict=True):
+                    jobs.append(lambda f=f, subset=subset: self.phase(f, work, subset, plan, concurrent=k))
+            if own:
+                jobs.append(
+                    lambda: [self.phase({"critic": "critic_values"}.get(r, r), work, aux, plan) for r in own]
+                )
+            _together(jobs)
+            train: list[Callable[[], None]] = [lambda: self.phase("actor_train", work, learn, plan)]
+            if roles.critic:
+                if plan.critic == "learner":
+                    train[0] = lambda: (
+                        self.phase("actor_train", work, learn, plan),
+                        self.phase("critic_train", work, learn, plan),
+                    )
+                else:
+                    train.append(lambda: self.phase("critic_train", work, aux, plan))
+            _together(train)
+        if offloaded:
+            self.cluster.unpark(self.truth.memory["reference"][0])
+        if plan.mode == "colocate":
+            self.phase("sync_local", work, learn, plan)
+        else:  # the broadcast pauses the servers too
+            self.phase("sync", work, sorted({*learn, *groups.generation}), plan)
+
+    # ----------------------------------------------------------------------------------- a plan
+
+    def run(self, plan: Plan, first: int, steps: int, stop: Callable[[int], bool] | None = None) -> int:
+        """Run ``plan`` for steps ``first .. first + steps - 1``; ``stop(step)`` after a step ends the run
+        early (a switch). Returns the steps completed."""
+        groups = Groups.of(plan)
+        if plan.mode == "colocate":
+            return self._run_colocated(plan, groups, first, steps, stop)
+        return self._run_separated(plan, groups, first, steps, stop)
+
+    def _run_colocated(
+        self, plan: Plan, groups: Groups, first: int, steps: int, stop: Callable[[int], bool] | None
+    ) -> int:
+        every = groups.generation
+        for i in range(first, first + steps):
+            work = self.work_at(i)
+            self.generate(plan, work, every)
+            # The engine sleeps (its weights and KV cache released) and the learner reloads, and back.
+            parked = self.truth.memory["engine"][0]
+            self.cluster.park(parked, "engine")
+            self.phase("switch", work, every, plan)
+            self.learn(plan, work, groups)
+            self.cluster.unpark(parked)
+            self.ends.append(time.perf_counter())
+            if stop is not None and stop(i):
+                return i - first + 1
+        return steps
+
+    def _run_separated(
+        self, plan: Plan, groups: Groups, first: int, steps: int, stop: Callable[[int], bool] | None
+    ) -> int:
+        ready: queue.Queue[Workload] = queue.Queue(maxsize=max(1, self.max_staleness))
+        halt = threading.Event()
+        errors: list[BaseException] = []
+
+        def servers() -> None:
+            try:
+                for i in range(first, first + steps):
+                    work = self.work_at(i)
+                    self.generate(plan, work, groups.generation)
+                    while not halt.is_set():
+                        try:
+                            ready.put(work, timeout=0.05)
+                            break
+                        except queue.Full:
+                            continue
+                    if halt.is_set():
+                        return
+            except BaseException as e:  # surfaced in the caller's thread
+                errors.append(e)
+                halt.set()
+
+        gen = threading.Thread(target=servers, daemon=True)
+        gen.start()
+        done = 0
+        try:
+            for i in range(first, first + steps):
+                work = None
+                while work is None and not errors:
+                    try:
+                        work = ready.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                if errors:
+                    break
+                self.learn(plan, work, groups)
+                self.ends.append(time.perf_counter())
+                done += 1
+                if stop is not None and stop(i):
+                    break
+        finally:
+            halt.set()
+            gen.join()
+        if errors:
+            raise errors[0]
+        return done
+
+
+def _subsets(devs: list[int], k: int) -> list[list[int]]:
+    sizes = [len(devs) // k + (1 if i < len(devs) % k else 0) for i in range(k)]
+    out, at = [], 0
+    for s in sizes:
+        out.append(devs[at : at + s])
+        at += s
+    return out
+
+
+def _together(jobs: list[Callable[[], object]]) -> None:
+    """Run ``jobs`` at once (threads), re-raising the first failure."""
+    if len(jobs) == 1:
+        jobs[0]()
+        return
+    errors: list[BaseException] = []
+
+    def wrap(job: Callable[[], object]) -> None:
+        try:
+            job()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def step_time(ends: Sequence[float], warmup: int = 2) -> float:
+    """Mean seconds per step after ``warmup`` steps (the separated pipeline's fill is not steady state)."""
+    if len(ends) <= warmup + 1:
+        raise ValueError(f"need more than {warmup + 1} steps to measure a steady step time")
+    return (ends[-1] - ends[warmup]) / (len(ends) - 1 - warmup)
+
+
+# ----------------------------------------------------------------------------------------- auto
+
+
+@dataclass
+class Switch:
+    step: int
+    plan: Plan
+    predicted_s: float
+    measured_s: float = float("nan")  # filled when the plan has run long enough to measure
+
+
+@dataclass
+class AutoResult:
+    steps: int
+    seconds: float
+    switches: list[Switch] = field(default_factory=list)
+    model: CostModel | None = None
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds
+
+
+def probe_plans(roles: Roles, devices: int) -> list[Plan]:
+    """The profile window's two plans: every phase timed on all devices and on half of them (the second
+    also offloads the reference, so its reload is timed)."""
+    half = max(1, devices // 2)
+    ref = "learner_cpu" if roles.reference else "learner"
+    return [Plan("colocate", devices, devices), Plan("separate", half, devices - half, reference=ref)]
+
+
+def run_auto(
+    sim: SimRun,
+    steps: int,
+    *,
+    profile_steps: int = 6,
+    replan_every: int = 5,
+    window: int = 400,
+    replanner: Replanner | None = None,
+) -> AutoResult:
+    """``placement.mode: auto`` in simulation: profile, fit, pick, then re-plan with hysteresis."""
+    replanner = replanner or Replanner()
+    cluster, roles, devices = sim.cluster, sim.roles, sim.cluster.size
+    t0 = time.perf_counter()
+    step = 0
+    for probe in probe_plans(roles, devices):
+        step += sim.run(probe, step, max(1, profile_steps // 2))
+
+    def refit() -> CostModel:
+        return CostModel.from_samples(sim.samples[-window:], sim.memory[-window:])
+
+    observed: dict[Plan, float] = {}  # measured / predicted step time of the plans run so far
+
+    def ranked_at(i: int) -> list:
+        return rank(
+            roles,
+            devices,
+            refit(),
+            sim.work_at(i),
+            device_bytes=cluster.capacity,
+            host_bytes=cluster.host_capacity,
+            observed=observed,
+        )
+
+    best = ranked_at(step)[0]
+    result = AutoResult(0, 0.0, [Switch(step, best.plan, best.step_s)])
+    current = best.plan
+    while step < steps:
+        run_from, ends_from = step, len(sim.ends)
+        decision = None
+
+        def stop(
+            i: int, run_from: int = run_from, ends_from: int = ends_from, current: Plan = current
+        ) -> bool:
+            nonlocal decision
+            done = i - run_from + 1
+            if done % replan_every or i + 1 >= steps:
+                return False
+            model, work = refit(), sim.work_at(i)
+            measured = step_time(sim.ends[ends_from:], warmup=1) if done > 3 else None
+            if measured is not None:
+                observed[current] = measured / predict(current, roles, model, work).step_s
+            d = replanner.decide(current, ranked_at(i + 1), steps - i - 1, sim.truth.replace_s)
+            if d.switch:
+                decision = d
+                return True
+            return False
+
+        step += sim.run(current, step, steps - step, stop)
+        ends = sim.ends[ends_from:]
+        if len(ends) > 3:
+            result.switches[-1].measured_s = step_time(ends, warmup=1)
+        if decision is not None:
+            time.sleep(sim.truth.replace_s)  # restart the roles under the new plan
+            current = decision.plan
+            result.switches.append(Switch(step, current, decision.predicted_s))
+    result.steps, result.seconds, result.model = step, time.perf_counter() - t0, refit()
+    return result

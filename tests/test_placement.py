@@ -1,0 +1,302 @@
+"""Placement: plans, the fitted laws, predictions worked out by hand, hysteresis, and the simulator.
+
+The simulator tests are SIMULATION by construction (``placement/sim.py``): pretend devices are locks and
+memory counters, phases sleep. They check what the simulator must get right for the bench to mean
+anything: roles on the same devices serialise, roles on disjoint ones overlap, and memory is a hard limit
+that names the device.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from placement.cost import CostModel, Law, Sample, Workload, fit, predict
+from placement.local import configured_plan, thread_split
+from placement.plan import Plan, Roles, candidates, validate
+from placement.planner import Replanner, rank
+from placement.sim import Cluster, GiB, PhaseTruth, SimOOM, SimRun, Truth
+from tandem.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL = Roles(reference=True, critic=True, reward_model=True)
+WORK = Workload(samples=10, prompt_len=60.0, response_len=40.0)  # 400 generated, 1000 read per step
+
+
+def constant_model(**times: float) -> CostModel:
+    """Every phase a fixed cost (beta 0), so predictions are sums and maxima of these numbers."""
+    return CostModel({k: Law(v, 0.0) for k, v in times.items()})
+
+
+# ------------------------------------------------------------------------------------------ plans
+
+
+def test_candidates_are_valid_distinct_and_cover_the_named_placements() -> None:
+    plans = list(candidates(ALL, 8))
+    assert len(plans) == len(set(plans)) > 100
+    assert all(validate(p, ALL, 8) is None for p in plans)
+    assert Plan("colocate", 8, 8) in plans
+    assert Plan("separate", 2, 6) in plans
+    assert Plan("separate", 4, 2, 2, "learner", "own", "own") in plans  # OpenRLHF's two node groups
+    # colocate cannot have an own group, and an aux group needs a role placed own
+    assert validate(Plan("colocate", 8, 8, 0, critic="own"), ALL, 8)
+    assert validate(Plan("separate", 4, 2, 2), ALL, 8)
+    assert validate(Plan("separate", 4, 3), ALL, 8)  # 7 of 8 devices
+
+
+def test_a_run_without_a_critic_or_reward_model_has_fewer_choices() -> None:
+    grpo = Roles(reference=False, critic=False, reward_model=False)
+    plans = list(candidates(grpo, 4))
+    assert {p.mode for p in plans} == {"colocate", "separate"}
+    assert all(p.aux == 0 and p.reference == "learner" for p in plans)
+    assert len(plans) == 2 * (1 + 3)  # serial/split x (colocate + 3 splits)
+
+
+# ------------------------------------------------------------------------------------------ laws
+
+
+def test_fit_recovers_alpha_and_beta_and_stays_non_negative() -> None:
+    law = fit([1.0, 2.0, 4.0], [3.0 + 0.5 * x for x in (1.0, 2.0, 4.0)])
+    assert law.alpha == pytest.approx(3.0) and law.beta == pytest.approx(0.5)
+    assert fit([2.0, 2.0], [4.0, 6.0]) == Law(0.0, 2.5)  # one x: no fixed cost assumed
+    through_origin = fit([1.0, 2.0], [0.5, 3.0])  # the line would cross below zero
+    assert through_origin.alpha == 0.0 and through_origin.beta > 0
+
+
+def test_cost_model_fits_time_in_w_over_g_and_memory_per_device() -> None:
+    times = [Sample("actor_train", w, g, 0.01 + 2e-6 * w / g) for w in (1000, 3000) for g in (1, 4)]
+    mem = [Sample("actor", w, g, (100.0 + 2.0 * w) / g) for w in (1000, 3000) for g in (1, 4)]
+    model = CostModel.from_samples(times, mem)
+    assert model.time["actor_train"].alpha == pytest.approx(0.01)
+    assert model.time["actor_train"].beta == pytest.approx(2e-6)
+    assert model.memory["actor"].bytes(5000, 5) == pytest.approx((100.0 + 10_000) / 5)
+
+
+# ------------------------------------------------------------------------------------------ predictions by hand
+
+TIMES = dict(
+    generate=5.0,
+    actor_logp=1.0,
+    reference=2.0,
+    critic_values=3.0,
+    reward_model=4.0,
+    actor_train=6.0,
+    critic_train=7.0,
+    sync=0.5,
+    sync_local=0.25,
+    switch=1.5,
+    reference_reload=0.75,
+)
+
+
+def test_colocated_phases_add() -> None:
+    p = predict(Plan("colocate", 4, 4), ALL, constant_model(**TIMES), WORK)
+    # gen 5 + rm on server 4 | switch 1.5 | logp 1 + ref 2 + values 3 | train 6 + 7 | local sync 0.25
+    assert p.generation_s == 9.0
+    assert p.learning_s == 1 + 2 + 3 + 6 + 7 + 0.25
+    assert p.step_s == 9.0 + 1.5 + 19.25
+
+
+def test_separated_sides_overlap_and_the_slower_sets_the_pace() -> None:
+    p = predict(Plan("separate", 2, 2, reference="server"), ALL, constant_model(**TIMES), WORK)
+    assert p.generation_s == 5 + 2 + 4  # generation, reference and reward model on the servers
+    assert p.learning_s == 1 + 3 + 6 + 7 + 0.5
+    assert p.step_s == max(11.0, 17.5)
+
+
+def test_split_scoring_takes_the_slowest_forward_and_own_roles_run_beside() -> None:
+    model = constant_model(**TIMES)
+    split = predict(Plan("separate", 1, 3, scoring="split"), ALL, model, WORK)
+    assert split.learning_s == max(1, 2, 3) + 6 + 7 + 0.5
+    own = predict(Plan("separate", 2, 1, 1, critic="own", reward_model="own"), ALL, model, WORK)
+    # learning group: logp + ref, then actor train; own group: rm + values, then critic train, at once
+    assert own.learning_s == max(1 + 2, 4 + 3) + max(6, 7) + 0.5
+    offloaded = predict(Plan("separate", 2, 2, reference="learner_cpu"), ALL, model, WORK)
+    assert offloaded.learning_s == 1 + 2 + 3 + 0.75 + 6 + 7 + 0.5
+
+
+def test_time_scales_with_w_over_g() -> None:
+    model = CostModel({**constant_model(**TIMES).time, "generate": Law(1.0, 0.01)})
+    # 400 generated tokens: 1 + 0.01 * 400 / g
+    assert predict(Plan("separate", 2, 2), ALL, model, WORK).generation_s == pytest.approx(1 + 2.0 + 4)
+    assert predict(Plan("separate", 1, 3), ALL, model, WORK).generation_s == pytest.approx(1 + 4.0 + 4)
+
+
+def test_memory_is_a_hard_limit_and_colocated_peak_is_the_larger_side() -> None:
+    model = constant_model(**TIMES)
+    model.memory = {"engine": Law(4 * GiB, 0.0), "actor": Law(12 * GiB, 0.0), "critic": Law(12 * GiB, 0.0)}
+    roles = Roles(reference=False, critic=True, reward_model=False)
+    colo = predict(Plan("colocate", 4, 4), roles, model, WORK, device_bytes=7 * GiB)
+    assert colo.peak_bytes == pytest.approx(max(4, 24) * GiB / 4)  # not the sum of both sides
+    assert colo.feasible
+    tight = predict(Plan("separate", 2, 2), roles, model, WORK, device_bytes=7 * GiB)
+    assert tight.peak_bytes == pytest.approx(12 * GiB) and not tight.feasible
+    assert "GiB per device" in tight.infeasible
+    ranked = rank(roles, 4, model, WORK, device_bytes=7 * GiB)
+    assert ranked[0].feasible and not ranked[-1].feasible
+
+
+def test_an_unmeasured_phase_makes_a_plan_unpredictable_not_a_crash() -> None:
+    times = {k: v for k, v in TIMES.items() if k != "reference_reload"}
+    p = predict(Plan("separate", 2, 2, reference="learner_cpu"), ALL, constant_model(**times), WORK)
+    assert not p.feasible and "reference_reload" in p.infeasible
+
+
+# ------------------------------------------------------------------------------------------ hysteresis
+
+
+def test_replanner_switches_only_for_a_clear_paid_for_gain() -> None:
+    model = constant_model(**TIMES)
+    ranked = rank(ALL, 4, model, WORK)
+    best, worse = ranked[0], ranked[len(ranked) // 2]
+    assert worse.step_s > 1.1 * best.step_s
+    r = Replanner(min_gain=0.05, margin=2.0)
+    assert r.decide(worse.plan, ranked, remaining_steps=100, switch_s=1.0).switch
+    gain = worse.step_s - best.step_s
+    few = int(2.0 * 10.0 / gain)  # saves less than twice a 10 s switch
+    assert not r.decide(worse.plan, ranked, remaining_steps=few, switch_s=10.0).switch
+    near = [p for p in ranked if p.step_s < best.step_s * 1.04 and p.plan != best.plan]
+    if near:  # within noise of the best: stay
+        assert not r.decide(near[0].plan, ranked, remaining_steps=10_000, switch_s=0.0).switch
+    assert not r.decide(best.plan, ranked, remaining_steps=10_000, switch_s=0.0).switch
+
+
+def test_observed_slowdown_rescales_a_plan_that_disappointed() -> None:
+    ranked = rank(ALL, 4, constant_model(**TIMES), WORK)
+    best = ranked[0].plan
+    again = rank(ALL, 4, constant_model(**TIMES), WORK, observed={best: 2.0})
+    assert again[0].plan != best
+    assert next(p for p in again if p.plan == best).step_s == pytest.approx(2.0 * ranked[0].step_s)
+
+
+# ------------------------------------------------------------------------------------------ SIMULATION
+
+PHASE = 0.03  # seconds each simulated phase sleeps
+
+
+def flat_truth() -> Truth:
+    """Every phase PHASE seconds on any device count, no jitter: timings checkable by hand."""
+    p = PhaseTruth(PHASE, 0.0, 0.0)
+    names = ("generate", "actor_logp", "reference", "critic_values", "reward_model", "actor_train",
+             "critic_train", "sync", "sync_local", "switch", "reference_reload")  # fmt: skip
+    return Truth(
+        phases={n: p for n in names},
+        memory={r: (1 * GiB, 0.0) for r in ("engine", "actor", "reference", "critic", "reward_model")},
+        contention=0.0,
+        colocated_slowdown=0.0,
+        jitter=0.0,
+        switch_jitter=0.0,
+    )
+
+
+GRPO = Roles(reference=False, critic=False, reward_model=False)
+
+
+def timed_steps(plan: Plan, steps: int = 6, device_gb: float = 80.0, roles: Roles = GRPO) -> float:
+    sim = SimRun(Cluster(plan.devices, device_gb * GiB), flat_truth(), roles, lambda i: WORK, seed=0)
+    sim.run(plan, 0, steps)
+    return (sim.ends[-1] - sim.ends[1]) / (steps - 2)
+
+
+def test_sim_colocated_roles_serialise_and_separated_ones_overlap() -> None:
+    # GRPO: generate | switch | actor_logp, actor_train, sync: 5 phases in turn when colocated;
+    # separated, the learner's 3 (logp, train, sync) set the pace and generation hides behind them.
+    colocated = timed_steps(Plan("colocate", 2, 2))
+    separated = timed_steps(Plan("separate", 1, 1))
+    assert colocated == pytest.approx(5 * PHASE, rel=0.25)
+    assert separated == pytest.approx(3 * PHASE, rel=0.25)
+
+
+def test_sim_weight_sync_holds_the_servers_devices() -> None:
+    # Generation of 3 phases against a learner of logp + train + sync: the broadcast holds the servers'
+    # device too, so each step costs generation plus the sync (4 phases), not max(3, 3).
+    truth = flat_truth()
+    truth = Truth({**truth.phases, "generate": PhaseTruth(3 * PHASE, 0.0)}, truth.memory, contention=0.0,
+                  colocated_slowdown=0.0, jitter=0.0, switch_jitter=0.0)  # fmt: skip
+    sim = SimRun(Cluster(2, 80 * GiB), truth, GRPO, lambda i: WORK, seed=0)
+    sim.run(Plan("separate", 1, 1), 0, 7)
+    assert (sim.ends[-1] - sim.ends[2]) / 4 == pytest.approx(4 * PHASE, rel=0.2)
+
+
+def test_sim_device_locks_are_exclusive() -> None:
+    cluster = Cluster(2, GiB)
+    order: list[str] = []
+
+    def hold(tag: str) -> None:
+        with cluster.hold([1, 0]):
+            order.append(f"{tag}+")
+            time.sleep(0.02)
+            order.append(f"{tag}-")
+
+    import threading
+
+    threads = [threading.Thread(target=hold, args=(t,)) for t in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert order in (["a+", "a-", "b+", "b-"], ["b+", "b-", "a+", "a-"])
+
+
+def test_sim_out_of_memory_names_the_device() -> None:
+    # the engine (1 GiB) fits device 0; actor and critic (1 GiB each) do not fit device 1's 1.5 GiB
+    with_critic = Roles(reference=False, critic=True, reward_model=False)
+    with pytest.raises(
+        SimOOM, match=r"simulated device 1 out of memory: critic needs 1\.00 GiB, 1\.00 of 1\.50"
+    ):
+        timed_steps(Plan("separate", 1, 1), steps=3, device_gb=1.5, roles=with_critic)
+    timed_steps(Plan("separate", 1, 1), steps=3, device_gb=2.0, roles=with_critic)  # and 2 GiB is enough
+
+
+def test_sim_colocated_peak_is_one_side_not_both() -> None:
+    sim = SimRun(Cluster(2, 80 * GiB), flat_truth(), GRPO, lambda i: WORK, seed=0)
+    sim.run(Plan("colocate", 2, 2), 0, 3)
+    # engine 1 GiB or actor 1 GiB over 2 devices, never both at once
+    assert max(sim.cluster.peak) == pytest.approx(0.5 * GiB)
+    assert sim.cluster.host_peak == pytest.approx(1 * GiB)  # the sleeping engine, parked
+
+
+# ------------------------------------------------------------------------------------------ config and CLI
+
+
+def cfg_of(*overrides: str):
+    return load_config(ROOT / "configs" / "tiny.yaml", list(overrides))
+
+
+def test_thread_split_follows_the_placement() -> None:
+    assert thread_split(cfg_of("run.mode=sync"), cores=8) == (8, 8)  # colocate: each side has every core
+    assert thread_split(cfg_of("run.mode=async"), cores=8) == (4, 4)  # separate: an equal share
+    assert thread_split(cfg_of("placement.generation_share=0.75"), cores=8) == (6, 2)
+    assert configured_plan(cfg_of("placement.generation_share=0.25"), 8) == Plan("separate", 2, 6)
+    assert configured_plan(cfg_of("run.mode=sync"), 8) == Plan("colocate", 8, 8)
+
+
+def test_placement_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"placement.mode=colocate .* needs run.mode=sync"):
+        cfg_of("placement.mode=colocate", "run.mode=async")
+    with pytest.raises(ConfigError, match=r"placement.reference=server is predicted by `launch.py plan`"):
+        cfg_of("placement.reference=server")
+    with pytest.raises(ConfigError, match=r"placement\.generation_share"):
+        cfg_of("placement.generation_share=1.5")
+    assert cfg_of("placement.reference=learner_cpu").placement.reference == "learner_cpu"
+
+
+@pytest.mark.skipif(
+    not (ROOT / "assets/tiny/actor/config.json").is_file(), reason="make assets builds the tiny models"
+)
+def test_launch_plan_prints_ranked_plans_with_the_configured_one_marked() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "plan", "configs/tiny-ppo.yaml", "--devices", "8", "--top", "400"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "plans on 8 CPU threads" in out and "a prior" in out
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    steps = [float(re.findall(r"\s(\d+\.\d+)", line)[0]) for line in rows]
+    assert steps == sorted(steps) and len(rows) == 400
+    assert sum(line.rstrip().endswith("*") or " * " in line for line in rows) <= 1
+    assert "configured (*): rank" in out
