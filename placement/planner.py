@@ -8,6 +8,7 @@ step is more than measurement noise. Plans therefore never flap between two near
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 from placement.cost import CostModel, Prediction, Workload, predict
@@ -29,14 +30,16 @@ def rank(
 
     ``observed`` maps plans already run to measured/predicted step time: what the laws missed for that
     plan (contention, a straggler) scales its prediction, so a plan that disappointed is not chosen again
-    on the strength of its formula.
+    on the strength of its formula. Plans not yet run get the median ratio: otherwise every untried plan
+    would look better than a measured one by the laws' general optimism, and the run would flap.
     """
     preds = [
         predict(p, roles, model, work, device_bytes=device_bytes, host_bytes=host_bytes)
         for p in (plans if plans is not None else candidates(roles, devices))
     ]
     if observed:
-        preds = [replace(p, step_s=p.step_s * observed.get(p.plan, 1.0)) for p in preds]
+        typical = statistics.median(observed.values())
+        preds = [replace(p, step_s=p.step_s * observed.get(p.plan, typical)) for p in preds]
     return sorted(preds, key=lambda p: (not p.feasible, p.step_s, p.plan.label(roles)))
 
 

@@ -502,12 +502,17 @@ def run_auto(
     best = ranked_at(step)[0]
     result = AutoResult(0, 0.0, [Switch(step, best.plan, best.step_s)])
     current = best.plan
+    switch_s, switched_at = sim.truth.replace_s, None  # the cost of moving, as last measured
     while step < steps:
         run_from, ends_from = step, len(sim.ends)
         decision = None
 
         def stop(
-            i: int, run_from: int = run_from, ends_from: int = ends_from, current: Plan = current
+            i: int,
+            run_from: int = run_from,
+            ends_from: int = ends_from,
+            current: Plan = current,
+            switch_s: float = switch_s,
         ) -> bool:
             nonlocal decision
             done = i - run_from + 1
@@ -517,7 +522,7 @@ def run_auto(
             measured = step_time(sim.ends[ends_from:], warmup=1) if done > 3 else None
             if measured is not None:
                 observed[current] = measured / predict(current, roles, model, work).step_s
-            d = replanner.decide(current, ranked_at(i + 1), steps - i - 1, sim.truth.replace_s)
+            d = replanner.decide(current, ranked_at(i + 1), steps - i - 1, switch_s)
             if d.switch:
                 decision = d
                 return True
@@ -527,7 +532,11 @@ def run_auto(
         ends = sim.ends[ends_from:]
         if len(ends) > 3:
             result.switches[-1].measured_s = step_time(ends, warmup=1)
+            if switched_at is not None:  # what moving cost: restart plus the first step's lost overlap
+                switch_s = max(switch_s, ends[0] - switched_at - result.switches[-1].measured_s)
+        switched_at = None
         if decision is not None:
+            switched_at = sim.ends[-1]
             time.sleep(sim.truth.replace_s)  # restart the roles under the new plan
             current = decision.plan
             result.switches.append(Switch(step, current, decision.predicted_s))

@@ -168,10 +168,13 @@ def test_replanner_switches_only_for_a_clear_paid_for_gain() -> None:
 
 def test_observed_slowdown_rescales_a_plan_that_disappointed() -> None:
     ranked = rank(ALL, 4, constant_model(**TIMES), WORK)
-    best = ranked[0].plan
-    again = rank(ALL, 4, constant_model(**TIMES), WORK, observed={best: 2.0})
+    best, second = ranked[0].plan, ranked[1].plan
+    again = rank(ALL, 4, constant_model(**TIMES), WORK, observed={best: 2.0, second: 1.0})
     assert again[0].plan != best
     assert next(p for p in again if p.plan == best).step_s == pytest.approx(2.0 * ranked[0].step_s)
+    # plans not yet run take the median ratio (1.5), not the formula's optimism
+    third = ranked[2]
+    assert next(p for p in again if p.plan == third.plan).step_s == pytest.approx(1.5 * third.step_s)
 
 
 # ------------------------------------------------------------------------------------------ SIMULATION

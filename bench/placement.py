@@ -1,0 +1,228 @@
+"""Placement in SIMULATION: every fixed placement against the planner's ``auto``, across regimes.
+
+    python bench/placement.py [--devices 8] [--points 9] [--steps 14] [--out runs/bench-placement]
+
+Everything here runs on pretend devices (``placement/sim.py``): locks and memory counters, phases that sleep
+for a ground-truth cost the planner never reads. It shows what two CPU cores cannot: 8 accelerators, each
+role on its own subset or all of them in turns. Every printed table and the figure say SIMULATION.
+
+1. **Regime sweep.** The generation share of a step goes from ~10% to ~90% (response length against
+   prompt length, heavier tails as responses grow). Samples/s of each fixed placement, and of ``auto``
+   (profile window, fit, pick, re-plan), normalised to the best fixed placement at that point:
+   ``colocate``; ``separate`` at 25:75, 50:50 and 75:25; OpenRLHF's colocate_actor_ref +
+   colocate_critic_reward (actor and reference on one group, critic and reward model on another);
+   ``split`` scoring (colocated, the scoring forwards on disjoint quarters).
+2. **Drift.** The mean response length grows 4x during a run: the best plan at the start held fixed,
+   the best at the end held fixed, and ``auto`` re-planning.
+3. **Predicted against measured** step time for every plan run, from the model ``auto`` fitted.
+
+Writes ``placement.png`` under ``--out``; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from placement.cost import Workload, predict  # noqa: E402
+from placement.plan import Plan, Roles  # noqa: E402
+from placement.sim import Cluster, GiB, SimRun, example_truth, run_auto, step_time  # noqa: E402
+
+ROLES = Roles(reference=True, critic=True, reward_model=True)
+SAMPLES = 64
+TOKENS = 1024  # prompt + response per sample, held so the learner's share moves only through the tails
+
+
+def fixed_plans(devices: int) -> dict[str, Plan]:
+    q = devices // 4
+    return {
+        "colocate": Plan("colocate", devices, devices),
+        "separate 25:75": Plan("separate", q, devices - q),
+        "separate 50:50": Plan("separate", 2 * q, devices - 2 * q),
+        "separate 75:25": Plan("separate", 3 * q, devices - 3 * q),
+        "openrlhf actor+ref | critic+rm": Plan(
+            "separate", 2 * q, q, q, reference="learner", critic="own", reward_model="own"
+        ),
+        "split scoring": Plan("colocate", devices, devices, scoring="split"),
+    }
+
+
+def regimes(points: int) -> list[tuple[float, float, float]]:
+    """(prompt_len, response_len, Pareto tail) from generation-light to generation-heavy."""
+    out = []
+    for i in range(points):
+        x = i / max(1, points - 1)
+        response = 16 * (TOKENS / 16) ** x  # 16 .. 1024, geometric
+        prompt = max(16.0, TOKENS - response)
+        tail = 3.0 - 1.6 * x  # 3.0 (light) .. 1.4 (heavy)
+        out.append((prompt, response, tail))
+    return out
+
+
+def measure(sim: SimRun, plan: Plan, steps: int) -> float:
+    n0 = len(sim.ends)
+    sim.run(plan, 0, steps)
+    return step_time(sim.ends[n0:])
+
+
+def sweep_point(devices: int, prompt: float, response: float, tail: float, steps: int, seed: int) -> dict:
+    work = Workload(SAMPLES, prompt, response)
+    truth = example_truth(tail=tail)
+    sim = SimRun(Cluster(devices, 80 * GiB), truth, ROLES, lambda i: work, seed=seed)
+    auto = run_auto(sim, steps * 3, profile_steps=6, replan_every=5)
+    chosen = auto.switches[-1]
+    model = auto.model
+    row: dict = {"prompt_len": round(prompt), "response_len": round(response), "tail": round(tail, 2)}
+    measured, predicted = {}, {}
+    for name, plan in fixed_plans(devices).items():
+        pred = predict(plan, ROLES, model, work, device_bytes=80 * GiB)
+        try:
+            measured[name] = measure(sim, plan, steps)
+        except MemoryError as e:  # SimOOM: this placement does not fit here
+            measured[name] = float("inf")
+            row.setdefault("oom", {})[name] = str(e)
+        predicted[name] = pred.step_s if pred.feasible else float("inf")
+    coloc_gen = [s.value for s in sim.samples if s.name == "generate" and s.devices == devices]
+    best_fixed = min(measured.values())
+    auto_steady = chosen.measured_s if chosen.measured_s == chosen.measured_s else auto.seconds / auto.steps
+    row.update(
+        generation_share=round(sum(coloc_gen) / len(coloc_gen) / measured["colocate"], 3),
+        samples_per_s={k: round(SAMPLES / v, 1) for k, v in measured.items()},
+        vs_best_fixed={k: round(best_fixed / v, 3) for k, v in measured.items()},
+        auto_plan=chosen.plan.label(ROLES),
+        auto_vs_best_fixed=round(best_fixed / auto_steady, 3),
+        auto_whole_run_vs_best_fixed=round(best_fixed / (auto.seconds / auto.steps), 3),
+        auto_switches=len(auto.switches) - 1,
+        predicted_ms={k: round(v * 1e3, 2) for k, v in predicted.items()},
+        measured_ms={k: round(v * 1e3, 2) for k, v in measured.items()},
+        auto_predicted_ms=round(chosen.predicted_s * 1e3, 2),
+        auto_measured_ms=round(auto_steady * 1e3, 2),
+    )
+    return row
+
+
+def drift(devices: int, steps: int, seed: int) -> dict:
+    """Mean response length 4x from start to end; static plans against auto."""
+    r0 = 128.0
+
+    def work_at(i: int) -> Workload:
+        r = r0 * (1 + 3 * min(1.0, i / max(1, steps - 1)))
+        return Workload(SAMPLES, 256.0, r)
+
+    truth = example_truth(tail=2.0)
+    sim = SimRun(Cluster(devices, 80 * GiB), truth, ROLES, work_at, seed=seed)
+    t0 = time.perf_counter()
+    auto = run_auto(sim, steps, profile_steps=6, replan_every=5)
+    auto_s = time.perf_counter() - t0
+    from placement.planner import rank
+
+    at_start = auto.switches[0].plan
+    at_end = rank(ROLES, devices, auto.model, work_at(steps - 1), device_bytes=80 * GiB)[0].plan
+    out = {"auto_s": auto_s, "auto_plans": [s.plan.label(ROLES) for s in auto.switches]}
+    for name, plan in (("best_at_start", at_start), ("best_at_end", at_end)):
+        run = SimRun(Cluster(devices, 80 * GiB), truth, ROLES, work_at, seed=seed)
+        t0 = time.perf_counter()
+        run.run(plan, 0, steps)
+        out[f"{name}_s"] = time.perf_counter() - t0
+        out[f"{name}_plan"] = plan.label(ROLES)
+    return out
+
+
+def plot(rows: list[dict], drift_out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 5))
+    x = [r["generation_share"] for r in rows]
+    for name in rows[0]["vs_best_fixed"]:
+        a.plot(x, [r["vs_best_fixed"][name] for r in rows], marker="o", label=name)
+    a.plot(x, [r["auto_vs_best_fixed"] for r in rows], marker="*", color="k", lw=2, label="auto (steady)")
+    a.set(xlabel="generation share of a colocated step", ylabel="samples/s / best fixed", ylim=(0, 1.3))
+    a.set_title("SIMULATION: regime sweep, 8 pretend devices")
+    a.legend(fontsize=7)
+    names = ["best_at_start", "best_at_end"]
+    b.bar([*names, "auto"], [drift_out[f"{n}_s"] for n in names] + [drift_out["auto_s"]])
+    b.set(ylabel="seconds for the run", title="SIMULATION: response length grows 4x")
+    pm = [(r["predicted_ms"][k], r["measured_ms"][k]) for r in rows for k in r["predicted_ms"]]
+    pm = [(p, m) for p, m in pm if p != float("inf") and m != float("inf")]
+    c.scatter([m for _, m in pm], [p for p, _ in pm], s=10)
+    hi = max(max(p, m) for p, m in pm)
+    c.plot([0, hi], [0, hi], "k--", lw=1)
+    c.plot([0, hi], [0, 1.15 * hi], ":", color="grey", lw=1)
+    c.plot([0, hi], [0, 0.85 * hi], ":", color="grey", lw=1)
+    c.set(xlabel="measured ms/step", ylabel="predicted ms/step", title="SIMULATION: predicted vs measured")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--devices", type=int, default=8, help="pretend devices (a multiple of 4)")
+    ap.add_argument("--points", type=int, default=9, help="regimes in the sweep")
+    ap.add_argument("--steps", type=int, default=14, help="measured steps per fixed placement")
+    ap.add_argument("--drift-steps", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-placement")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"[placement] SIMULATION on {args.devices} pretend devices (placement/sim.py)", flush=True)
+    rows = []
+    for i, (prompt, response, tail) in enumerate(regimes(args.points)):
+        row = sweep_point(args.devices, prompt, response, tail, args.steps, args.seed + i)
+        rows.append(row)
+        fixed = "  ".join(
+            f"{k.split()[0][:5]}{k.split()[-1][:5] if ' ' in k else ''}={v:.2f}"
+            for k, v in row["vs_best_fixed"].items()
+        )
+        print(
+            f"[placement] gen share {row['generation_share']:.2f}  R={row['response_len']:>4}  "
+            f"auto={row['auto_vs_best_fixed']:.2f} ({row['auto_plan']})  {fixed}",
+            flush=True,
+        )
+    d = drift(args.devices, args.drift_steps, args.seed)
+    print(
+        f"[placement] drift (4x longer responses): best-at-start {d['best_at_start_s']:.2f} s, "
+        f"best-at-end {d['best_at_end_s']:.2f} s, auto {d['auto_s']:.2f} s\n"
+        f"[placement]   start: {d['best_at_start_plan']}; end: {d['best_at_end_plan']}; auto: {' -> '.join(d['auto_plans'])}"
+    )
+    errors = [
+        abs(r["predicted_ms"][k] - r["measured_ms"][k]) / r["measured_ms"][k]
+        for r in rows
+        for k in r["predicted_ms"]
+        if r["measured_ms"][k] != float("inf") and r["predicted_ms"][k] != float("inf")
+    ] + [abs(r["auto_predicted_ms"] - r["auto_measured_ms"]) / r["auto_measured_ms"] for r in rows]
+    worst_gap = {k: round(min(r["vs_best_fixed"][k] for r in rows), 3) for k in rows[0]["vs_best_fixed"]}
+    plot(rows, d, args.out / "placement.png")
+    summary = {
+        "bench": "placement",
+        "simulated": True,
+        "devices": args.devices,
+        "auto_min_vs_best_fixed": min(r["auto_vs_best_fixed"] for r in rows),
+        "auto_whole_run_min_vs_best_fixed": min(r["auto_whole_run_vs_best_fixed"] for r in rows),
+        "fixed_worst_vs_best": worst_gap,
+        "prediction_error_median": round(sorted(errors)[len(errors) // 2], 3),
+        "prediction_error_max": round(max(errors), 3),
+        "prediction_within_15pct": round(sum(e <= 0.15 for e in errors) / len(errors), 3),
+        "drift": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items()},
+        "png": str(args.out / "placement.png"),
+        "sweep": rows,
+    }
+    print(
+        f"[placement] SIMULATION: auto >= {summary['auto_min_vs_best_fixed']:.2f}x the best fixed at every point; "
+        f"each fixed placement's worst: {worst_gap}; prediction error median {summary['prediction_error_median']:.1%}, "
+        f"max {summary['prediction_error_max']:.1%}"
+    )
+    print(json.dumps(summary, default=lambda v: None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
