@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from typing import Literal
 
 import numpy as np
@@ -122,11 +123,54 @@ class MicroBatch:
 
 
 def micro_batches(
-    batch: Batch, rows: Tensor, size: int, layout: Layout, device: torch.device
+    batch: Batch,
+    rows: Tensor,
+    size: int,
+    layout: Layout,
+    device: torch.device,
+    *,
+    sizes: Sequence[int] | None = None,
 ) -> list[MicroBatch]:
-    """Split ``rows`` into micro-batches of ``size``; rows are sorted by length first (less padding)."""
+    """Split ``rows`` into micro-batches of ``size`` rows, or of ``sizes[k]`` rows each (a token budget,
+    :func:`budget_sizes`); rows are sorted by length first (less padding)."""
     rows = rows[torch.argsort(batch.seq_lens[rows], descending=True, stable=True)]
-    return [_build(batch, rows[i : i + size], layout, device) for i in range(0, len(rows), size)]
+    if sizes is None:
+        return [_build(batch, rows[i : i + size], layout, device) for i in range(0, len(rows), size)]
+    if sum(sizes) != len(rows):
+        raise ValueError(f"micro-batch sizes {list(sizes)} do not add up to {len(rows)} rows")
+    bounds = np.cumsum([0, *sizes]).tolist()
+    return [_build(batch, rows[a:b], layout, device) for a, b in pairwise(bounds)]
+
+
+def budget_sizes(lens: Sequence[int], max_tokens: int, layout: Layout) -> list[int]:
+    """Rows per micro-batch of sequences sorted longest first, so that no forward pass reads more than
+    ``max_tokens`` tokens: rows x longest when padded, the sum of lengths when packed. Short sequences
+    share a pass, a long one gets a pass of its own (alone, even above the budget)."""
+    sizes: list[int] = []
+    start = 0
+    while start < len(lens):
+        n, packed = 1, lens[start]
+        while start + n < len(lens):
+            packed += lens[start + n]
+            if ((n + 1) * lens[start] if layout == "pad" else packed) > max_tokens:
+                break
+            n += 1
+        sizes.append(n)
+        start += n
+    return sizes
+
+
+def split_to(sizes: Sequence[int], count: int) -> list[int]:
+    """``sizes`` with its largest micro-batch halved until there are ``count`` (or all have one row).
+
+    Every rank must run the same number of forward passes (ZeRO-3 gathers weights in each); a half of a
+    length-sorted micro-batch stays within its token budget.
+    """
+    out = list(sizes)
+    while len(out) < count and max(out, default=1) > 1:
+        i = max(range(len(out)), key=out.__getitem__)
+        out[i : i + 1] = [out[i] - out[i] // 2, out[i] // 2]
+    return out
 
 
 def _build(batch: Batch, rows: Tensor, layout: Layout, device: torch.device) -> MicroBatch:

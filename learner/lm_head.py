@@ -113,9 +113,10 @@ class _ChunkedHead(torch.autograd.Function):
             dz = dz.to(weight.dtype)  # the backward of ``.float()`` on the plain path
             if grad_h is not None:
                 grad_h[s : s + chunk] = dz @ weight
-            if grad_w is not None:
-                gw = dz.t() @ h
-                grad_w.add_(gw if gw.dtype == acc_dtype else gw.to(acc_dtype))
+            if grad_w is not None and grad_w.dtype == dz.dtype:
+                grad_w.addmm_(dz.t(), h)  # in place: no second (V, H) tensor per chunk
+            elif grad_w is not None:
+                grad_w.add_((dz.t() @ h).to(acc_dtype))
             if grad_b is not None:
                 grad_b.add_(dz.sum(0, dtype=acc_dtype))
             del z, dz

@@ -27,7 +27,16 @@ from torch import Tensor, nn
 
 from buffer.schema import Trajectory
 from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
-from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
+from learner.batch import (
+    Batch,
+    Layout,
+    MicroBatch,
+    budget_sizes,
+    make_batch,
+    micro_batches,
+    response_view,
+    split_to,
+)
 from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
 from learner.online import OnlineRuntime, peak_memory_gb
@@ -191,6 +200,24 @@ class PPOLearner(OnlineRuntime):
         return tuple(
             None if t is None else self.all_sum(t * batch.mask) for t in (prox_logp, ref_logp, old_values)
         )
+
+    def micro(self, batch: Batch, rows: Tensor) -> list[MicroBatch]:
+        """This rank's micro-batches of ``rows``; with ``learner.max_tokens_per_micro_batch``, by tokens.
+
+        Every micro-batch's loss is divided by its minibatch's token count (``num_tokens``), so the
+        accumulated gradient is the minibatch's whatever the split. Every rank holds the whole batch, so
+        each computes every rank's split and splits its own further to the largest count: all ranks run
+        the same number of passes without a message.
+        """
+        budget = self.cfg.learner.max_tokens_per_micro_batch
+        if budget is None:
+            return super().micro(batch, rows)
+        ordered = rows[torch.argsort(batch.seq_lens[rows], descending=True, stable=True)]
+        shares = [ordered[r :: self.world] for r in range(self.world)]  # as Runtime.micro deals them
+        counts = [len(budget_sizes(batch.seq_lens[s].tolist(), budget, self.layout)) for s in shares]
+        mine = shares[self.rank]
+        sizes = split_to(budget_sizes(batch.seq_lens[mine].tolist(), budget, self.layout), max(counts))
+        return micro_batches(batch, mine, len(mine), self.layout, self.device, sizes=sizes)
 
     def logprobs(
         self,

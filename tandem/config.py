@@ -550,6 +550,11 @@ class LearnerConfig(Section):
         ge=1,
         description="Logits per chunk of the chunked head (tokens per chunk: this / vocab size, at least 1).",
     )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="ppo: micro-batches by a token budget instead of micro_batch_size rows: length-sorted rows share a forward pass while rows x longest (pad) or their total length (pack) stays within it; a longer sequence is a pass of its own. The loss is the same (docs/design.md §4.8).",
+    )
 
 
 class PlacementConfig(Section):

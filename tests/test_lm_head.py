@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from buffer.schema import Trajectory
 from learner import lora
 from learner.advantages import masked_mean
-from learner.batch import make_batch, micro_batches, response_view
+from learner.batch import budget_sizes, make_batch, micro_batches, response_view, split_to
 from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
 from learner.losses import entropy_from_logits, logprobs_from_logits
 from learner.models import load_models, output_head, policy_logits, policy_logprobs
@@ -218,16 +219,18 @@ def test_make_tiny_pads_embedding_and_head(padded_ckpt) -> None:
         make_tiny(padded_ckpt["actor"].parent / "bad", vocab_size=10)
 
 
-def learner_step(padded_ckpt, tmp_path, chunked: str, monkeypatch) -> tuple[dict, dict, dict, int]:
+def learner_step(
+    padded_ckpt, tmp_path, monkeypatch, name: str, **learner_cfg
+) -> tuple[dict, dict, dict, int]:
     """One ``train`` of a PPO learner on a fixed batch: (stats, weights before, weights after, chunked calls)."""
     raw = raw_config(
-        padded_ckpt, "redis://unused", f"chunked-{chunked}", tmp_path / chunked,
+        padded_ckpt, "redis://unused", name, tmp_path / name,
         rollout={"temperature": 0.7, "n_samples": 4},
         algorithm={"kl_coef": 0.1, "entropy_coef": 0.05, "ppo_epochs": 2, "minibatch_size": 4},
-        learner={"chunked_head": chunked, "chunked_head_threshold": 0, "chunked_head_chunk": VOCAB * 5},
+        learner={"chunked_head_threshold": 0, "chunked_head_chunk": VOCAB * 5, **learner_cfg},
     )  # fmt: skip
     cfg = load_config(None, raw=raw)
-    learner = PPOLearner(cfg, tmp_path / chunked)
+    learner = PPOLearner(cfg, tmp_path / name)
     learner.models = load_models(cfg, learner.device)
     calls = []
     import learner.ppo as ppo
@@ -245,17 +248,25 @@ def learner_step(padded_ckpt, tmp_path, chunked: str, monkeypatch) -> tuple[dict
 def test_learner_step_is_the_same_with_the_chunked_head(padded_ckpt, tmp_path, monkeypatch) -> None:
     """A whole PPO step (prox and reference passes, two epochs, KL and entropy in the loss): the same
     losses, metrics and updated weights with the chunked head on ('auto' at threshold 0) and off."""
-    off, w_before, w_off, calls_off = learner_step(padded_ckpt, tmp_path, "off", monkeypatch)
-    auto, _, w_auto, calls_auto = learner_step(padded_ckpt, tmp_path, "auto", monkeypatch)
+    off, w_before, w_off, calls_off = learner_step(
+        padded_ckpt, tmp_path, monkeypatch, "off", chunked_head="off"
+    )
+    auto, _, w_auto, calls_auto = learner_step(
+        padded_ckpt, tmp_path, monkeypatch, "auto", chunked_head="auto"
+    )
     assert calls_off == 0 and calls_auto > 0  # the chunked head did run, and only when asked
+    assert_same_step(auto, w_auto, off, w_off, w_before)
+
+
+def assert_same_step(got: dict, w_got: dict, want: dict, w_want: dict, w_before: dict) -> None:
     for key in ("loss/policy", "loss/kl", "policy/kl", "policy/entropy", "policy/approx_kl"):
-        np.testing.assert_allclose(auto[key], off[key], rtol=RTOL, atol=RTOL * 1e-2, err_msg=key)
-    assert off["loss/kl"] != 0 and off["policy/approx_kl"] != 0  # the second epoch moved the policy
+        np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=RTOL * 1e-2, err_msg=key)
+    assert want["loss/kl"] != 0 and want["policy/approx_kl"] != 0  # the second epoch moved the policy
     # Adam divides each gradient by its own scale, so where a gradient is ~0 its rounding noise sets the
     # step: weights agree to a small fraction of one step (lr), not to 1e-5 of their size.
     lr = 1e-2
-    for name, w in w_off.items():
-        torch.testing.assert_close(w_auto[name], w, rtol=RTOL, atol=1e-2 * lr, msg=name)
+    for name, w in w_want.items():
+        torch.testing.assert_close(w_got[name], w, rtol=RTOL, atol=1e-2 * lr, msg=name)
         assert not torch.equal(w, w_before[name]), name  # every weight was trained
 
 
@@ -279,3 +290,96 @@ def test_peak_memory_is_per_step() -> None:
     del x
     peak_memory_gb(cpu)  # the interval that freed x still saw it
     assert peak_memory_gb(cpu) < with_x - 0.4
+
+
+# ------------------------------------------------------------------------------ token-budget micro-batches
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_budget_sizes_keep_every_pass_within_the_budget(layout: str) -> None:
+    assert budget_sizes([10, 8, 8, 3, 2, 2], 24, "pad") == [2, 3, 1]
+    assert budget_sizes([10, 8, 8, 3, 2, 2], 24, "pack") == [2, 4]
+    assert budget_sizes([50, 3], 24, layout) == [1, 1]  # too long for the budget: a pass of its own
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lens = sorted(rng.integers(1, 40, size=rng.integers(1, 30)).tolist(), reverse=True)
+        budget = int(rng.integers(20, 120))
+        sizes = budget_sizes(lens, budget, layout)
+        assert sum(sizes) == len(lens) and min(sizes) >= 1
+        start = 0
+        for n in sizes:
+            group_lens = lens[start : start + n]
+            cost = n * group_lens[0] if layout == "pad" else sum(group_lens)
+            assert cost <= budget or n == 1
+            # greedy: the next row would not have fitted
+            if start + n < len(lens):
+                more = lens[start : start + n + 1]
+                assert ((n + 1) * more[0] if layout == "pad" else sum(more)) > budget
+            start += n
+
+
+def test_split_to_equalises_the_pass_count() -> None:
+    assert split_to([3, 1], 4) == [1, 1, 1, 1]
+    assert split_to([5, 2], 3) == [3, 2, 2]
+    assert split_to([2, 1], 2) == [2, 1]
+    assert split_to([1, 1], 3) == [1, 1]  # cannot split single rows
+
+
+def test_token_budget_gives_the_same_step(padded_ckpt, tmp_path, monkeypatch) -> None:
+    """Micro-batches by a token budget: the same losses and updated weights as by rows, and no pass
+    reads more than the budget (unless it holds a single sequence)."""
+    budget = 24
+    seen: list[tuple[int, int]] = []
+    real_micro = PPOLearner.micro
+
+    def spy(self: PPOLearner, batch, rows):
+        out = real_micro(self, batch, rows)
+        seen.extend((mb.input_ids.numel(), len(mb.rows)) for mb in out)
+        return out
+
+    monkeypatch.setattr(PPOLearner, "micro", spy)
+    rows, w_before, w_rows, _ = learner_step(padded_ckpt, tmp_path, monkeypatch, "rows", chunked_head="off")
+    by_rows = list(seen)
+    seen.clear()
+    tokens, _, w_tokens, _ = learner_step(
+        padded_ckpt, tmp_path, monkeypatch, "tokens", chunked_head="off", max_tokens_per_micro_batch=budget
+    )
+    assert all(n <= budget or k == 1 for n, k in seen), seen
+    assert len(seen) > len(by_rows)  # the budget did split differently
+    assert_same_step(tokens, w_tokens, rows, w_rows, w_before)
+
+
+def test_token_budget_gives_every_rank_the_same_number_of_passes(padded_ckpt, tmp_path) -> None:
+    """Ranks split their shares by the same budget, then to the largest count: ZeRO-3 needs every rank
+    to run as many forward passes as the others. Shares stay disjoint and cover the batch."""
+    raw = raw_config(
+        padded_ckpt, "redis://unused", "ranks", tmp_path, learner={"max_tokens_per_micro_batch": 40}
+    )
+    learner = PPOLearner(load_config(None, raw=raw), tmp_path)
+    trajs = group(0, 4, seed=7) + group(1, 4, seed=8)
+    long = trajs[0]  # one long sequence: its rank needs more passes
+    trajs[0] = Trajectory(
+        traj_id=long.traj_id, group_id=long.group_id, prompt_id=long.prompt_id,
+        prompt_tokens=long.prompt_tokens, response_tokens=np.arange(4, 34),
+        behav_logp=np.zeros(30, dtype=np.float32), token_versions=np.zeros(30, dtype=np.int64), reward=1.0,
+    )  # fmt: skip
+    batch = make_batch(trajs, 0)
+    rows = torch.arange(len(batch))
+    learner.world = 2
+    per_rank = []
+    for rank in range(2):
+        learner.rank = rank
+        per_rank.append(learner.micro(batch, rows))
+    unsplit = [
+        budget_sizes(
+            batch.seq_lens[rows[torch.argsort(batch.seq_lens, descending=True, stable=True)][r::2]].tolist(),
+            40,
+            "pad",
+        )
+        for r in range(2)
+    ]
+    assert len(unsplit[0]) != len(unsplit[1])  # the shares alone would disagree
+    assert len(per_rank[0]) == len(per_rank[1])
+    got = sorted(int(i) for mbs in per_rank for mb in mbs for i in mb.rows)
+    assert got == list(range(len(batch)))
+    assert all(mb.input_ids.numel() <= 40 or len(mb.rows) == 1 for mbs in per_rank for mb in mbs)
