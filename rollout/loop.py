@@ -36,11 +36,11 @@ from transformers import PreTrainedTokenizerBase
 
 from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ReplayBuffer, TakenPrompt
-from rollout.api import ServerMetrics
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
 from rollout.envs.base import Task, load_env_factory
 from rollout.envs.episode import Episode, EpisodeRunner
 from rollout.evaluate import Evaluator
+from rollout.metrics import ServerMetrics
 from rollout.reward_model import RewardModel
 from rollout.shaping import is_informative, overlong_penalty
 from tandem.config import Config

@@ -33,10 +33,12 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
 from placement.local import thread_split
-from rollout.api import HTTPServer, ServerMetrics, create_app
 from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HFEngine
+from rollout.http.app import create_app
+from rollout.http.serve import HTTPServer
+from rollout.metrics import ServerMetrics
 from tandem.config import Config, HTTPConfig, load_config, redact
 from tandem.fleet import Beat
 from tandem.telemetry import Telemetry, setup_logging

@@ -10,8 +10,10 @@ import pytest
 
 from buffer.schema import Trajectory, decode_trajectory, encode_trajectory
 from learner.batch import make_batch
-from rollout.api import HTTPServer, ServerMetrics, create_app
 from rollout.engines.hf import HFEngine
+from rollout.http.app import create_app
+from rollout.http.serve import HTTPServer
+from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
 from tests.test_env_episode import learner_logp
 

@@ -14,9 +14,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout.api import HTTPServer, ServerMetrics, create_app
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
+from rollout.http.app import create_app
+from rollout.http.serve import HTTPServer
+from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
 
 MODEL = "tiny"

@@ -1,22 +1,22 @@
-"""The rollout server's OpenAI-compatible HTTP API (FastAPI + uvicorn in a thread of the server process).
+"""The rollout server's OpenAI-compatible HTTP API: the FastAPI app and its routes (docs/design.md §1.3).
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming and SSE streaming,
 ``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry),
 and ``POST /v1/sessions/{id}/finish`` (a black-box agent's session as a trajectory, docs/design.md §10.6:
 calls carrying an ``X-Session-Id`` header or a ``session_id`` field are generated from the session's exact
-tokens, :mod:`rollout.sessions`).
+tokens, :mod:`rollout.http.sessions`).
 The same engine serves the rollout loop; the engine serialises the two (the hf engine per decode step).
 
 Hardening (docs/design.md §6.4): binds to loopback by default; an optional bearer token guards ``/v1/*``; bodies
-over ``max_request_bytes`` get 413 before they are read; a body that is not UTF-8, or holds a string with
-a lone surrogate or NUL (any field, nested or not), gets 400 naming the field; ``max_tokens`` is bounded by
-``max_tokens_limit`` and the model's context; a request holds at most ``max_prompts_per_request`` prompts
-and asks for at most ``max_total_tokens_per_request`` tokens (prompts × n × max_tokens); past
-``max_concurrent_requests`` requests in flight, the next gets 429 at once. A client that disconnects
-cancels its generation, streamed or not (between decode steps, on engines that offer them). Every failure
-is a JSON error in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status,
-and the server keeps serving.
+over ``max_request_bytes`` get 413 before they are read (:mod:`rollout.http.middleware`); a body that is not
+UTF-8, or holds a string with a lone surrogate or NUL (any field, nested or not), gets 400 naming the field
+(:mod:`rollout.http.schemas`); ``max_tokens`` is bounded by ``max_tokens_limit`` and the model's context; a
+request holds at most ``max_prompts_per_request`` prompts and asks for at most
+``max_total_tokens_per_request`` tokens (prompts × n × max_tokens); past ``max_concurrent_requests``
+requests in flight, the next gets 429 at once. A client that disconnects cancels its generation, streamed
+or not (between decode steps, on engines that offer them). Every failure is a JSON error in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, and the server keeps serving.
 
 Departures from OpenAI: ``top_logprobs`` lists only the sampled token (engines record the behaviour
 logprob of what they sampled, not alternatives); streamed choices send their ``finish_reason`` once the
@@ -29,296 +29,42 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
-from rollout.sessions import SessionError, SessionStore
+from rollout.http.middleware import BodyLimit, Guard
+from rollout.http.schemas import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    FinishRequest,
+    SamplingFields,
+    error_response,
+    text_problem,
+)
+from rollout.http.sessions import SessionError, SessionStore
+from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
 from tandem.data import chat_token_ids
 
 log = logging.getLogger(__name__)
 
-MAX_N = 64  # choices per prompt
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it, the metrics count it
 DISCONNECT_POLL_S = 0.1
-
-
-class ServerMetrics:
-    """Prometheus metrics of one rollout server, in its own registry (several servers or tests never clash)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.generated_tokens = Counter(
-            "tandem_generated_tokens", "Tokens generated, by who asked.", ["source"], registry=r
-        )
-        self.requests = Counter(
-            "tandem_http_requests", "HTTP requests answered.", ["route", "status"], registry=r
-        )
-        self.rollout_groups = Counter(
-            "tandem_rollout_groups", "Prompt groups appended to the buffer.", registry=r
-        )
-        self.weight_version = Gauge(
-            "tandem_weight_version", "Policy version of the served weights.", registry=r
-        )
-        self.weight_version.set_function(lambda: engine.version)
-        self.weight_update_seconds = Histogram(
-            "tandem_weight_update_seconds",
-            "Time to apply one weight update to the engine.",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30),
-            registry=r,
-        )
-
-
-# ---------------------------------------------------------------------------------------------- requests
-
-
-def text_problem(s: str) -> str | None:
-    """Why ``s`` is not text a request may carry, or None.
-
-    JSON can spell a lone surrogate (``"\\ud800"``), and Python's decoder lets UTF-8-encoded surrogates
-    through too; such a string cannot be encoded, so the tokenizer (or any reply echoing it) would fail.
-    NUL is refused as well: C-level consumers of prompts and logs treat it as the end of the string.
-    """
-    if (nul := s.find("\x00")) >= 0:
-        return f"contains a NUL character (\\u0000) at position {nul}"
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"contains a lone surrogate (\\u{ord(s[e.start]):04x}) at position {e.start}"
-    return None
-
-
-def _first_bad_text(data: Any) -> tuple[str, str] | None:
-    """``(param, problem)`` of the first string in a parsed JSON body (values and keys, in document order)
-    that :func:`text_problem` refuses. Iterative: a deeply nested body must not exhaust the stack."""
-    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if problem := text_problem(value):
-                return ".".join(path), problem
-        elif isinstance(value, dict):
-            for key in value:
-                if isinstance(key, str) and (problem := text_problem(key)):
-                    return ".".join(path), f"a key {problem}"
-            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
-        elif isinstance(value, list):
-            stack.extend(((*path, str(i)), v) for i, v in reversed(list(enumerate(value))))
-    return None
-
-
-class _Request(BaseModel):
-    """A request body. Every string in it, known field or not, must be valid Unicode text without NUL:
-    checked on the raw body before the fields, so the error names the field (docs/design.md §6.4)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        if (bad := _first_bad_text(data)) is not None:
-            param, problem = bad
-            raise PydanticCustomError("invalid_text", "{problem}", {"param": param, "problem": problem})
-        return data
-
-
-class _Sampling(_Request):
-    """Fields both endpoints share. Strict: ``"5"`` is not a number and ``true`` is not an integer."""
-
-    model: str
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # an extension, as in vLLM and SGLang
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    session_id: str | None = Field(None, min_length=1, max_length=128)  # or the X-Session-Id header
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(
-            p["text"] for p in self.content if p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class FinishRequest(_Request):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    reward: float = Field(allow_inf_nan=False)
-    group_id: str | None = Field(None, min_length=1, max_length=128)
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-
-def error_response(
-    status: int, message: str, type: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status
-    )
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for bodies over ``limit`` bytes, by Content-Length or by counting a chunked body."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await self._reject(send)
-        seen = 0
-
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, counting_receive, send)
-        except _TooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"request body exceeds {self.limit} bytes",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "request_too_large",
-                }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
-class Guard:
-    """Pure ASGI middleware: the bearer token on ``/v1/*``, and a request count by route and status.
-
-    Not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware hides the client's disconnect from
-    the endpoint, and a disconnect must cancel the generation.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
-        self.app, self.metrics = app, metrics
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.expected is not None and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                self.metrics.requests.labels(route=scope["path"], status="401").inc()
-                response = error_response(
-                    401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
-                )
-                await response(scope, receive, send)
-                return
-        status = 500
-
-        async def send_recording_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_recording_status)
-        finally:
-            route = scope.get("route")
-            path = route.path if route is not None else "unmatched"
-            self.metrics.requests.labels(route=path, status=str(status)).inc()
-
-
-class _TooLarge(Exception):
-    pass
-
-
-# ------------------------------------------------------------------------------------------------ the app
 
 
 @dataclass
@@ -362,7 +108,9 @@ class API:
         if name not in self.names:
             raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
 
-    def sampling(self, req: _Sampling, max_tokens: int | None, prompts: list[list[int]]) -> SamplingParams:
+    def sampling(
+        self, req: SamplingFields, max_tokens: int | None, prompts: list[list[int]]
+    ) -> SamplingParams:
         longest = max(map(len, prompts))
         room = (self.max_context - longest) if self.max_context else self.http.max_tokens_limit
         if room < 1:
@@ -613,7 +361,7 @@ class API:
     # ------------------------------------------------------------------------------ agent sessions (§10.6)
 
     @staticmethod
-    def session_id(req: _Sampling, request: Request) -> str | None:
+    def session_id(req: SamplingFields, request: Request) -> str | None:
         sid = request.headers.get("x-session-id") or req.session_id
         if sid is not None and not 0 < len(sid) <= 128:
             raise APIError(400, "X-Session-Id must be 1..128 characters", param="session_id")
@@ -622,7 +370,14 @@ class API:
         return sid
 
     async def session_call(
-        self, req: _Sampling, request: Request, session: str, text: str, max_tokens: int | None, *, chat: bool
+        self,
+        req: SamplingFields,
+        request: Request,
+        session: str,
+        text: str,
+        max_tokens: int | None,
+        *,
+        chat: bool,
     ) -> dict[str, Any]:
         """One call of a black-box agent's session: generate from the session's exact tokens."""
         if req.n != 1 or req.stream:
@@ -871,33 +626,3 @@ def create_app(
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-class HTTPServer:
-    """uvicorn serving an app from a daemon thread of this process."""
-
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
-        )
-        self.server = uvicorn.Server(config)
-        self.socket = config.bind_socket()  # bound now, so port 0 resolves to the real port before start
-        self.host, self.port = host, self.socket.getsockname()[1]
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.socket]}, name="http", daemon=True
-        )
-
-    def start(self, timeout_s: float = 30.0) -> HTTPServer:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"HTTP API on {self.host}:{self.port} did not start within {timeout_s}s")
-            time.sleep(0.02)
-        log.info("HTTP API on http://%s:%d", self.host, self.port)
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-        self.socket.close()

@@ -1,0 +1,7 @@
+"""The rollout server's OpenAI-compatible HTTP API (FastAPI + uvicorn in a thread of the server process).
+
+:mod:`rollout.http.app` (the app and its routes), :mod:`rollout.http.schemas` (request schemas, text
+validation, the error shape), :mod:`rollout.http.middleware` (body limit, bearer token, request count),
+:mod:`rollout.http.sessions` (black-box agent sessions, docs/design.md §10.6) and
+:mod:`rollout.http.serve` (the uvicorn thread).
+"""

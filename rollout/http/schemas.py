@@ -1,0 +1,143 @@
+"""Request schemas of the HTTP API, the text validators every request passes, and OpenAI's error shape.
+
+Every request body is checked before its fields (docs/design.md §6.4): a string anywhere in it, known field
+or not, nested or not, that holds a lone surrogate or NUL gets 400 naming the field. Fields are strict:
+``"5"`` is not a number and ``true`` is not an integer. Every failure is answered as
+``{"error": {"message", "type", "param", "code"}}`` (:class:`APIError`, :func:`error_response`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_N = 64  # choices per prompt
+
+
+def text_problem(s: str) -> str | None:
+    """Why ``s`` is not text a request may carry, or None.
+
+    JSON can spell a lone surrogate (``"\\ud800"``), and Python's decoder lets UTF-8-encoded surrogates
+    through too; such a string cannot be encoded, so the tokenizer (or any reply echoing it) would fail.
+    NUL is refused as well: C-level consumers of prompts and logs treat it as the end of the string.
+    """
+    if (nul := s.find("\x00")) >= 0:
+        return f"contains a NUL character (\\u0000) at position {nul}"
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"contains a lone surrogate (\\u{ord(s[e.start]):04x}) at position {e.start}"
+    return None
+
+
+def _first_bad_text(data: Any) -> tuple[str, str] | None:
+    """``(param, problem)`` of the first string in a parsed JSON body (values and keys, in document order)
+    that :func:`text_problem` refuses. Iterative: a deeply nested body must not exhaust the stack."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if problem := text_problem(value):
+                return ".".join(path), problem
+        elif isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and (problem := text_problem(key)):
+                    return ".".join(path), f"a key {problem}"
+            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend(((*path, str(i)), v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+class _Request(BaseModel):
+    """A request body. Every string in it, known field or not, must be valid Unicode text without NUL:
+    checked on the raw body before the fields, so the error names the field (docs/design.md §6.4)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        if (bad := _first_bad_text(data)) is not None:
+            param, problem = bad
+            raise PydanticCustomError("invalid_text", "{problem}", {"param": param, "problem": problem})
+        return data
+
+
+class SamplingFields(_Request):
+    """Fields both endpoints share. Strict: ``"5"`` is not a number and ``true`` is not an integer."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # an extension, as in vLLM and SGLang
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    session_id: str | None = Field(None, min_length=1, max_length=128)  # or the X-Session-Id header
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(
+            p["text"] for p in self.content if p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class FinishRequest(_Request):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reward: float = Field(allow_inf_nan=False)
+    group_id: str | None = Field(None, min_length=1, max_length=128)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_response(
+    status: int, message: str, type: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status
+    )
