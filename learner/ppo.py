@@ -42,6 +42,7 @@ from learner.models import Models, load_models, output_head, policy_logits, poli
 from learner.online import OnlineRuntime, peak_memory_gb
 from learner.runtime import Stats
 from tandem.config import Config
+from tandem.timing import Timers
 
 
 def reward_part_means(trajs: list[Trajectory]) -> dict[str, float]:
@@ -76,6 +77,7 @@ class PPOLearner(OnlineRuntime):
         super().__init__(cfg, run_dir, resume=resume, layout=layout)
         a = cfg.algorithm
         self.estimate = ADVANTAGE_ESTIMATORS[a.advantage]
+        self.timers = Timers()
         self.kl_estimator = KL_ESTIMATORS[a.kl_estimator]
         self.require_multiple_of_ranks(
             **{"algorithm.batch_size": a.batch_size, "algorithm.minibatch_size": a.minibatch_size}
@@ -117,6 +119,7 @@ class PPOLearner(OnlineRuntime):
             return False
         batch = make_batch([t.traj for t in taken], self.version).to(self.device)
         t1 = time.perf_counter()
+        self.timers.clear()  # per-role phases of this step (the placement planner's profile)
         stats = self.train(batch)  # no-grad passes, advantages, PPO epochs, optimizer steps
         self.version += 1
         t2 = time.perf_counter()
@@ -138,7 +141,9 @@ class PPOLearner(OnlineRuntime):
                 "time/weight_sync": t3 - t2,
                 "weightsync/bytes": float(self.sync_bytes),
                 "time/checkpoint": t4 - t3,
+                **self.timers,
                 "throughput/train_tokens_per_s": batch.num_tokens / (t2 - t1),
+                "batch/tokens": float(batch.seq_lens.sum()),
                 "memory/peak_gb": peak_memory_gb(self.device),
                 "learner/version": self.version,
             }
@@ -187,15 +192,18 @@ class PPOLearner(OnlineRuntime):
         m.actor.eval()
         if m.critic is not None:
             m.critic.eval()
+        timed = self.timers
         for mb in self.micro(batch, torch.arange(len(batch))):
             mask = batch.mask[mb.rows]
             if prox_logp is not None:
-                prox_logp[mb.rows] = self.logprobs(m.actor, mb, mask)[0]
+                with timed("time/actor_logp"):
+                    prox_logp[mb.rows] = self.logprobs(m.actor, mb, mask)[0]
             if ref_logp is not None:
-                with visiting(m.reference, self.device, m.reference_on_cpu) as ref:
+                with timed("time/reference"), visiting(m.reference, self.device, m.reference_on_cpu) as ref:
                     ref_logp[mb.rows] = self.logprobs(ref, mb, mask)[0]
             if old_values is not None:
-                old_values[mb.rows] = response_view(values(m.critic, mb), mb)
+                with timed("time/critic_values"):
+                    old_values[mb.rows] = response_view(values(m.critic, mb), mb)
         # Each row was filled by exactly one rank (zeros elsewhere): a sum assembles the whole batch.
         return tuple(
             None if t is None else self.all_sum(t * batch.mask) for t in (prox_logp, ref_logp, old_values)
@@ -271,12 +279,16 @@ class PPOLearner(OnlineRuntime):
             for rows in torch.randperm(len(batch), generator=order).split(a.minibatch_size):
                 num_tokens = batch.mask[rows].sum()  # the whole minibatch's, on all ranks
                 for mb in self.micro(batch, rows):
-                    self.actor_backward(mb, batch, prox_logp, ref_logp, adv, num_tokens, stats)
+                    with self.timers("time/actor_train"):
+                        self.actor_backward(mb, batch, prox_logp, ref_logp, adv, num_tokens, stats)
                     if m.critic is not None:
-                        self.critic_backward(mb, batch, old_values, returns, num_tokens, stats)
-                m.actor.step()
+                        with self.timers("time/critic_train"):
+                            self.critic_backward(mb, batch, old_values, returns, num_tokens, stats)
+                with self.timers("time/actor_train"):
+                    m.actor.step()
                 if m.critic is not None:
-                    m.critic.step()
+                    with self.timers("time/critic_train"):
+                        m.critic.step()
         return stats.reduce()
 
     def actor_backward(

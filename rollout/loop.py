@@ -46,6 +46,7 @@ from rollout.shaping import is_informative, overlong_penalty
 from tandem.config import Config
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
+from tandem.timing import Timers
 from weightsync.base import Subscriber, Update, WeightSyncError, weights_key
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class RolloutLoop:
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.credits = 0  # groups admitted but not yet claimed
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
-        self.timers: dict[str, float] = defaultdict(float)  # seconds spent since the last log
+        self.timers = Timers()  # seconds spent in each phase since the last log
         self._last_poll = 0.0
 
     def run(self) -> None:
@@ -379,9 +380,10 @@ class RolloutLoop:
     def score_reward_model(self, prompts: list[TakenPrompt], texts: list[list[str]]) -> list[float]:
         if self.reward_model is None:
             return []
-        return self.reward_model.score(
-            [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
-        )
+        with self.timers("time/reward_model"):
+            return self.reward_model.score(
+                [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
+            )
 
     def clip(self, reward: float) -> float:
         c = self.cfg.reward.clip
