@@ -283,12 +283,6 @@ def output_head(model: nn.Module) -> nn.Linear | None:
         getattr(config, k, None) is not None for k in ("final_logit_softcapping", "logit_scale")
     ):
         return None
-    # ZeRO-3 partitions the weight (marked with ``ds_id``) and gathers it only inside the head's own
-    # forward and backward hooks; the chunked head would need it gathered again for its backward.
-    # Gathering it once per micro-batch (``deepspeed.zero.GatheredParameters``) is the way to add it, but
-    # it cannot be tested on one CPU rank here, so ZeRO-3 keeps the plain path.
-    if hasattr(head.weight, "ds_id"):
-        return None
     return head
 
 
@@ -321,15 +315,28 @@ def policy_logprobs(
     )
     hidden = response_view(out.hidden_states[-1], mb)  # (b, R, H): after the final norm
     valid = mask.bool()
-    logp, entropy = chunked_logprobs_entropy(
-        hidden[valid],
-        head.weight,
-        mb.targets[valid],
-        bias=head.bias,
-        temperature=temperature,
-        chunk=chunk_tokens(head.out_features, chunk_logits),
-        with_entropy=with_entropy,
-    )
+    chunk = chunk_tokens(head.out_features, chunk_logits)
+
+    def forward(h: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        return chunked_logprobs_entropy(
+            h,
+            head.weight,
+            labels,
+            bias=head.bias,
+            temperature=temperature,
+            chunk=chunk,
+            with_entropy=with_entropy,
+        )
+
+    # Run as the head module's own call, so its hooks see it: ZeRO-3 gathers the partitioned weight
+    # before this forward and again before its backward, once per micro-batch rather than per chunk, and
+    # reduce-scatters the weight's gradient as for any module (tests/test_lm_head.py checks this on one CPU
+    # rank with nothing kept gathered; several GPU ranks are untested).
+    head.forward = forward  # an instance attribute: shadows nn.Linear.forward for this call only
+    try:
+        logp, entropy = head(hidden[valid], mb.targets[valid])
+    finally:
+        del head.forward
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, entropy)
 

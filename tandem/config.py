@@ -538,7 +538,7 @@ class LearnerConfig(Section):
     )
     chunked_head: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="PPO log-probs and entropy from the hidden states a chunk of tokens at a time, never the whole (tokens, vocab) logits (docs/design.md §4.8): auto above chunked_head_threshold, on always, off never. Plain logits under ZeRO-3 and for a LoRA-adapted head.",
+        description="PPO log-probs and entropy from the hidden states a chunk of tokens at a time, never the whole (tokens, vocab) logits (docs/design.md §4.8): auto above chunked_head_threshold, on always, off never. Plain logits for a LoRA-adapted head.",
     )
     chunked_head_threshold: int = Field(
         1 << 26,

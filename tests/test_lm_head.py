@@ -24,6 +24,7 @@ from learner.ppo import PPOLearner
 from tandem.config import LoRAConfig, load_config
 from tandem.tiny import make_tiny
 from tests.test_learner import group, raw_config
+from weightsync import named_full_parameters
 
 RTOL = 1e-5
 VOCAB = 300
@@ -221,8 +222,9 @@ def test_make_tiny_pads_embedding_and_head(padded_ckpt) -> None:
 
 def learner_step(
     padded_ckpt, tmp_path, monkeypatch, name: str, **learner_cfg
-) -> tuple[dict, dict, dict, int]:
-    """One ``train`` of a PPO learner on a fixed batch: (stats, weights before, weights after, chunked calls)."""
+) -> tuple[dict, dict, dict, list[int | None]]:
+    """One ``train`` of a PPO learner on a fixed batch: (stats, weights before, weights after, one entry
+    per chunked-head call)."""
     raw = raw_config(
         padded_ckpt, "redis://unused", name, tmp_path / name,
         rollout={"temperature": 0.7, "n_samples": 4},
@@ -232,17 +234,25 @@ def learner_step(
     cfg = load_config(None, raw=raw)
     learner = PPOLearner(cfg, tmp_path / name)
     learner.models = load_models(cfg, learner.device)
-    calls = []
+    calls: list[int | None] = []
     import learner.ppo as ppo
 
     real = ppo.policy_logprobs
-    monkeypatch.setattr(ppo, "policy_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    # per call, the head weight's elements when ZeRO-3 partitions it (0: gathered only in the head's own
+    # call), else None (no ZeRO-3, or the reference model, which is never partitioned)
+    def spy(*a, **k):
+        w = a[4].weight
+        calls.append(w.numel() if hasattr(w, "ds_id") else None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ppo, "policy_logprobs", spy)
     batch = make_batch([t for g in range(2) for t in group(g, 4, seed=5)], 0)
-    module = learner.models.actor.module
-    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    engine = learner.models.actor
+    before = {n: p.detach().clone() for n, p in named_full_parameters(engine)}  # gathered under ZeRO-3
     stats = learner.train(batch)
-    after = {n: p.detach().clone() for n, p in module.named_parameters()}
-    return stats, before, after, len(calls)
+    after = {n: p.detach().clone() for n, p in named_full_parameters(engine)}
+    return stats, before, after, list(calls)
 
 
 def test_learner_step_is_the_same_with_the_chunked_head(padded_ckpt, tmp_path, monkeypatch) -> None:
@@ -254,8 +264,23 @@ def test_learner_step_is_the_same_with_the_chunked_head(padded_ckpt, tmp_path, m
     auto, _, w_auto, calls_auto = learner_step(
         padded_ckpt, tmp_path, monkeypatch, "auto", chunked_head="auto"
     )
-    assert calls_off == 0 and calls_auto > 0  # the chunked head did run, and only when asked
+    assert not calls_off and calls_auto  # the chunked head did run, and only when asked
     assert_same_step(auto, w_auto, off, w_off, w_before)
+
+
+def test_learner_step_under_zero3_gathers_the_head(padded_ckpt, tmp_path, monkeypatch) -> None:
+    """ZeRO-3 (one rank, nothing kept gathered between uses): the chunked head runs as the head module's
+    call, so DeepSpeed gathers the partitioned weight for its forward and its backward and takes its
+    gradient like any other; the step equals the plain one."""
+    zero3 = {"zero_stage": 3, "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    off, w_before, w_off, calls_off = learner_step(
+        padded_ckpt, tmp_path, monkeypatch, "z3-off", chunked_head="off", **zero3
+    )
+    on, _, w_on, calls_on = learner_step(
+        padded_ckpt, tmp_path, monkeypatch, "z3-on", chunked_head="on", **zero3
+    )
+    assert not calls_off and 0 in calls_on and set(calls_on) <= {0, None}  # partitioned until its call
+    assert_same_step(on, w_on, off, w_off, w_before)
 
 
 def assert_same_step(got: dict, w_got: dict, want: dict, w_want: dict, w_before: dict) -> None:
