@@ -35,6 +35,7 @@ Known limit: under ZeRO-3 the weights are loaded whole on every rank and partiti
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import socket
@@ -270,8 +271,9 @@ def output_head(model: nn.Module) -> nn.Linear | None:
     logits, else None.
 
     None for a head that is not a plain ``nn.Linear`` (a LoRA-adapted or ``modules_to_save`` head: its
-    weight is not the one the forward uses) and for models that post-process their logits (soft-capping,
-    a logit scale), which only the model's own forward computes faithfully. A LoRA actor whose head is
+    weight is not the one the forward uses), for models that post-process their logits (soft-capping,
+    a logit scale), which only the model's own forward computes faithfully, and for models whose forward
+    takes no ``logits_to_keep``. A LoRA actor whose head is
     frozen (the default) qualifies: its trunk runs with the adapters, the head is the plain base layer.
     """
     module = model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model
@@ -282,6 +284,9 @@ def output_head(model: nn.Module) -> nn.Linear | None:
     if type(head) is not nn.Linear or any(
         getattr(config, k, None) is not None for k in ("final_logit_softcapping", "logit_scale")
     ):
+        return None
+    # policy_logprobs asks the model for logits at one position only; older remote-code models cannot.
+    if "logits_to_keep" not in inspect.signature(module.forward).parameters:
         return None
     return head
 

@@ -245,8 +245,12 @@ class PPOLearner(OnlineRuntime):
         """
         lc, temperature = self.cfg.learner, self.models.temperature
         head = None if lc.chunked_head == "off" else output_head(model)
+        # A micro-batch's nominal response tokens, not its actual ones: the same on every rank and every
+        # micro-batch of the step, so all ranks take the same path (under ZeRO-3 they gather differently).
+        budget = lc.max_tokens_per_micro_batch
+        tokens = lc.micro_batch_size * mb.targets.shape[1] if budget is None else budget
         if head is not None and (
-            lc.chunked_head == "on" or head.out_features * mb.targets.numel() > lc.chunked_head_threshold
+            lc.chunked_head == "on" or head.out_features * tokens > lc.chunked_head_threshold
         ):
             logp, ent = policy_logprobs(
                 model, mb, temperature, mask, head, chunk_logits=lc.chunked_head_chunk, with_entropy=entropy

@@ -543,7 +543,7 @@ class LearnerConfig(Section):
     chunked_head_threshold: int = Field(
         1 << 26,
         ge=0,
-        description="auto: the chunked head when vocab size x response tokens of a micro-batch exceeds this (2^26 float32 logits are 256 MiB).",
+        description="auto: the chunked head when vocab size x response tokens of a micro-batch (micro_batch_size x the batch's longest response, or max_tokens_per_micro_batch; the same on every rank) exceeds this (2^26 float32 logits are 256 MiB).",
     )
     chunked_head_chunk: int = Field(
         1 << 24,

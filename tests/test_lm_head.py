@@ -408,3 +408,26 @@ def test_token_budget_gives_every_rank_the_same_number_of_passes(padded_ckpt, tm
     got = sorted(int(i) for mbs in per_rank for mb in mbs for i in mb.rows)
     assert got == list(range(len(batch)))
     assert all(mb.input_ids.numel() <= 40 or len(mb.rows) == 1 for mbs in per_rank for mb in mbs)
+
+
+def test_auto_decides_by_the_nominal_micro_batch(padded_ckpt, tmp_path, monkeypatch) -> None:
+    """auto compares the nominal micro-batch (micro_batch_size x the batch's width) with the threshold,
+    not its actual rows: a short last micro-batch, or another rank's, takes the same path."""
+    batch = make_batch(group(0, 6, seed=2), 0)
+    width = batch.mask.shape[1]
+    raw = raw_config(
+        padded_ckpt, "redis://unused", "nominal", tmp_path,
+        algorithm={"batch_size": 8, "minibatch_size": 8},
+        learner={"micro_batch_size": 4, "chunked_head_threshold": VOCAB * 4 * width - 1},
+    )  # fmt: skip
+    cfg = load_config(None, raw=raw)
+    learner = PPOLearner(cfg, tmp_path)
+    learner.models = load_models(cfg, learner.device)
+    import learner.ppo as ppo
+
+    calls = []
+    real = ppo.policy_logprobs
+    monkeypatch.setattr(ppo, "policy_logprobs", lambda *a, **k: calls.append(len(a[1].rows)) or real(*a, **k))
+    for mb in learner.micro(batch, torch.arange(len(batch))):
+        learner.logprobs(learner.models.actor, mb, batch.mask[mb.rows])
+    assert calls == [4, 2]
