@@ -2,6 +2,7 @@
 
     python launch.py configs/tiny.yaml [key.sub=value ...] [--mode sync|async] [--dry-run]
     python launch.py --resume runs/tiny-20261122-101500
+    python launch.py configs/tiny.yaml run.dir=runs/exp1 [--fresh]   # again: resumes runs/exp1/
     python launch.py --attach runs/tiny-20261122-101500 --servers +2   # grow a running run's fleet
     python launch.py configs/tiny.yaml --ray [auto|local|ADDRESS]     # on a Ray cluster
     python launch.py pipeline configs/pipeline-tiny.yaml               # SFT -> RM -> PPO (learner/pipeline.py)
@@ -34,9 +35,19 @@ from tandem.telemetry import setup_logging
 __all__ = ["PromptFeeder", "PromptSet", "main"]
 
 
+COMMANDS = """other commands (each with its own --help):
+  launch.py pipeline CONFIG [key=value ...] [--dry-run] [--no-console]
+      SFT -> reward model -> PPO in one command (learner/pipeline.py, docs/stages.md §4); run.output_dir=
+      and run.name= place it, other run.* keys go to every stage
+  launch.py plan CONFIG [--devices N ...]
+      every candidate placement of a run, ranked by predicted step time (placement/report.py)"""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=COMMANDS,
     )
     ap.add_argument("config", nargs="?", help="YAML config (not needed with --resume)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -46,6 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--attach", type=Path, metavar="RUN_DIR", help="add rollout servers to a running run (with --servers)"
+    )
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="with a fixed run.dir that holds an earlier run: move it aside and start over (default: resume it)",
     )
     ap.add_argument("--servers", metavar="+K", help="--attach: how many servers to add, e.g. +2")
     ap.add_argument(
@@ -84,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["pipeline"]:  # the training stages in one command (docs/stages.md §4)
         from learner.pipeline import main as pipeline
 
-        return pipeline(argv[1:])
+        return pipeline(argv[1:], prog="launch.py pipeline")
     args = parse_args(argv)
     setup_logging()
     if args.attach or args.servers:
@@ -99,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("error: a config file (or --resume RUN_DIR) is required", file=sys.stderr)
             return 2
+        if args.fresh and args.resume:
+            raise ConfigError("--fresh starts over, --resume continues: not both")
+        resume = args.resume
+        fixed = driver.fixed_run_dir(cfg)
+        if resume is None and driver.started_before(fixed) and not args.fresh:
+            resume = fixed  # the same command again: continue the run in run.dir
         backend = get_backend(args.backend, args.ray)
         if not args.dry_run:
             driver.check_inputs(cfg)
@@ -108,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.dry_run:
-        plan = driver.dry_run_plan(cfg, resume=bool(args.resume))
+        plan = driver.dry_run_plan(cfg, resume=resume is not None)
         for block in backend.describe(plan):
             print(block)
         print("# per-process config (config.yaml)\n" + dump_config(cfg))
@@ -117,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg,
         prompts,
         backend,
-        resume=args.resume,
+        resume=resume,
         console_enabled=cfg.logging.console and not args.no_console,
+        fresh=args.fresh,
     )
 
 

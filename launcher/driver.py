@@ -11,13 +11,20 @@ Redis that is down: the next tick restarts it (docs/design.md §6.3).
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import itertools
+import json
 import logging
+import os
+import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 import redis
+import yaml
 
 from buffer.redis_server import EmbeddedRedis
 from buffer.retry import connect
@@ -27,6 +34,7 @@ from launcher.feeder import PromptFeeder, PromptSet
 from launcher.plan import RunPlan, plan_run
 from launcher.supervision import RestartPolicy, Restarts, forget_dead_publisher
 from tandem.config import Config, ConfigError, dump_config
+from tandem.procs import alive
 from tandem.telemetry import ready_key, stop_key
 
 log = logging.getLogger("launch")
@@ -55,9 +63,34 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(f"eval.prompts: {cfg.eval.prompts} not found")
 
 
-def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
+def fixed_run_dir(cfg: Config) -> Path | None:
+    """``run.dir``, resolved like ``run.output_dir`` (relative to the repository); None when unset."""
+    if cfg.run.dir is None:
+        return None
+    run_dir = (ROOT / cfg.run.dir).resolve()
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_dir.name):
+        raise ConfigError(f"run.dir: {cfg.run.dir}: its last part names the run: letters, digits, _ . - only")
+    return run_dir
+
+
+def started_before(run_dir: Path | None) -> bool:
+    """Whether ``run_dir`` holds a run that was started (what ``--resume`` continues)."""
+    return run_dir is not None and (run_dir / "config.public.yaml").is_file()
+
+
+def prepare_run_dir(cfg: Config, resume: Path | None, *, fresh: bool = False) -> Path:
     if resume is not None:
         return resume.resolve()
+    run_dir = fixed_run_dir(cfg)
+    if run_dir is not None:  # fixed: the caller resumes a run started there before, unless --fresh
+        if fresh and run_dir.exists() and any(run_dir.iterdir()):
+            RunLock(run_dir).release()  # refused while a driver runs it
+            wait_for_leftovers(run_dir)  # a dead driver's children would write into the new run
+            aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+            run_dir.rename(aside)
+            print(f"[launch] --fresh: the earlier run in {run_dir} moved to {aside}", flush=True)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        return run_dir
     run_dir = (ROOT / cfg.run.output_dir / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     suffix = 1
     while run_dir.exists():
@@ -65,6 +98,78 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
         suffix += 1
     (run_dir / "logs").mkdir(parents=True)
     return run_dir
+
+
+def checkpointed_version(cfg: Config, run_dir: Path) -> int | None:
+    """The version of the run's newest committed checkpoint (``latest.json``); None: none yet."""
+    latest = Path(cfg.learner.checkpoint_dir or run_dir / "checkpoints") / "latest.json"
+    try:
+        return int(json.loads(latest.read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class RunLock:
+    """One driver per run directory: an exclusive ``flock`` on ``<run dir>/.launch.lock``, held while the
+    driver lives (the kernel drops it when the driver dies, even by SIGKILL)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ".launch.lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise ConfigError(
+                f"{run_dir} is in use by another launch.py (pid {holder}); stop it first"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def leftovers(run_dir: Path) -> list[int]:
+    """Processes of an earlier driver of this run that are still there: its children (``--run-dir
+    RUN_DIR`` in their arguments) and its embedded redis-server (by the port in the old config)."""
+    port = None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        url = yaml.safe_load((run_dir / "config.yaml").read_text())["redis"]["url"]
+        port = url.rsplit(":", 1)[1].split("/")[0]
+    found = []
+    for pid in os.listdir("/proc") if Path("/proc").is_dir() else []:
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        ours = any(a == "--run-dir" and b == str(run_dir) for a, b in itertools.pairwise(args))
+        redis_of_run = port is not None and "redis-server" in args[0] and any(f":{port}" in a for a in args)
+        if ours or redis_of_run:
+            found.append(int(pid))
+    return found
+
+
+def wait_for_leftovers(run_dir: Path, timeout_s: float = 15.0) -> None:
+    """Before a run is resumed: the processes of a driver that died (they stop by themselves within seconds,
+    tandem/procs.py) must be gone, or two of them would share the run's files; past ``timeout_s``, killed."""
+    deadline = time.monotonic() + timeout_s
+    pids = leftovers(run_dir)
+    if pids:
+        print(
+            f"[launch] waiting for {len(pids)} process(es) of the run's previous driver to exit", flush=True
+        )
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pids = [p for p in pids if alive(p)]
+    for pid in pids:
+        log.warning("process %d of the run's previous driver is still there: killing it", pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def write_process_config(cfg: Config, run_dir: Path) -> Path:
@@ -77,7 +182,7 @@ def write_process_config(cfg: Config, run_dir: Path) -> Path:
 
 
 def dry_run_plan(cfg: Config, resume: bool) -> RunPlan:
-    run_dir = ROOT / cfg.run.output_dir / f"{cfg.run.name}-<time>"
+    run_dir = fixed_run_dir(cfg) or ROOT / cfg.run.output_dir / f"{cfg.run.name}-<time>"
     return plan_run(cfg, run_dir, run_dir / "config.yaml", resume=resume)
 
 
@@ -88,23 +193,16 @@ class RedisKeeper:
     def __init__(self, cfg: Config, embedded: EmbeddedRedis | None) -> None:
         self.embedded = embedded
         self.restarts = Restarts("redis", RestartPolicy.for_role(cfg, "redis"))
-        self.restart_at: float | None = None
 
     def tick(self) -> Outcome | None:
         """Restart a dead embedded Redis when its backoff is over; an Outcome once past the limit."""
         e = self.embedded
         if e is None or e.alive:
             return None
-        now = time.monotonic()
-        if self.restart_at is None:
-            delay = self.restarts.after_crash(now)
-            if delay is None:
-                return Outcome(False, f"{self.restarts.refusal()}; last lines of its log:{e.log_tail()}")
-            self.restart_at = now + delay
-            log.warning("redis-server exited (code %s); restarting in %.1fs", e.proc.returncode, delay)
-        if now >= self.restart_at:
-            self.restart_at = None
-            self.restarts.restarted(now)
+        step = self.restarts.tend(time.monotonic(), f"redis-server exited with code {e.proc.returncode}")
+        if step == "refused":
+            return Outcome(False, f"{self.restarts.refusal()}; last lines of its log:{e.log_tail()}")
+        if step == "restart":
             try:  # from the main thread: the child's death signal follows the thread that forked
                 e.restart()
             except (RuntimeError, TimeoutError) as err:
@@ -194,27 +292,52 @@ def remove_shared_weights(cfg: Config, run_dir: Path) -> None:
 
 
 def run(
-    cfg: Config, prompts: PromptSet, backend: Backend, *, resume: Path | None, console_enabled: bool
+    cfg: Config,
+    prompts: PromptSet,
+    backend: Backend,
+    *,
+    resume: Path | None,
+    console_enabled: bool,
+    fresh: bool = False,
 ) -> int:
-    """One run through ``backend``; returns launch.py's exit code (0 when the learner finished)."""
+    """One run through ``backend``; returns launch.py's exit code (0 when the learner finished).
+    ``resume``: the run directory of a run to continue; ``fresh``: a fixed ``run.dir`` holding an earlier
+    run is moved aside first."""
     try:
         cfg = backend.prepare(cfg)  # a placement that cannot fit is refused here, before anything starts
+        run_dir = prepare_run_dir(cfg, resume, fresh=fresh)
+        lock = RunLock(run_dir)  # one driver per run directory
     except ConfigError as e:
         backend.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        return _run(cfg, prompts, backend, resume=resume, console_enabled=console_enabled)
+        if resume is not None:
+            wait_for_leftovers(run_dir)  # a driver killed just now: its children are on their way out
+            v = checkpointed_version(cfg, run_dir)
+            since = (
+                f"version {v} (its newest checkpoint)" if v is not None else "version 0 (no checkpoint yet)"
+            )
+            print(f"[launch] resuming the run in {run_dir} from {since}", flush=True)
+        return _run(cfg, prompts, backend, run_dir, resume=resume, console_enabled=console_enabled)
     finally:
+        lock.release()
         backend.close()
 
 
 def _run(
-    cfg: Config, prompts: PromptSet, backend: Backend, *, resume: Path | None, console_enabled: bool
+    cfg: Config,
+    prompts: PromptSet,
+    backend: Backend,
+    run_dir: Path,
+    *,
+    resume: Path | None,
+    console_enabled: bool,
 ) -> int:
-    run_dir = prepare_run_dir(cfg, resume)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_dir.name})})
-    if resume is None:  # what a later --resume starts from (no secrets: the embedded URL is added below)
+    if resume is None or cfg.run.dir is not None:
+        # What a later run of the same command or --resume starts from (no secrets: the embedded URL is
+        # added below); a fixed run.dir keeps the config of its latest command.
         (run_dir / "config.public.yaml").write_text(dump_config(cfg))
     print(f"[launch] run directory: {run_dir}")
 

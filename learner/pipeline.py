@@ -302,20 +302,64 @@ def headline(stage: str, r: dict[str, Any]) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m learner.pipeline", description=__doc__.split("\n")[0])
+# ``run.<key>=`` overrides, as every launch.py command takes them: the pipeline's own name and directory,
+# anything else every stage's run section (``base.run``).
+RUN_KEYS = {"run.name": "name", "run.output_dir": "output_dir"}
+
+
+def pipeline_overrides(overrides: list[str]) -> list[str]:
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and key == "run.dir":
+            raise ConfigError("run.dir: the pipeline places its stages itself (run.output_dir=, run.name=)")
+        if eq and key in RUN_KEYS:
+            o = f"{RUN_KEYS[key]}={value}"
+        elif eq and key.startswith("run."):
+            o = f"base.{key}={value}"
+        out.append(o)
+    return out
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m learner.pipeline") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("config", help="pipeline YAML (configs/pipeline-tiny.yaml)")
     ap.add_argument(
-        "overrides", nargs="*", help="key.sub=value over the pipeline YAML, e.g. sft.learner.total_steps=5"
+        "overrides",
+        nargs="*",
+        help="key.sub=value over the pipeline YAML, e.g. sft.learner.total_steps=5; run.output_dir=DIR and"
+        " run.name=NAME place the pipeline (<output_dir>/<name>/), other run.* keys go to every stage",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate every stage, print its command and config, start nothing",
+    )
+    ap.add_argument(
+        "--no-console",
+        action="store_true",
+        help="plain log lines (the pipeline always logs them; its PPO stage runs launch.py --no-console)",
     )
     args = ap.parse_intermixed_args(argv)
     setup_logging()
     try:
-        pipeline = Pipeline(load_pipeline(args.config, args.overrides))
-        pipeline.stage_configs()
+        pipeline = Pipeline(load_pipeline(args.config, pipeline_overrides(args.overrides)))
+        cfgs = pipeline.stage_configs()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        for stage in STAGES:
+            stage_dir = pipeline.dir / stage
+            if (stage_dir / DONE).exists():
+                print(f"# {stage}: done before, skipped ({stage_dir})")
+                continue
+            if stage == "ppo":
+                cmd = f"python launch.py {stage_dir / 'config.yaml'} --no-console"
+            else:
+                cmd = f"python -m learner.train --config {stage_dir / 'config.yaml'} --run-dir {stage_dir} --resume"
+            print(f"# {stage}: {cmd}\n{dump_config(cfgs[stage])}")
+        return 0
     pipeline.run()
     return 0
 

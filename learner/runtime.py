@@ -31,6 +31,7 @@ from learner import lora
 from learner.batch import Batch, Layout, MicroBatch, micro_batches
 from learner.models import init_distributed, resolve_device
 from tandem.config import Config
+from tandem.procs import exit_with_driver
 from tandem.telemetry import Telemetry
 
 log = logging.getLogger("learner")
@@ -86,6 +87,7 @@ class Runtime:
         self, cfg: Config, run_dir: str | Path, *, resume: bool = False, layout: Layout = "pad"
     ) -> None:
         self.cfg, self.run_dir, self.resume, self.layout = cfg, Path(run_dir), resume, layout
+        exit_with_driver()  # started by launch.py: gone soon after it (tandem/procs.py)
         self.ckpt_dir = Path(cfg.learner.checkpoint_dir or self.run_dir / "checkpoints")
         self.device = resolve_device(cfg)
         self.ctrl = init_distributed(self.device)

@@ -41,6 +41,7 @@ from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from tandem.config import Config, HTTPConfig, load_config, redact
 from tandem.fleet import Beat
+from tandem.procs import exit_with_driver
 from tandem.telemetry import Telemetry, setup_logging
 
 log = logging.getLogger("rollout.server")
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if args.standalone:
         return serve_standalone(args, stop)
+    exit_with_driver()  # started by launch.py: gone soon after it (tandem/procs.py)
     return serve_connected(args, stop)
 
 

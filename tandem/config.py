@@ -34,6 +34,12 @@ class RunConfig(Section):
     )
     seed: int = Field(0, ge=0, description="Base random seed; each process derives its own from it.")
     output_dir: str = Field("runs", description="Parent directory of run directories (runs/<name>-<time>/).")
+    dir: str | None = Field(
+        None,
+        min_length=1,
+        description="A fixed run directory instead of <output_dir>/<name>-<time>/ (its last part names the "
+        "run): the same launch.py command then resumes the run there, if one was started, unless --fresh.",
+    )
     mode: Literal["async", "sync"] = Field(
         "async", description="async overlaps generation and training; sync alternates them (the baseline)."
     )

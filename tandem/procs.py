@@ -2,20 +2,44 @@
 
 Every long-lived child we start (the embedded redis-server, rollout servers, the learner, a managed vLLM
 or SGLang server) runs in its own session, so a Ctrl-C in the terminal reaches only the parent, which then
-stops them in order; and each gets ``PR_SET_PDEATHSIG`` so that it is SIGTERMed even if the parent dies
-by SIGKILL. The signal fires when the *thread* that forked exits: start children from a long-lived thread.
+stops them in order. Two lines of defence make sure none survives a parent killed by SIGKILL:
+
+1. ``PR_SET_PDEATHSIG``: the kernel SIGTERMs the child when its parent dies. The signal fires when the
+   *thread* that forked exits, not the process: a child forked from a short-lived thread would be killed
+   when that thread ends. :func:`popen` therefore forks from the main thread or from one long-lived
+   spawner thread, whichever thread calls it.
+2. The child's own watch (:func:`exit_with_driver`): launch.py puts its pid in ``TANDEM_DRIVER_PID``; a
+   learner rank or rollout server polls it, and once the driver is gone (or its own parent changed) it
+   SIGTERMs itself (its handler stops cleanly) and exits hard ``ORPHAN_GRACE_S`` seconds later, so a
+   graceful stop that blocks (on a Redis that died with the driver) cannot keep it alive. It also covers
+   what the death signal misses: torchrun's ranks, whose parent is torchrun, and non-Linux hosts.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import ctypes
+import logging
+import os
 import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 try:
     _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)  # loaded here: no dlopen after fork
-except OSError:  # not Linux: sessions and explicit stops still apply
+except OSError:  # not Linux: sessions, explicit stops and the driver watch still apply
     _libc = None
+
+DRIVER_PID_ENV = "TANDEM_DRIVER_PID"
+ORPHAN_GRACE_S = 3.0  # after the driver died: time for a clean stop before a hard exit
+WATCH_POLL_S = 0.5
 
 
 def die_with_parent() -> None:
@@ -26,3 +50,68 @@ def die_with_parent() -> None:
 
 # Keyword arguments for subprocess.Popen giving both properties.
 DETACHED = {"start_new_session": True, "preexec_fn": die_with_parent}
+
+_spawner: concurrent.futures.ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(cmd, **DETACHED, **kwargs)``, forked from a thread that lives as long as this
+    process (the main thread, or one spawner thread), so the child's death signal means the process died."""
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(cmd, **DETACHED, **kwargs)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spawner")
+    return _spawner.submit(lambda: subprocess.Popen(cmd, **DETACHED, **kwargs)).result()
+
+
+def driver_env() -> dict[str, str]:
+    """What launch.py adds to its children's environment so that they watch it (:func:`exit_with_driver`)."""
+    return {DRIVER_PID_ENV: str(os.getpid())}
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def exit_with_driver(grace_s: float = ORPHAN_GRACE_S) -> threading.Thread | None:
+    """In a child of launch.py: a daemon thread that ends this process soon after the driver is gone.
+    Nothing (None) outside launch.py, where ``TANDEM_DRIVER_PID`` is unset."""
+    raw = os.environ.get(DRIVER_PID_ENV)
+    if not raw or not raw.isdigit() or int(raw) == os.getpid():
+        return None
+    thread = threading.Thread(
+        target=_watch, args=(int(raw), os.getppid(), grace_s), name="driver-watch", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def _watch(driver: int, parent: int, grace_s: float) -> None:
+    while alive(driver) and os.getppid() == parent:
+        time.sleep(WATCH_POLL_S)
+    print(
+        f"launch.py (pid {driver}) is gone: stopping, and exiting within {grace_s:g}s",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(OSError):
+        os.kill(os.getpid(), signal.SIGTERM)  # a clean stop where the process has a handler for it
+    time.sleep(grace_s)
+    os._exit(1)  # the clean stop blocked (e.g. on the Redis that died with the driver)

@@ -77,3 +77,43 @@ def test_a_chat_template_the_tokenizer_lacks_is_refused(tiny_ckpt, prompts: Path
     args = tiny_args(tiny_ckpt, prompts, f"model.actor={tmp_path / 'actor'}", "data.chat_template=true")
     with pytest.raises(ConfigError, match=r"data\.chat_template: the tokenizer"):
         launch.PromptSet.load(load_config(args[0], args[1:]))
+
+
+def test_help_lists_the_pipeline_and_plan_commands(capsys) -> None:
+    with pytest.raises(SystemExit):
+        launch.main(["--help"])
+    out = capsys.readouterr().out
+    assert "launch.py pipeline CONFIG" in out and "--dry-run" in out and "launch.py plan CONFIG" in out
+    assert "--fresh" in out
+
+
+def test_pipeline_takes_run_overrides_dry_run_and_no_console(tmp_path: Path, capsys) -> None:
+    pipeline = str(ROOT / "configs/pipeline-tiny.yaml")
+    args = [pipeline, f"run.output_dir={tmp_path}", "run.name=p1", "run.seed=7", "--no-console"]
+    assert launch.main(["pipeline", *args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("sft", "rm", "ppo"):
+        assert f"# {stage}: " in out and str(tmp_path / "p1" / stage) in out
+    assert out.count("seed: 7") == 3  # run.* other than the pipeline's place: every stage's run section
+    assert not (tmp_path / "p1").exists()  # nothing started, nothing written
+    assert launch.main(["pipeline", pipeline, f"output_dir={tmp_path}", "--dry-run"]) == 0  # the old form
+    assert str(tmp_path / "pipeline-tiny" / "sft") in capsys.readouterr().out
+    assert launch.main(["pipeline", pipeline, "run.dir=x", "--dry-run"]) == 2
+    assert "run.dir" in capsys.readouterr().err
+
+
+def test_a_fixed_run_dir_is_resumed_by_the_same_command_unless_fresh(tiny_ckpt, prompts, tmp_path, capsys):
+    run_dir = tmp_path / "exp"
+    args = [*tiny_args(tiny_ckpt, prompts, f"run.dir={run_dir}"), "--dry-run"]
+    assert launch.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"--run-dir {run_dir}" in out and "--resume" not in out  # nothing there yet: a new run
+    run_dir.mkdir()
+    (run_dir / "config.public.yaml").write_text("")  # a run was started there
+    assert launch.main(args) == 0
+    assert "--resume" in capsys.readouterr().out
+    assert launch.main([*args, "--fresh"]) == 0
+    assert "--resume" not in capsys.readouterr().out
+    assert launch.main([*tiny_args(tiny_ckpt, prompts, "run.dir=a/b c")]) == 2
+    assert "run.dir" in capsys.readouterr().err
+    assert launch.main(["--resume", str(run_dir), "--fresh"]) == 2

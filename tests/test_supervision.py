@@ -3,8 +3,11 @@ and what the buffer does about acks and deliveries a Redis restart lost (docs/de
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,7 +20,11 @@ from buffer.retry import BACKOFF_BASE_S, BACKOFF_CAP_S, Incarnation, connect, re
 from buffer.schema import PromptRecord
 from buffer.streams import ReplayBuffer
 from launcher.supervision import RestartPolicy, Restarts
+from tandem.data import write_prompts
+from tandem.tasks import make_records
 from tests.test_buffer import traj
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_restart_policy_backs_off_and_stops_past_the_limit_within_the_window() -> None:
@@ -31,6 +38,50 @@ def test_restart_policy_backs_off_and_stops_past_the_limit_within_the_window() -
     assert "server-0" in r.refusal() and "3 restarts within 100s" in r.refusal()
     assert r.after_crash(105.0) == 3.0  # the crash at t=0 left the window: one restart allowed again
     assert Restarts("redis", RestartPolicy(0, 10.0, 1.0, 1.0)).after_crash(0.0) is None  # limit 0: never
+
+
+def test_tend_waits_out_the_backoff_then_restarts_and_refuses_past_the_budget() -> None:
+    r = Restarts("server-0", RestartPolicy(limit=2, window_s=100.0, backoff_s=1.0, backoff_max_s=8.0))
+    assert [r.tend(t) for t in (0.0, 0.5, 1.0)] == ["wait", "wait", "restart"]
+    assert [r.tend(t) for t in (5.0, 6.0, 7.0)] == ["wait", "wait", "restart"]  # 2 s: doubled
+    assert r.tend(8.0) == "refused" and r.total == 2
+
+
+def test_a_restart_after_which_the_role_progressed_resets_its_budget() -> None:
+    """A crash loop (no progress between restarts) uses the budget up; progress wipes it, backoff too."""
+    version = [0]
+    r = Restarts("learner", RestartPolicy(2, 600.0, 1.0, 8.0), progress=lambda: version[0])
+    for t in range(5):  # five crashes, each after the learner published a new version: never refused
+        now = 10.0 * t
+        assert r.tend(now) == "wait" and r.restart_at == now + 1.0  # first backoff every time
+        assert r.tend(now + 1.0) == "restart"
+        version[0] += 3
+    assert r.total == 5 and r.resets == 4
+    # Now it crashes at start-up, again and again, with no version between: the budget runs out.
+    assert r.tend(100.0) == "wait" and r.tend(101.0) == "restart"
+    assert r.tend(102.0) == "wait" and r.tend(104.0) == "restart"
+    assert r.tend(105.0) == "refused"
+    assert "learner crashed more than supervision allows (2 restarts within 600s" in r.refusal()
+
+
+def test_progress_that_cannot_be_read_counts_as_none() -> None:
+    def down() -> int:
+        raise redis.ConnectionError("down")
+
+    r = Restarts("learner", RestartPolicy(1, 600.0, 0.0, 0.0), progress=down)
+    assert r.tend(0.0) == "restart"  # no backoff: restarted at once
+    assert r.tend(1.0) == "refused"
+
+
+def test_learner_progress_reads_the_version_key_and_the_newest_checkpoint(redis_client, run_id, tmp_path):
+    from launcher.supervision import learner_progress
+
+    progress = learner_progress(redis_client, run_id, tmp_path)
+    assert progress() is None
+    (tmp_path / "latest.json").write_text('{"version": 6}')
+    assert progress() == 6
+    redis_client.set(f"{run_id}:version", 9)
+    assert progress() == 9
 
 
 def test_retries_for_covers_the_budget() -> None:
@@ -136,3 +187,77 @@ def test_the_feeder_emits_each_pass_in_its_seeded_order(redis_client, run_id, tm
         random.Random(3 * 100_003 + e).shuffle(order)
         want += [f"r{i}@{e}" for i in order]
     assert emitted == want
+
+
+# ------------------------------------------------------------------------- through launch.py, for real
+
+
+@pytest.mark.slow
+def test_a_learner_that_crashes_at_start_up_stops_the_run_after_its_budget(tiny_ckpt, tmp_path) -> None:
+    """A crash loop: the learner cannot load its critic (a config.json with no model in it), so it never
+    publishes a version; after its one allowed restart the run stops, naming it."""
+    from tests.test_launch import launch_cmd, leftover_processes, run_dir_of
+
+    prompts = write_prompts(tmp_path / "p.jsonl", make_records("echo", 50))
+    broken = tmp_path / "critic"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    cmd = launch_cmd(
+        tiny_ckpt, prompts, tmp_path / "runs", "learner.total_steps=5", "algorithm.advantage=gae",
+        f"model.critic={broken}", "supervision.learner_restarts=1", "supervision.backoff_s=0.1",
+    )  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "learner crashed more than supervision allows (1 restarts within 600s without progress" in (
+        proc.stdout
+    )
+    assert proc.stdout.count("[launch] restarted learner") == 1
+    assert leftover_processes(run_dir_of(tmp_path / "runs")) == []
+
+
+@pytest.mark.slow
+def test_a_learner_killed_again_and_again_while_it_progresses_finishes_the_run(tiny_ckpt, tmp_path) -> None:
+    """Six kill -9 of the learner at random moments, each after it trained past where it was last
+    restarted, against a budget of 2 restarts: progress resets the budget, so the run finishes, and the
+    exactly-once audit of tests/chaos.py holds (every version, nothing trained twice, no prompt lost)."""
+    from tests.chaos import Tally, audit
+    from tests.test_launch import attach, launch_cmd, leftover_processes
+
+    kills, steps = 6, 300
+    prompts = write_prompts(tmp_path / "p.jsonl", make_records("echo", 200))
+    out = tmp_path / "runs"
+    cmd = launch_cmd(
+        tiny_ckpt, prompts, out, f"learner.total_steps={steps}", "learner.checkpoint_interval=3",
+        "supervision.learner_restarts=2", "supervision.backoff_s=0.2",
+    )  # fmt: skip
+    rng = random.Random(7)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = 0
+    try:
+        deadline = time.monotonic() + 240
+        run_dir, client = attach(proc, out, deadline)
+        run, high, last_pid = run_dir.name, 0, None
+        while killed < kills:
+            raw = client.get(f"{run}:ready:learner")
+            version = int(client.get(f"{run}:version") or 0)
+            pid = json.loads(raw)["pid"] if raw else None
+            if pid is not None and pid != last_pid and version > high:  # restarted, and trained on
+                time.sleep(rng.uniform(0.0, 1.0))
+                high = max(high, int(client.get(f"{run}:version") or 0))
+                os.killpg(pid, signal.SIGKILL)
+                killed, last_pid = killed + 1, pid
+            assert time.monotonic() < deadline and proc.poll() is None, f"the run ended after {killed} kills"
+            time.sleep(0.05)
+        out_text, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out_text[-4000:]
+    assert f"learner finished at step {steps}" in out_text
+    assert out_text.count("[launch] restarted learner") == kills
+    assert "its restart budget is whole again" in out_text
+    tally = Tally()
+    audit(run_dir, steps, tally)
+    assert tally.missing_versions == 0 and tally.final_version == steps
+    assert tally.trained_twice == 0 and tally.prompts_lost == 0 and tally.prompts_emitted > 0
+    assert leftover_processes(run_dir) == []

@@ -25,9 +25,15 @@ import redis
 from buffer.redis_server import free_port
 from launcher.backends import Outcome
 from launcher.plan import Role, RunPlan
-from launcher.supervision import RestartPolicy, Restarts, forget_dead_publisher
+from launcher.supervision import (
+    RestartPolicy,
+    Restarts,
+    Step,
+    forget_dead_publisher,
+    learner_progress,
+)
 from tandem.config import Config, ConfigError
-from tandem.procs import DETACHED
+from tandem.procs import driver_env, popen
 from tandem.telemetry import ready_key
 
 log = logging.getLogger("launch")
@@ -41,7 +47,6 @@ class Child:
     log_path: Path
     restarts: Restarts
     proc: subprocess.Popen[bytes] | None = None
-    restart_at: float | None = None
 
     @property
     def name(self) -> str:
@@ -57,14 +62,8 @@ class Child:
         out = self.log_path.open("ab")
         out.write(f"\n=== {time.strftime('%H:%M:%S')} start: {shlex.join(cmd)}\n".encode())
         out.flush()
-        self.proc = subprocess.Popen(
-            cmd,
-            env=self.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            **DETACHED,  # Ctrl-C reaches launch.py only, which stops children in order; they die with it
-        )
+        # Its own session: Ctrl-C reaches launch.py only, which stops children in order; they die with it.
+        self.proc = popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         out.close()
 
     @property
@@ -76,21 +75,9 @@ class Child:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
 
-    def tend(self, now: float) -> str:
-        """For a child that is not running: ``"restart"`` once its backoff has passed (counted as a restart:
-        start it again), ``"wait"`` during the backoff, ``"refused"`` past its role's budget."""
-        if self.restart_at is None:
-            delay = self.restarts.after_crash(now)
-            if delay is None:
-                return "refused"
-            self.restart_at = now + delay
-            log.warning("%s exited with code %s; restarting in %.1fs", self.name, self.proc.returncode, delay)
-            return "wait"
-        if now < self.restart_at:
-            return "wait"
-        self.restart_at = None
-        self.restarts.restarted(now)
-        return "restart"
+    def tend(self, now: float) -> Step:
+        """For a child that is not running: its role's restart state machine (``Restarts.tend``)."""
+        return self.restarts.tend(now, f"exited with code {self.proc.returncode}")
 
     def log_tail(self, n: int = 25) -> str:
         if not self.log_path.exists():
@@ -125,7 +112,7 @@ def plan_children(plan: RunPlan) -> list[Child]:
     # The launcher owns its children's rendezvous (torchrun for a multi-rank learner, an in-memory store
     # for a lone one). Inherited from a torchrun or SLURM step, these would send a lone learner to bind the
     # parent's MASTER_PORT, which a process still holding it turns into EADDRINUSE on every restart.
-    base = {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}, **plan.env}
+    base = {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}, **plan.env, **driver_env()}
     base.setdefault("WANDB_SILENT", "true")
     children, next_gpu = [], 0
     for role in plan.roles:
@@ -169,6 +156,11 @@ class LocalBackend:
     def start(self, plan: RunPlan, client: redis.Redis, config_text: str) -> None:
         self.cfg, self.client = plan.cfg, client
         self.children = plan_children(plan)
+        cfg = plan.cfg
+        ckpt_dir = Path(cfg.learner.checkpoint_dir or plan.run_dir / "checkpoints")
+        for c in self.children:  # a learner restart after which it trained on was no crash loop
+            if c.role.is_learner:
+                c.restarts.progress = learner_progress(client, cfg.run.name, ckpt_dir)
         for c in self.children:
             c.start()
 

@@ -382,9 +382,11 @@ class RayBackend:
                 continue
             why = self._failure(name) or f"{name} exited"
             restarts = self.restarts[name]
-            if restarts.after_crash(time.monotonic()) is None:  # Ray restarts the actor: no extra wait
+            step = restarts.tend(time.monotonic(), why)  # the same backoff as under every backend
+            if step == "refused":
                 return Outcome(False, f"{restarts.refusal()}: {why}")
-            restarts.restarted(time.monotonic())
+            if step == "wait":
+                continue
             log.warning("%s: %s; restart %d (%s)", name, why, restarts.total, restarts.policy.describe())
             if not isinstance(self._error(name), RayActorError):
                 ray.kill(self.servers[name], no_restart=False)  # a fresh process, as after a crash
