@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -261,3 +262,52 @@ def test_a_learner_killed_again_and_again_while_it_progresses_finishes_the_run(t
     assert tally.missing_versions == 0 and tally.final_version == steps
     assert tally.trained_twice == 0 and tally.prompts_lost == 0 and tally.prompts_emitted > 0
     assert leftover_processes(run_dir) == []
+
+
+# ------------------------------------------------------------------------ children that die with us
+
+
+def test_a_child_started_from_a_short_lived_thread_outlives_the_thread(tmp_path) -> None:
+    """The death signal follows the thread that forked: procs.popen forks from one that lives on."""
+    from tandem.procs import alive, popen
+
+    got = {}
+    t = threading.Thread(target=lambda: got.update(p=popen(["sleep", "30"])))
+    t.start()
+    t.join()
+    try:
+        time.sleep(0.5)
+        assert alive(got["p"].pid)
+    finally:
+        got["p"].kill()
+        got["p"].wait()
+
+
+def test_a_child_whose_driver_died_exits_by_itself_even_when_its_clean_stop_hangs() -> None:
+    from tandem.procs import DRIVER_PID_ENV, ORPHAN_GRACE_S, alive
+
+    driver = subprocess.Popen(["sleep", "60"])
+    child_code = (
+        "import signal, time\n"
+        "from tandem.procs import exit_with_driver\n"
+        "signal.signal(signal.SIGTERM, lambda *_: None)  # a clean stop that never ends\n"
+        "exit_with_driver()\n"
+        "time.sleep(60)\n"
+    )
+    env = {**os.environ, DRIVER_PID_ENV: str(driver.pid)}
+    child = subprocess.Popen([sys.executable, "-c", child_code], cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    try:
+        time.sleep(3.0)  # imported, watching
+        assert child.poll() is None
+        driver.kill()  # left a zombie until reaped below: the watch must see through that
+        start = time.monotonic()
+        child.wait(timeout=ORPHAN_GRACE_S + 5)
+        assert time.monotonic() - start < ORPHAN_GRACE_S + 2
+        assert b"is gone" in child.stderr.read()
+        assert not alive(child.pid)
+    finally:
+        driver.kill()
+        driver.wait()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
