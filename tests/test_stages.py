@@ -157,7 +157,7 @@ def test_sft_lowers_held_out_loss_and_resumes_exactly(tiny_ckpt, echo_data, tmp_
 
 @pytest.mark.slow
 def test_reward_model_learns_pairs_and_scores_as_the_server_does(tiny_ckpt, echo_data, tmp_path) -> None:
-    raw = stage_config(tiny_ckpt, "rm", echo_data["prefs"], echo_data["prefs_eval"], total_steps=25)
+    raw = stage_config(tiny_ckpt, "rm", echo_data["prefs"], echo_data["prefs_eval"], total_steps=40)
     trainer = RewardModelTrainer(load_config(None, raw=raw), tmp_path / "rm")
     trainer.run()
     summary = json.loads((tmp_path / "rm" / "summary.json").read_text())
