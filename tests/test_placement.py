@@ -8,6 +8,7 @@ that names the device.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -303,3 +304,42 @@ def test_launch_plan_prints_ranked_plans_with_the_configured_one_marked() -> Non
     assert steps == sorted(steps) and len(rows) == 400
     assert sum(line.rstrip().endswith("*") or " * " in line for line in rows) <= 1
     assert "configured (*): rank" in out
+
+
+# ------------------------------------------------------------------------------------------ a real run's profile
+
+
+def write_run(run_dir: Path, mode: str, learner_rows: list[dict], server_rows: list[dict]) -> None:
+    import yaml
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"run.mode={mode}"])
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.public.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    (run_dir / "learner_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in learner_rows))
+    (run_dir / "server-0_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in server_rows))
+
+
+def test_read_run_turns_histories_into_phase_samples_and_the_colocated_switch(tmp_path: Path) -> None:
+    from placement.profile import read_run
+
+    # 0.1 s a step; learner busy 0.02 + 0.03 + 0.005, server busy 0.025 (generate, 10 tok at 400 tok/s)
+    learner = [
+        {"time": 100 + 0.1 * i, "batch/tokens": 300.0, "time/actor_logp": 0.02, "time/actor_train": 0.03,
+         "time/weight_sync": 0.005}
+        for i in range(8)
+    ]  # fmt: skip
+    servers = [{"time/generate": 0.025, "rollout/tokens_per_s": 400.0} for _ in range(8)]
+    write_run(tmp_path / "sync", "sync", learner, servers)
+    prof = read_run(tmp_path / "sync", cores=2, skip=1, window=4)
+    assert prof.plan == Plan("colocate", 2, 2)
+    assert prof.window_step_s == pytest.approx(0.1) and prof.step_s == pytest.approx(0.1)
+    by = {s.name: s for s in prof.samples}
+    assert by["actor_train"] == Sample("actor_train", 300.0, 2, 0.03)
+    assert by["generate"].tokens == pytest.approx(10.0) and by["generate"].devices == 2
+    assert by["sync_local"].value == 0.005
+    # the switch: what a colocated step spends outside every phase, 0.1 - (0.02 + 0.03 + 0.005 + 0.025)
+    assert by["switch"].value == pytest.approx(0.02)
+    write_run(tmp_path / "async", "async", learner, servers)
+    prof = read_run(tmp_path / "async", cores=2, skip=1, window=4)
+    assert prof.plan == Plan("separate", 1, 1)
+    assert {s.name for s in prof.samples} == {"actor_logp", "actor_train", "sync", "generate"}

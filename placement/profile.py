@@ -1,0 +1,82 @@
+"""A run's profile window, read back: per-phase samples for the planner from a run directory's histories.
+
+Every learner step logs ``time/<phase>`` for its scoring forwards, its training passes and the weight
+sync, and ``batch/tokens``; every server batch logs ``time/generate`` and ``time/reward_model``
+(``tandem/timing.py``). The devices each phase ran on follow from the run's config and the cores it had
+(``placement/local.py``). The colocated switch has no timer of its own: it is what a colocated step
+spends outside every phase (the hand-off through admission and weight sync), measured as the step's
+wall time less the two sides' busy time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from placement.cost import Sample
+from placement.local import configured_plan
+from placement.plan import Plan
+from tandem.config import Config, load_config
+
+LEARNER_PHASES = ("actor_logp", "reference", "critic_values", "actor_train", "critic_train")
+SERVER_PHASES = ("generate", "reward_model")
+
+
+@dataclass
+class RunProfile:
+    plan: Plan  # the plan the run used, on ``cores`` devices
+    samples: list[Sample]  # per-phase times of the profile window
+    step_s: float  # measured seconds per learner step over the steps after the window (nan if none)
+    window_step_s: float  # the same over the window itself
+    tokens: float  # mean tokens per learner batch (prompt + response)
+    generated: float  # mean generated tokens per learner batch
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _seconds_per_step(rows: list[dict]) -> float:
+    if len(rows) < 2:
+        return float("nan")
+    return (rows[-1]["time"] - rows[0]["time"]) / (len(rows) - 1)
+
+
+def read_run(run_dir: Path, cores: int, *, skip: int = 2, window: int = 10) -> RunProfile:
+    """The profile of ``run_dir``: its first ``window`` steps after ``skip`` warm-up steps are the window;
+    the steps after it are what the window predicts."""
+    cfg: Config = load_config(run_dir / "config.public.yaml")
+    plan = configured_plan(cfg, cores)
+    learner = _rows(run_dir / "learner_history.jsonl")
+    servers = [r for p in sorted(run_dir.glob("server-*_history.jsonl")) for r in _rows(p)]
+    if len(learner) < skip + 2:
+        raise ValueError(
+            f"{run_dir}: {len(learner)} learner steps logged; the profile needs at least {skip + 2}"
+        )
+    win, rest = learner[skip : skip + window], learner[skip + window :]
+    tokens = statistics.mean(r["batch/tokens"] for r in win)
+    # A server batch of prompts_per_batch groups is this fraction of a learner step's samples.
+    per_step = cfg.algorithm.batch_size / (cfg.rollout.prompts_per_batch * cfg.rollout.n_samples)
+    srv = servers[skip : skip + max(1, round(window / per_step))]
+    generated = statistics.mean(r["rollout/tokens_per_s"] * r["time/generate"] for r in srv) * per_step
+    samples: list[Sample] = []
+    for r in win:
+        for phase in LEARNER_PHASES:
+            if f"time/{phase}" in r:
+                samples.append(Sample(phase, r["batch/tokens"], plan.learning, r[f"time/{phase}"]))
+        sync = "sync_local" if plan.mode == "colocate" else "sync"
+        samples.append(Sample(sync, r["batch/tokens"], plan.learning, r["time/weight_sync"]))
+    for r in srv:
+        for phase in SERVER_PHASES:
+            if f"time/{phase}" in r:
+                w = generated if phase == "generate" else tokens
+                samples.append(Sample(phase, w, plan.generation, r[f"time/{phase}"] * per_step))
+    window_step = _seconds_per_step(win)
+    if plan.mode == "colocate":
+        busy = sum(
+            statistics.mean(s.value for s in samples if s.name == n) for n in {s.name for s in samples}
+        )
+        samples.append(Sample("switch", tokens, plan.generation, max(0.0, window_step - busy)))
+    return RunProfile(plan, samples, _seconds_per_step(rest), window_step, tokens, generated)
