@@ -85,12 +85,7 @@ class PPOLearner(OnlineRuntime):
         # One optimizer step per batch starts from the proximal policy, so its forward pass is the
         # actor's own (detached) and a separate no-grad pass would compute the same numbers again. Not
         # when the KL is folded into the reward: advantages need it before the first backward.
-        self.prox_is_current = (
-            a.prox_forward == "auto"
-            and a.ppo_epochs == 1
-            and a.minibatch_size == a.batch_size
-            and not (a.kl_in_reward and a.kl_coef > 0)
-        )
+        self.prox_is_current = not a.proximal_pass
         self.models: Models | None = None
 
     def load_models(self) -> Models:

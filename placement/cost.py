@@ -198,7 +198,7 @@ def _predict(
 
     # The learner's side: scoring on the learning group (and the own group beside it), then training.
     forwards = plan.learner_scoring(roles)
-    if plan.scoring == "serial":
+    if plan.scoring == "serial" or not forwards:
         scoring = sum(t(f, work, learn_devs) for f in forwards)
     else:
         scoring = max(t(f, work, g) for f, g in zip(forwards, _split(learn_devs, len(forwards)), strict=True))

@@ -28,6 +28,7 @@ def roles_of(cfg: Config) -> Roles:
         reference=cfg.algorithm.kl_coef > 0,
         critic=cfg.algorithm.advantage == "gae",
         reward_model=cfg.model.reward_model is not None,
+        proximal=cfg.algorithm.proximal_pass,
     )
 
 

@@ -44,6 +44,7 @@ class Roles:
     reference: bool = True
     critic: bool = True
     reward_model: bool = True
+    proximal: bool = True  # the actor's no-grad proximal forward (skipped when it would equal the first)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Plan:
 
     def learner_scoring(self, roles: Roles) -> list[str]:
         """The no-grad forwards the learning group runs each step (the actor's proximal pass always)."""
-        out = ["actor_logp"]
+        out = ["actor_logp"] if roles.proximal else []
         if roles.reference and self.reference in ("learner", "learner_cpu"):
             out.append("reference")
         if roles.critic and self.critic == "learner":
@@ -108,7 +109,10 @@ def validate(plan: Plan, roles: Roles, devices: int) -> str | None:
             return f"generation + learning + aux = {plan.devices}, not the {devices} devices"
         if bool(own) != bool(plan.aux):
             return "an aux group exists exactly when some role is placed own"
-    if plan.scoring == "split" and len(plan.learner_scoring(roles)) > plan.learning:
+    forwards = len(plan.learner_scoring(roles))
+    if plan.scoring == "split" and forwards < 2:
+        return "split scoring needs at least two scoring forwards"
+    if plan.scoring == "split" and forwards > plan.learning:
         return "split scoring needs a learning device per scoring forward"
     return None
 

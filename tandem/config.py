@@ -235,6 +235,11 @@ class HTTPConfig(Section):
     max_concurrent_requests: int = Field(
         16, ge=1, description="Requests generating at once; more are answered 429 at once (retry later)."
     )
+    tool_parser: Literal["hermes"] | None = Field(
+        "hermes",
+        description="How tool calls are read from the model's text on /v1/chat/completions "
+        "(hermes: <tool_call>{json}</tool_call>); null refuses tools unless tool_choice is none.",
+    )
 
 
 class RolloutConfig(Section):
@@ -387,6 +392,14 @@ class AlgorithmConfig(Section):
         description="auto skips the no-grad proximal forward when a batch gets exactly one optimizer step "
         "(prox_logp = logp.detach(), the same math) and the KL is not in the reward; always runs it.",
     )
+
+    @property
+    def proximal_pass(self) -> bool:
+        """Whether a step runs the actor's no-grad proximal forward. Not when the batch gets one optimizer
+        step, which starts from the proximal policy (its forward with gradient computes the same numbers),
+        unless the KL is folded into the reward and needed before the first backward."""
+        one_step = self.ppo_epochs == 1 and self.minibatch_size == self.batch_size
+        return not (self.prox_forward == "auto" and one_step and not (self.kl_in_reward and self.kl_coef > 0))
 
 
 PPOConfig = AlgorithmConfig

@@ -55,7 +55,10 @@ def test_a_run_without_a_critic_or_reward_model_has_fewer_choices() -> None:
     plans = list(candidates(grpo, 4))
     assert {p.mode for p in plans} == {"colocate", "separate"}
     assert all(p.aux == 0 and p.reference == "learner" for p in plans)
-    assert len(plans) == 2 * (1 + 3)  # serial/split x (colocate + 3 splits)
+    assert len(plans) == 1 + 3  # colocate + 3 splits; one scoring forward cannot be split
+    assert {p.scoring for p in plans} == {"serial"}
+    one_step = Roles(reference=False, critic=False, reward_model=False, proximal=False)
+    assert predict(Plan("colocate", 4, 4), one_step, constant_model(**TIMES), WORK).learning_s == 6 + 0.25
 
 
 # ------------------------------------------------------------------------------------------ laws
