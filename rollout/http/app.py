@@ -1,7 +1,8 @@
 """The rollout server's OpenAI-compatible HTTP API: the FastAPI app and its routes (docs/design.md §1.3).
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming and SSE streaming,
-``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``),
+``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``; on chat,
+function calling with ``tools``, ``tool_choice`` and ``parallel_tool_calls``, docs/design.md §10.8),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry),
 and ``POST /v1/sessions/{id}/finish`` (a black-box agent's session as a trajectory, docs/design.md §10.6:
 calls carrying an ``X-Session-Id`` header or a ``session_id`` field are generated from the session's exact
@@ -46,6 +47,7 @@ from transformers import PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from rollout.http.chat_prompt import ChatPrompts
 from rollout.http.middleware import BodyLimit, Guard
 from rollout.http.schemas import (
     APIError,
@@ -57,9 +59,9 @@ from rollout.http.schemas import (
     text_problem,
 )
 from rollout.http.sessions import SessionError, SessionStore
+from rollout.http.tools import PARSERS, ParsedCall, ToolParser
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
-from tandem.data import chat_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,59 @@ class _Choice:
     sent_chars: int = 0
     sent_tokens: int = 0
     stopped: bool = False
+
+
+@dataclass
+class _HeldText:
+    """One streamed choice's text once tool calls may come: content is sent up to where a call could
+    start; from a call's opening tag on, the text is held and parsed when the choice ends."""
+
+    start: str  # the parser's opening tag
+    text: str = ""
+    sent: int = 0
+    entries: list[tuple[str, float, int]] = field(default_factory=list)  # logprobs not yet sent
+
+    def feed(
+        self, new: str, entries: list[tuple[str, float, int]]
+    ) -> tuple[str, list[tuple[str, float, int]]]:
+        """What of the text so far may be sent now, with the logprob entries held until then."""
+        self.text += new
+        self.entries += entries
+        at = self.text.find(self.start)
+        if at < 0:  # hold a tail that could be the start of the tag
+            at = len(self.text) - next(
+                (k for k in range(len(self.start) - 1, 0, -1) if self.text.endswith(self.start[:k])), 0
+            )
+        out = self.text[self.sent : max(at, self.sent)]
+        self.sent += len(out)
+        if not out:
+            return "", []
+        sent_entries, self.entries = self.entries, []
+        return out, sent_entries
+
+
+@dataclass(frozen=True)
+class _ToolCalls:
+    """How one chat request's completions are read for tool calls."""
+
+    parser: ToolParser
+    allowed: frozenset[str]
+    parallel: bool
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """``(content, tool_calls)`` in OpenAI's shape; without a valid call, ``(text, [])``."""
+        content, calls = self.parser.parse(text, self.allowed)
+        if not calls:
+            return text, []
+        return content, [_openai_call(c) for c in (calls if self.parallel else calls[:1])]
+
+
+def _openai_call(c: ParsedCall) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments},
+    }
 
 
 class API:
@@ -95,6 +150,8 @@ class API:
     ) -> None:
         self.engine, self.tokenizer, self.http, self.metrics = engine, tokenizer, http, metrics
         self.sessions, self.sink = SessionStore(tokenizer), sink
+        self.prompts = ChatPrompts(tokenizer)
+        self.tool_parser = PARSERS[http.tool_parser] if http.tool_parser else None
         self.model_name, self.names = model_name, {model_name, *aliases}
         self.max_context = max_context
         self.special_ids = set(tokenizer.all_special_ids)
@@ -172,10 +229,30 @@ class API:
             raise APIError(400, "a prompt is empty", param="prompt")
         return out
 
-    def chat_prompt(self, req: ChatRequest) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        return chat_token_ids(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+    def tool_calls(self, req: ChatRequest) -> _ToolCalls | None:
+        """How to read the request's completions for tool calls; None: not at all (no tools, or
+        ``tool_choice: "none"``). Checks ``tools`` and ``tool_choice`` against each other."""
+        names = [t.function.name for t in req.tools or []]
+        if dup := sorted({x for x in names if names.count(x) > 1}):
+            raise APIError(400, f"tools: the function {dup[0]!r} is defined more than once", param="tools")
+        named = req.tool_choice_name()
+        if (req.tool_choice == "required" or named is not None) and not names:
+            raise APIError(400, f"tool_choice: {req.tool_choice!r} needs tools", param="tool_choice")
+        if named is not None and named not in names:
+            raise APIError(
+                400,
+                f"tool_choice: the function {named!r} is not among tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+        if not names or req.tool_choice == "none":
+            return None
+        if self.tool_parser is None:
+            raise APIError(
+                400,
+                'tools: this server reads no tool calls (rollout.http.tool_parser is null); use tool_choice "none"',
+                param="tools",
+            )
+        return _ToolCalls(self.tool_parser, frozenset([named] if named else names), req.parallel_tool_calls)
 
     # ---------------------------------------------------------------------------------------- generation
 
@@ -321,22 +398,19 @@ class API:
 
     async def chat(self, req: ChatRequest, request: Request) -> Any:
         self.check_model(req.model)
+        tools = self.tool_calls(req)
         if session := self.session_id(req, request):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in req.messages],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
+            text = self.prompts.text(req, replay=self.sessions.tool_turns(session))
             max_tokens = req.max_completion_tokens or req.max_tokens
-            return await self.session_call(req, request, session, text, max_tokens, chat=True)
-        prompt = self.chat_prompt(req)
+            return await self.session_call(req, request, session, text, max_tokens, chat=True, tools=tools)
+        prompt = self.prompts.token_ids(req)
         sampling = self.sampling(req, req.max_completion_tokens or req.max_tokens, [prompt])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model}
         if req.stream:
             head["object"] = "chat.completion.chunk"
             return await self.sse(
-                self.chat_chunks(head, prompt, sampling, req.logprobs, bool(req.top_logprobs))
+                self.chat_chunks(head, prompt, sampling, req.logprobs, bool(req.top_logprobs), tools)
             )
         with self.slot():
             out = await self.generate([prompt], sampling, request)
@@ -348,15 +422,19 @@ class API:
                 lp = self.chat_logprobs(
                     self.token_entries(c.token_ids, c.logprobs, len(text)), bool(req.top_logprobs)
                 )
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lp,
-                    "finish_reason": finish,
-                }
-            )
+            message, finish = self.chat_message(text, finish, tools)
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         return {**head, "choices": choices, "usage": self.usage([prompt], out, sampling.n)}
+
+    @staticmethod
+    def chat_message(text: str, finish: str, tools: _ToolCalls | None) -> tuple[dict[str, Any], str]:
+        """The assistant message of a completion's text, and its finish reason (``tool_calls`` with calls)."""
+        if tools is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = tools.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     # ------------------------------------------------------------------------------ agent sessions (§10.6)
 
@@ -378,8 +456,11 @@ class API:
         max_tokens: int | None,
         *,
         chat: bool,
+        tools: _ToolCalls | None = None,
     ) -> dict[str, Any]:
-        """One call of a black-box agent's session: generate from the session's exact tokens."""
+        """One call of a black-box agent's session: generate from the session's exact tokens. Tool calls
+        are parsed for the response only; the session keeps the sampled tokens, and the text they decode
+        to stands for the calls when the agent sends them back (:class:`ChatPrompts`)."""
         if req.n != 1 or req.stream:
             raise APIError(400, "a session call takes n=1 and no streaming", param="session_id")
         try:
@@ -394,7 +475,9 @@ class API:
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": req.model, "usage": self.usage([context], [[c]], 1)}  # fmt: skip
         if chat:
-            message = {"role": "assistant", "content": returned}
+            message, finish = self.chat_message(returned, finish, tools)
+            if message.get("tool_calls"):
+                self.sessions.remember_tool_turn(session, [x["id"] for x in message["tool_calls"]], returned)
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             return {**head, "object": "chat.completion", "choices": [choice]}
         choice = {"index": 0, "text": returned, "logprobs": None, "finish_reason": finish}
@@ -446,24 +529,49 @@ class API:
             yield {**head, "choices": [{"index": row, "text": "", "logprobs": None, "finish_reason": reason}]}
 
     async def chat_chunks(
-        self, head: dict[str, Any], prompt: list[int], sampling: SamplingParams, logprobs: bool, top: bool
+        self,
+        head: dict[str, Any],
+        prompt: list[int],
+        sampling: SamplingParams,
+        logprobs: bool,
+        top: bool,
+        tools: _ToolCalls | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
+        """Chat chunks. With tools, text from a call's opening tag on is held; when the choice ends it is
+        parsed, and its calls are sent as one ``tool_calls`` delta (the text around them as content)."""
         choices = [_Choice() for _ in range(sampling.n)]
+        held = [_HeldText(tools.parser.start) for _ in choices] if tools else []
         started: set[int] = set()  # choices whose first delta (which carries the role) was sent
 
-        def delta(row: int, **content: str) -> dict[str, str]:
+        def delta(row: int, **content: Any) -> dict[str, Any]:
             first = row not in started
             started.add(row)
             return {"role": "assistant", **content} if first else content
 
+        def chunk(
+            row: int, entries: list[tuple[str, float, int]] | None, reason: str | None = None, **content: Any
+        ) -> dict[str, Any]:
+            lp = self.chat_logprobs(entries, top) if logprobs and entries is not None else None
+            choice = {"index": row, "delta": delta(row, **content), "logprobs": lp, "finish_reason": reason}
+            return {**head, "choices": [choice]}
+
         async for row, text, entries, _ in self._tracked([prompt], sampling, choices):
-            lp = self.chat_logprobs(entries, top) if logprobs else None
-            choice = {"index": row, "delta": delta(row, content=text), "logprobs": lp, "finish_reason": None}
-            yield {**head, "choices": [choice]}
+            if held:
+                text, entries = held[row].feed(text, entries)
+                if not text:
+                    continue
+            yield chunk(row, entries, content=text)
         for row, ch in enumerate(choices):
             reason = self.finish_reason(ch, sampling.max_new_tokens)
-            choice = {"index": row, "delta": delta(row), "logprobs": None, "finish_reason": reason}
-            yield {**head, "choices": [choice]}
+            if held:
+                h = held[row]
+                content, calls = tools.parse(h.text[h.sent :])
+                if content:
+                    yield chunk(row, [] if calls else h.entries, content=content)
+                if calls:
+                    reason = "tool_calls"
+                    yield chunk(row, h.entries, tool_calls=[{"index": k, **c} for k, c in enumerate(calls)])
+            yield chunk(row, None, reason)
 
     async def _tracked(
         self, prompts: list[list[int]], sampling: SamplingParams, choices: list[_Choice]

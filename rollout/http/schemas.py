@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_N = 64  # choices per prompt
@@ -90,18 +90,59 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
+class FunctionCall(BaseModel):
+    """A call the assistant made, as a client echoes it back: ``arguments`` is JSON text, as OpenAI sends it."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """A message of the conversation. ``content`` may be null only on an assistant message that holds
+    ``tool_calls`` (checked by the app, which names the message)."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    name: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(
             p["text"] for p in self.content if p.get("type") == "text" and isinstance(p.get("text"), str)
         )
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, passed to the chat template as it is
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatRequest(SamplingFields):
@@ -110,6 +151,32 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; checked below and,
+    # against ``tools``, by the app
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_shape(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if (
+            isinstance(v, dict)
+            and v.get("type") == "function"
+            and isinstance(v.get("function"), dict)
+            and isinstance(v["function"].get("name"), str)
+        ):
+            return v
+        raise PydanticCustomError(
+            "tool_choice",
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        )
+
+    def tool_choice_name(self) -> str | None:
+        """The function a named ``tool_choice`` asks for, or None."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
 
 class FinishRequest(_Request):

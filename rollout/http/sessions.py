@@ -13,6 +13,10 @@ The added text is found as the suffix after the session's transcript: the last p
 completion, either as returned (cut before a stop string) or in full. A prompt that does not extend the
 transcript is refused (400) rather than silently re-tokenised. ``finish(session, reward)`` closes the
 session into a :class:`buffer.schema.Trajectory`.
+
+A completion returned as tool calls (docs/design.md §10.8) is remembered by its call ids: when the agent
+sends that assistant message back, it is rendered as the text the model sampled, so the next prompt still
+extends the transcript.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Session:
     mask: list[int] = field(default_factory=list)
     transcripts: tuple[str, ...] = ()  # what the agent's next prompt may start with, longest first
     calls: int = 0
+    tool_turns: dict[str, str] = field(default_factory=dict)  # tool call id -> the completion's text
     touched: float = field(default_factory=time.monotonic)
 
     @property
@@ -100,6 +105,18 @@ class SessionStore:
                 sorted({prompt_text + full, prompt_text + returned_text}, key=len, reverse=True)
             )
             s.calls += 1
+
+    def remember_tool_turn(self, session_id: str, call_ids: list[str], text: str) -> None:
+        """The completion's text (as returned) stands for its tool calls ``call_ids`` from now on."""
+        with self._lock:
+            if (s := self.sessions.get(session_id)) is not None:
+                s.tool_turns.update(dict.fromkeys(call_ids, text))
+
+    def tool_turns(self, session_id: str) -> dict[str, str]:
+        """Tool call id -> the text of the completion that made the call, for an open session."""
+        with self._lock:
+            s = self.sessions.get(session_id)
+            return dict(s.tool_turns) if s is not None else {}
 
     def finish(self, session_id: str, reward: float, group_id: str | None = None) -> Trajectory:
         with self._lock:
