@@ -129,13 +129,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    predicted = None
+    if cfg.placement.mode == "auto" and not args.dry_run:  # profile both placements, run the best
+        from launcher import auto
+
+        if resume is not None:
+            cfg = auto.adopt(cfg, resume)
+        else:
+            cfg, predicted = auto.resolve(cfg, prompts, lambda: get_backend(args.backend, args.ray))
     if args.dry_run:
         plan = driver.dry_run_plan(cfg, resume=resume is not None)
         for block in backend.describe(plan):
             print(block)
         print("# per-process config (config.yaml)\n" + dump_config(cfg))
         return 0
-    return driver.run(
+    code = driver.run(
         cfg,
         prompts,
         backend,
@@ -143,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         console_enabled=cfg.logging.console and not args.no_console,
         fresh=args.fresh,
     )
+    if predicted is not None and code == 0:
+        print(f"[launch] {auto.report(auto.latest_run_dir(cfg), predicted)}", flush=True)
+    return code
 
 
 def attach_main(args: argparse.Namespace) -> int:

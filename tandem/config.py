@@ -579,9 +579,12 @@ class LearnerConfig(Section):
 class PlacementConfig(Section):
     """Where the run's models go (docs/design.md §11); ``python launch.py plan CONFIG`` ranks the choices."""
 
-    mode: Literal["separate", "colocate"] | None = Field(
+    mode: Literal["separate", "colocate", "auto"] | None = Field(
         None,
-        description="separate: servers and learner on disjoint devices, overlapping; colocate: both on every device, taking turns (needs run.mode=sync). null follows run.mode (sync: colocate, async: separate).",
+        description="separate: servers and learner on disjoint devices, overlapping; colocate: both on every device, taking turns (needs run.mode=sync); auto: profile both, then run the predicted best (sets run.mode). null follows run.mode (sync: colocate, async: separate).",
+    )
+    profile_steps: int = Field(
+        10, ge=4, description="auto: learner steps of each of the two probe runs (the profile window)."
     )
     generation_share: float | None = Field(
         None,
@@ -837,7 +840,9 @@ class Config(Section):
     @property
     def placement_mode(self) -> Literal["separate", "colocate"]:
         """The placement in force: ``placement.mode``, or what ``run.mode`` implies (sync takes turns)."""
-        return self.placement.mode or ("colocate" if self.run.mode == "sync" else "separate")
+        if self.placement.mode in ("separate", "colocate"):
+            return self.placement.mode
+        return "colocate" if self.run.mode == "sync" else "separate"  # auto: until launch.py resolves it
 
     @property
     def max_staleness(self) -> int:

@@ -122,7 +122,13 @@ def test_every_shipped_preset_runs_its_code_paths(preset: Path, tiny_ckpt, tmp_p
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"learner finished at step {STEPS}" in proc.stdout
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    # placement.mode auto profiles in probe runs of its own first
+    probes = tmp_path / "runs" / f"{raw.get('run', {}).get('name', 'tiny')}-auto-probes"
+    (run_dir,) = (p for p in (tmp_path / "runs").iterdir() if p != probes)
+    if (raw.get("placement") or {}).get("mode") == "auto":
+        assert "placement auto: chose" in proc.stdout and "ms/step predicted" in proc.stdout
+        assert json.loads((probes / "choice.json").read_text())["predicted_step_s"] > 0
+        assert "placement auto: predicted" in proc.stdout  # against measured, after the run
     rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
     assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
     if (raw.get("env") or {}).get("path"):  # episodes were played: the environment's own metrics arrived
