@@ -15,6 +15,11 @@ role on its own subset or all of them in turns. Every printed table and the figu
 2. **Drift.** The mean response length grows 4x during a run: the best plan at the start held fixed,
    the best at the end held fixed, and ``auto`` re-planning.
 3. **Predicted against measured** step time for every plan run, from the model ``auto`` fitted.
+4. **Real compute** (``--real``, no simulation): the tiny and generation-heavy workloads of
+   ``bench/vs_trl.py`` run colocated (sync, every core to each phase) and separated (async, the cores
+   split) through ``launch.py``. The first steps of each run are the profile window; the planner fits
+   its laws to them, predicts both plans, and its pick is checked against the measured winner over the
+   rest of the runs, round after round.
 
 Writes ``placement.png`` under ``--out``; the last line is one JSON object.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -134,6 +140,55 @@ def drift(devices: int, steps: int, seed: int) -> dict:
     return out
 
 
+def real_check(workload: str, steps: int, out: Path, window: int = 8) -> dict:
+    """Real compute on this machine's cores: the planner's pick from each run's first steps against the
+    measured winner over the rest (docs/design.md §11.4)."""
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import vs_trl
+
+    from placement.cost import CostModel
+    from placement.local import roles_of
+    from placement.profile import read_run
+    from tandem.config import load_config
+
+    w = vs_trl.WORKLOADS[workload]
+    if workload == "heavy":
+        vs_trl.ensure_heavy_model(ROOT / w["model"])
+    cores = os.cpu_count() or 1
+    profiles = {}
+    for mode in ("sync", "async"):
+        run_out = out / f"real-{workload}-{mode}-{time.strftime('%H%M%S')}"
+        cmd = [sys.executable, str(ROOT / "launch.py"), "configs/tiny.yaml", f"learner.total_steps={steps}",
+               f"run.output_dir={run_out}", *vs_trl.tandem_overrides(w), "--mode", mode, "--no-console"]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        (run_dir,) = [p for p in run_out.iterdir() if p.is_dir()]
+        profiles[mode] = read_run(run_dir, cores, window=window)
+    cfg = load_config(ROOT / "configs/tiny.yaml", vs_trl.tandem_overrides(w))
+    model = CostModel.from_samples([s for p in profiles.values() for s in p.samples])
+    work = Workload(cfg.algorithm.batch_size, 0.0, 0.0)
+    p0 = profiles["sync"]
+    # Workload in the planner's units: whole rows for scoring and training, generated tokens for decode.
+    work = Workload(
+        cfg.algorithm.batch_size, (p0.tokens - p0.generated) / work.samples, p0.generated / work.samples
+    )
+    roles = roles_of(cfg)
+    out_row: dict = {"workload": workload, "cores": cores}
+    for mode, prof in profiles.items():
+        pred = predict(prof.plan, roles, model, work)
+        out_row[mode] = {
+            "plan": prof.plan.label(roles),
+            "predicted_s": round(pred.step_s, 4),
+            "measured_s": round(prof.step_s, 4),
+            "window_s": round(prof.window_step_s, 4),
+        }
+    picked = min(profiles, key=lambda m: out_row[m]["predicted_s"])
+    winner = min(profiles, key=lambda m: out_row[m]["measured_s"])
+    out_row.update(picked=picked, measured_winner=winner, agree=picked == winner)
+    return out_row
+
+
 def plot(rows: list[dict], drift_out: dict, path: Path) -> None:
     import matplotlib
 
@@ -171,8 +226,24 @@ def main() -> int:
     ap.add_argument("--drift-steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-placement")
+    ap.add_argument("--real", type=int, default=0, metavar="ROUNDS", help="also run the real-compute check")
+    ap.add_argument("--real-only", action="store_true", help="only the real-compute check")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    real = []
+    for r in range(args.real or (1 if args.real_only else 0)):
+        for workload, steps in (("tiny", 100), ("heavy", 24)):
+            row = real_check(workload, steps, args.out)
+            real.append(row)
+            print(
+                f"[placement] REAL {workload} round {r}: predicted colocate {row['sync']['predicted_s'] * 1e3:.0f} ms, "
+                f"separate {row['async']['predicted_s'] * 1e3:.0f} ms; measured {row['sync']['measured_s'] * 1e3:.0f} / "
+                f"{row['async']['measured_s'] * 1e3:.0f} ms; pick {row['picked']}, winner {row['measured_winner']}",
+                flush=True,
+            )
+    if args.real_only:
+        print(json.dumps({"bench": "placement", "simulated": False, "real": real}))
+        return 0
     print(f"[placement] SIMULATION on {args.devices} pretend devices (placement/sim.py)", flush=True)
     rows = []
     for i, (prompt, response, tail) in enumerate(regimes(args.points)):
@@ -214,6 +285,7 @@ def main() -> int:
         "drift": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items()},
         "png": str(args.out / "placement.png"),
         "sweep": rows,
+        "real": real,
     }
     print(
         f"[placement] SIMULATION: auto >= {summary['auto_min_vs_best_fixed']:.2f}x the best fixed at every point; "

@@ -100,7 +100,9 @@ def resolve(
         if (code := driver.run(c, prompts, make_backend(), resume=None, console_enabled=False)) != 0:
             raise RuntimeError(f"placement auto: the {mode} probe run failed (exit {code}); see {out / mode}")
         (run_dir,) = sorted(p for p in (out / mode).iterdir() if p.is_dir())[-1:]
-        profiles.append(read_run(run_dir, cores, skip=2, window=cfg.placement.profile_steps))
+        # The first steps warm up (allocator, first optimizer step): the window is the steps after them.
+        skip = max(2, cfg.placement.profile_steps // 3)
+        profiles.append(read_run(run_dir, cores, skip=skip, window=cfg.placement.profile_steps))
     ranked = choose(cfg, profiles, cores)
     roles = roles_of(cfg)
     for p in ranked:
