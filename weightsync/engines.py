@@ -57,8 +57,8 @@ from urllib.parse import urlsplit
 import redis
 import torch
 
-from rollout.engines._http import EngineClient, EngineHTTPError, free_port, to_json
 from tandem.config import Config
+from tandem.net import EngineClient, EngineHTTPError, free_port, to_json
 from weightsync.base import TensorMeta, Update, WeightSyncError, announce, latest_version
 
 EngineKind = Literal["vllm", "sglang"]

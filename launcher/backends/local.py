@@ -22,7 +22,6 @@ from pathlib import Path
 
 import redis
 
-from buffer.redis_server import free_port
 from launcher.backends import Outcome
 from launcher.plan import Role, RunPlan
 from launcher.supervision import (
@@ -33,6 +32,7 @@ from launcher.supervision import (
     learner_progress,
 )
 from tandem.config import Config, ConfigError
+from tandem.net import free_port
 from tandem.procs import driver_env, popen
 from tandem.telemetry import ready_key
 

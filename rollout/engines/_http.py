@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
+from tandem.net import EngineClient, EngineHTTPError, free_port
 from tandem.procs import DETACHED
 from weightsync.base import WeightSyncError
 
@@ -63,84 +62,6 @@ class Api:
 def payload_fields(cls: type) -> tuple[str, ...]:
     """The JSON keys a typed request payload (a dataclass) sends."""
     return tuple(f.name for f in dataclasses.fields(cls))
-
-
-def to_json(payload: Any) -> dict[str, Any]:
-    """A payload dataclass as a JSON body; ``None`` fields (nested ones too) are left out so the engine's
-    defaults apply."""
-
-    def drop_none(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
-
-    return drop_none(dataclasses.asdict(payload))
-
-
-class EngineHTTPError(RuntimeError):
-    """An engine route answered with an error, timed out or could not be reached."""
-
-
-class EngineClient:
-    """A small synchronous JSON client for one engine server; every call has a timeout and a clear error.
-
-    ``label`` names the engine and the API version we target (``"vLLM 0.33.0"``) so an error says which
-    contract was broken. Thread-safe: httpx pools connections across threads.
-    """
-
-    def __init__(self, base_url: str, label: str, *, timeout: float, api_key: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.label = label
-        self.timeout = timeout
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
-
-    def call(
-        self,
-        method: Literal["GET", "POST"],
-        route: str,
-        *,
-        json: Mapping[str, Any] | None = None,
-        params: Mapping[str, Any] | None = None,
-        timeout: float | None = None,
-        context: str = "",
-    ) -> Any:
-        """Send one request; return the decoded JSON (or text) body, raise EngineHTTPError otherwise.
-
-        A body of the form ``{"success": false, "message": ...}`` is an error even with status 200 (SGLang's
-        control routes report failures that way).
-        """
-        where = f"{self.label} server {self.base_url}: {method} {route}{f' ({context})' if context else ''}"
-        t = self.timeout if timeout is None else timeout
-        try:
-            resp = self._http.request(method, route, json=json, params=params, timeout=t)
-        except httpx.TimeoutException:
-            raise EngineHTTPError(f"{where}: no answer within {t:.0f} s") from None
-        except httpx.HTTPError as e:
-            raise EngineHTTPError(f"{where}: {type(e).__name__}: {e}") from None
-        try:
-            body: Any = resp.json()
-        except ValueError:
-            body = resp.text
-        if resp.status_code >= 400:
-            raise EngineHTTPError(f"{where}: HTTP {resp.status_code}: {str(body)[:500]}")
-        if isinstance(body, dict) and body.get("success") is False:
-            raise EngineHTTPError(f"{where}: refused: {str(body.get('message', body))[:500]}")
-        return body
-
-    def post(self, route: str, json: Mapping[str, Any] | None = None, **kw: Any) -> Any:
-        return self.call("POST", route, json=json, **kw)
-
-    def get(self, route: str, **kw: Any) -> Any:
-        return self.call("GET", route, **kw)
-
-    def close(self) -> None:
-        self._http.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the engine binds it a little later; a clash fails health checks)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_port(configured: int, server_id: int, host: str) -> int:

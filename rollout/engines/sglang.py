@@ -36,19 +36,17 @@ from typing import Any
 
 from rollout.engines._http import (
     Api,
-    EngineClient,
-    EngineHTTPError,
     ManagedServer,
     engine_port,
     engine_url,
     expand_version_spans,
     payload_fields,
     replay_tokens,
-    to_json,
     wait_for_weight_version,
 )
 from rollout.engines.base import BetweenSteps, Completion, FinishReason, OnToken, SamplingParams
 from tandem.config import Config
+from tandem.net import EngineClient, EngineHTTPError, to_json
 from weightsync.base import Update
 
 SGLANG_VERSION = "0.5.23"
