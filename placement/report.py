@@ -1,6 +1,7 @@
 """``python launch.py plan CONFIG [--devices N]``: every candidate placement, ranked, with its prediction.
 
-Without measurements the laws come from the checkpoints' sizes and nominal device speeds
+With ``--profile RUN_DIR`` (repeatable) the laws are fitted to those runs' measured phase times
+(``placement/profile.py``); without, they come from the checkpoints' sizes and nominal device speeds
 (``placement/local.py``: orders of magnitude, labelled as such). The table shows the configured plan's
 rank, so a user sees how far the hand-written choice is from the predicted best.
 """
@@ -10,11 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from placement.cost import Prediction, Workload
+from placement.cost import CostModel, Prediction, Workload
 from placement.local import configured_plan, prior_model, roles_of
 from placement.plan import Roles
 from placement.planner import rank
+from placement.profile import read_run
 from tandem.config import Config, ConfigError, load_config
 
 GiB = 2**30
@@ -58,6 +61,14 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--prompt-len", type=float, default=64.0, help="mean prompt tokens of the workload")
     ap.add_argument("--top", type=int, default=20, help="rows to print")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="RUN_DIR",
+        help="fit the laws to this run's measured phase times (repeat: runs on two device counts)",
+    )
     args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -81,6 +92,23 @@ def main(argv: list[str]) -> int:
         device_bytes = args.device_gb * GiB
     host_bytes = (args.host_gb * GiB) if args.host_gb else host
     roles, model, work = roles_of(cfg), prior_model(cfg, cuda=cuda), workload_of(cfg, args.prompt_len)
+    source = "predicted from checkpoint sizes and nominal device speeds (a prior: orders of magnitude, not a profile)"
+    if args.profile:
+        try:
+            profiles = [read_run(d, os.cpu_count() or 1) for d in args.profile]
+        except (OSError, ValueError, KeyError, ConfigError) as e:
+            print(f"error: --profile: {e}", file=sys.stderr)
+            return 2
+        measured = CostModel.from_samples([s for p in profiles for s in p.samples])
+        model = CostModel({**model.time, **measured.time}, {**model.memory, **measured.memory})
+        b = cfg.algorithm.batch_size
+        tokens = sum(p.tokens for p in profiles) / len(profiles)
+        generated = sum(p.generated for p in profiles) / len(profiles)
+        work = Workload(b, (tokens - generated) / b, generated / b)
+        source = (
+            f"fitted to the measured phases of {len(profiles)} run(s): {', '.join(sorted(measured.time))}; "
+            "other phases from the prior"
+        )
     preds = rank(roles, devices, model, work, device_bytes=device_bytes, host_bytes=host_bytes)
     configured = configured_plan(cfg, devices)
     mine = next((p for p in preds if p.plan == configured), None)
@@ -93,8 +121,6 @@ def main(argv: list[str]) -> int:
         f"{work.response_len:.0f}) tokens a step; models: actor"
         + "".join(f", {r}" for r in ("reference", "critic", "reward_model") if getattr(roles, r))
     )
-    print(
-        "# predicted from checkpoint sizes and nominal device speeds (a prior: orders of magnitude, not a profile)"
-    )
+    print(f"# {source}")
     print(format_ranking(preds, roles, mine, args.top))
     return 0

@@ -346,3 +346,30 @@ def test_read_run_turns_histories_into_phase_samples_and_the_colocated_switch(tm
     prof = read_run(tmp_path / "async", cores=2, skip=1, window=4)
     assert prof.plan == Plan("separate", 1, 1)
     assert {s.name for s in prof.samples} == {"actor_logp", "actor_train", "sync", "generate"}
+
+
+def test_launch_plan_fits_its_laws_to_measured_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from placement.report import main as plan
+
+    learner = [{"time": 100 + 0.1 * i, "batch/tokens": 300.0, "time/actor_train": 0.03, "time/weight_sync": 0.005}
+               for i in range(8)]  # fmt: skip
+    servers = [{"time/generate": 0.025, "rollout/tokens_per_s": 400.0} for _ in range(8)]
+    write_run(tmp_path / "sync", "sync", learner, servers)
+    write_run(tmp_path / "async", "async", learner, servers)
+    args = [
+        "configs/tiny.yaml",
+        "--devices",
+        "2",
+        "--profile",
+        str(tmp_path / "sync"),
+        "--profile",
+        str(tmp_path / "async"),
+    ]
+    assert plan([str(ROOT / args[0]), *args[1:]]) == 0
+    out = capsys.readouterr().out
+    assert "fitted to the measured phases of 2 run(s): actor_train, generate, switch, sync, sync_local" in out
+    # one learner side of 0.035 s (actor_train 0.03 + sync 0.005) at 1 and 2 devices: no fixed cost fitted
+    # apart, so separated: max(gen 0.025, 0.035) = 35 ms
+    row = next(line for line in out.splitlines() if "separate 1:1" in line)
+    assert float(re.findall(r"\s(\d+\.\d+)", row)[0]) == pytest.approx(35.0, abs=0.2)
+    assert plan([str(ROOT / args[0]), "--profile", str(tmp_path / "missing")]) == 2
