@@ -30,17 +30,26 @@ def rank(
 
     ``observed`` maps plans already run to measured/predicted step time: what the laws missed for that
     plan (contention, a straggler) scales its prediction, so a plan that disappointed is not chosen again
-    on the strength of its formula. Plans not yet run get the median ratio: otherwise every untried plan
-    would look better than a measured one by the laws' general optimism, and the run would flap.
+    on the strength of its formula. Plans not yet run get the ratio of those run like them
+    (:func:`correction`): otherwise every untried plan would look better than a measured one by the laws'
+    general optimism, and the run would flap.
     """
     preds = [
         predict(p, roles, model, work, device_bytes=device_bytes, host_bytes=host_bytes)
         for p in (plans if plans is not None else candidates(roles, devices))
     ]
     if observed:
-        typical = statistics.median(observed.values())
-        preds = [replace(p, step_s=p.step_s * observed.get(p.plan, typical)) for p in preds]
+        preds = [replace(p, step_s=p.step_s * correction(p.plan, observed)) for p in preds]
     return sorted(preds, key=lambda p: (not p.feasible, p.step_s, p.plan.label(roles)))
+
+
+def correction(plan: Plan, observed: dict[Plan, float]) -> float:
+    """measured/predicted for ``plan``: its own if it ran; else the median over plans that score the way
+    it does (split scoring's contention is one thing the laws miss); else over every plan run."""
+    if plan in observed:
+        return observed[plan]
+    alike = [r for p, r in observed.items() if p.scoring == plan.scoring]
+    return statistics.median(alike or observed.values())
 
 
 @dataclass

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from placement.cost import CostModel, Sample, Workload, predict
-from placement.plan import Plan, Roles
+from placement.plan import Plan, Roles, validate
 from placement.planner import Replanner, rank
 
 GiB = 2**30
@@ -459,11 +459,15 @@ class AutoResult:
 
 
 def probe_plans(roles: Roles, devices: int) -> list[Plan]:
-    """The profile window's two plans: every phase timed on all devices and on half of them (the second
-    also offloads the reference, so its reload is timed)."""
+    """The profile window's plans: every phase timed on all devices and on half of them (the second
+    also offloads the reference, so its reload is timed), and split scoring where there is any."""
     half = max(1, devices // 2)
     ref = "learner_cpu" if roles.reference else "learner"
-    return [Plan("colocate", devices, devices), Plan("separate", half, devices - half, reference=ref)]
+    probes = [Plan("colocate", devices, devices), Plan("separate", half, devices - half, reference=ref)]
+    split = Plan("colocate", devices, devices, scoring="split")
+    if validate(split, roles, devices) is None:  # and how scoring forwards side by side slow each other
+        probes.append(split)
+    return probes
 
 
 def run_auto(
@@ -480,13 +484,22 @@ def run_auto(
     cluster, roles, devices = sim.cluster, sim.roles, sim.cluster.size
     t0 = time.perf_counter()
     step = 0
+    probed: dict[Plan, tuple[float, Workload]] = {}  # each probe's measured step time, and its work
     for probe in probe_plans(roles, devices):
-        step += sim.run(probe, step, max(1, profile_steps // 2))
+        n0 = len(sim.ends)
+        step += sim.run(probe, step, max(3, profile_steps // 2))
+        if len(sim.ends) - n0 > 2:
+            probed[probe] = (step_time(sim.ends[n0:], warmup=1), sim.work_at(step - 1))
 
     def refit() -> CostModel:
         return CostModel.from_samples(sim.samples[-window:], sim.memory[-window:])
 
-    observed: dict[Plan, float] = {}  # measured / predicted step time of the plans run so far
+    # Measured / predicted step time of every plan run so far, the probes included: with several, their
+    # median is the laws' general error and a plan's own ratio against it is what the laws missed for it.
+    observed: dict[Plan, float] = {}
+    first = refit()
+    for plan, (measured, work) in probed.items():
+        observed[plan] = measured / predict(plan, roles, first, work).step_s
 
     def ranked_at(i: int) -> list:
         return rank(
@@ -531,7 +544,7 @@ def run_auto(
         step += sim.run(current, step, steps - step, stop)
         ends = sim.ends[ends_from:]
         if len(ends) > 3:
-            result.switches[-1].measured_s = step_time(ends, warmup=1)
+            result.switches[-1].measured_s = step_time(ends, warmup=2)
             if switched_at is not None:  # what moving cost: restart plus the first step's lost overlap
                 switch_s = max(switch_s, ends[0] - switched_at - result.switches[-1].measured_s)
         switched_at = None

@@ -373,3 +373,14 @@ def test_launch_plan_fits_its_laws_to_measured_runs(tmp_path: Path, capsys: pyte
     row = next(line for line in out.splitlines() if "separate 1:1" in line)
     assert float(re.findall(r"\s(\d+\.\d+)", row)[0]) == pytest.approx(35.0, abs=0.2)
     assert plan([str(ROOT / args[0]), "--profile", str(tmp_path / "missing")]) == 2
+
+
+def test_correction_uses_plans_that_score_alike() -> None:
+    from placement.planner import correction
+
+    serial, split = Plan("colocate", 4, 4), Plan("colocate", 4, 4, scoring="split")
+    observed = {serial: 1.0, Plan("separate", 2, 2): 1.2, split: 2.0}
+    assert correction(serial, observed) == 1.0  # its own
+    assert correction(Plan("separate", 1, 3, scoring="split"), observed) == 2.0  # split's
+    assert correction(Plan("separate", 1, 3), observed) == pytest.approx(1.1)  # the serial plans' median
+    assert correction(Plan("separate", 1, 3), {split: 2.0}) == 2.0  # none alike: every plan's
