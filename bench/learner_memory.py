@@ -93,6 +93,63 @@ def child(path: str, vocab: int, tokens: int, hidden: int, repeats: int, chunk_l
     }
 
 
+# A batch whose lengths vary 100x: one long trajectory among short ones, against all-short rows of the same
+# token count; row-count micro-batches (``learner.micro_batch_size``) against a token budget
+# (``learner.max_tokens_per_micro_batch``), through the learner's own micro-batching (learner/batch.py).
+VARIED = {"short": 40, "long": 4000, "rows": 32, "micro_batch_size": 8, "budget": 4096, "vocab": 8192}
+
+
+def varied_child(batch_kind: str, split: str, hidden: int) -> dict:
+    """Peak memory of one accumulated forward/backward over ``batch_kind`` (varied | short) rows split by
+    ``split`` (rows | budget): a 2-layer model, logits and a log-sum-exp loss per micro-batch."""
+    import numpy as np
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from buffer.schema import Trajectory
+    from learner.batch import budget_sizes, make_batch, micro_batches
+
+    v = VARIED
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=v["vocab"], hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=8192)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    if batch_kind == "varied":
+        lens = [v["long"]] + [v["short"]] * (v["rows"] - 1)
+    else:  # all short, the same token count
+        lens = [v["short"]] * ((v["long"] + v["short"] * (v["rows"] - 1)) // v["short"])
+    rng = np.random.default_rng(0)
+
+    def traj(i: int, n: int) -> Trajectory:
+        resp = rng.integers(1, v["vocab"], n - 8)
+        return Trajectory(traj_id=str(i), group_id="g", prompt_id=str(i), prompt_tokens=np.ones(8, np.int64),
+                          response_tokens=resp, behav_logp=np.zeros(n - 8, np.float32),
+                          token_versions=np.zeros(n - 8, np.int64), reward=0.0)  # fmt: skip
+
+    batch = make_batch([traj(i, n) for i, n in enumerate(lens)], 0)
+    rows = torch.arange(len(batch))
+    cpu = torch.device("cpu")
+    if split == "budget":
+        sizes = budget_sizes(sorted(lens, reverse=True), v["budget"], "pad")
+        mbs = micro_batches(batch, rows, 0, "pad", cpu, sizes=sizes)
+    else:
+        mbs = micro_batches(batch, rows, v["micro_batch_size"], "pad", cpu)
+    base = _rss_gb()
+    for mb in mbs:
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+        logits.float().logsumexp(-1).mean().backward()
+        del logits
+    return {
+        "batch": batch_kind,
+        "split": split,
+        "tokens": int(sum(lens)),
+        "passes": len(mbs),
+        "largest_pass_tokens": max(int(mb.input_ids.numel()) for mb in mbs),
+        "peak_gb": _rss_gb() - base,
+    }
+
+
 def run_child(args: argparse.Namespace, path: str, vocab: int, tokens: int) -> dict:
     cmd = [
         sys.executable, os.path.abspath(__file__), "--child", path,
@@ -105,6 +162,42 @@ def run_child(args: argparse.Namespace, path: str, vocab: int, tokens: int) -> d
         why = "killed (out of memory?)" if out.returncode < 0 else out.stderr.strip().splitlines()[-1:]
         return {"path": path, "vocab": vocab, "tokens": tokens, "error": str(why)}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def varied_lengths(hidden: int) -> dict:
+    """Row-count against token-budget micro-batches on a batch whose lengths vary 100x, each against an
+    all-short batch of the same token count, split the same way (one fresh child per run)."""
+    v = VARIED
+    print(
+        f"\nlengths varying {v['long'] // v['short']}x: one {v['long']}-token row among {v['rows'] - 1} of "
+        f"{v['short']}, V {v['vocab']}; micro_batch_size {v['micro_batch_size']} vs "
+        f"max_tokens_per_micro_batch {v['budget']}"
+    )
+    runs = {}
+    for split in ("rows", "budget"):
+        for kind in ("varied", "short"):
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--varied-child",
+                kind,
+                split,
+                "--hidden",
+                str(hidden),
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            runs[f"{kind}/{split}"] = r
+            print(f"  {kind:>6} batch, {split:>6} split: {r['passes']:>3} passes, largest {r['largest_pass_tokens']:>6} "
+                  f"tokens, peak {r['peak_gb']:.3f} GB", flush=True)  # fmt: skip
+    factor = {
+        s: runs[f"varied/{s}"]["peak_gb"] / max(runs[f"short/{s}"]["peak_gb"], 1e-9)
+        for s in ("rows", "budget")
+    }
+    print(
+        f"  varied / all-short peak: row-count micro-batches {factor['rows']:.2f}x, token budget {factor['budget']:.2f}x"
+    )
+    return {"runs": runs, "varied_over_short": factor, "budget_within_1_2x": factor["budget"] <= 1.2}
 
 
 def plot(rows: list[dict], png: str) -> str:
@@ -147,7 +240,15 @@ def main() -> int:
     ap.add_argument("--max-plain-gb", type=float, default=None, help="skip plain above this logits size x4")
     ap.add_argument("--png", default=os.path.join(tempfile.gettempdir(), "learner_memory.png"))
     ap.add_argument("--child", choices=["plain", "chunked"], help=argparse.SUPPRESS)
+    ap.add_argument("--varied-child", nargs=2, metavar=("BATCH", "SPLIT"), help=argparse.SUPPRESS)
+    ap.add_argument("--skip-grid", action="store_true", help="only the varied-length comparison")
     args = ap.parse_args()
+    if args.varied_child:
+        import torch
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        print(json.dumps(varied_child(*args.varied_child, args.hidden)))
+        return 0
     vocabs = [int(v) for v in args.vocabs.split(",")]
     lengths = [int(t) for t in args.tokens.split(",")]
     if args.child:
@@ -159,6 +260,8 @@ def main() -> int:
         )
         return 0
 
+    if args.skip_grid:
+        vocabs, lengths = [], []
     total_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     # The plain pass holds about four float32 (T, V) tensors at its peak (measured: ~4.1x the logits).
     max_plain_gb = args.max_plain_gb if args.max_plain_gb is not None else 0.6 * total_gb
@@ -202,7 +305,9 @@ def main() -> int:
             print(
                 f"{vocab:>8} {tokens:>6}   memory {mem:6.3f}x   speed {speed:5.2f}x   |Δloss|/loss {rel_loss:.1e}"
             )
-    print(plot(rows, args.png))
+    if rows:
+        print(plot(rows, args.png))
+    varied = varied_lengths(args.hidden)
 
     target = next(
         (r for r in ratios if (r["vocab"], r["tokens"]) == (TARGET["vocab"], TARGET["tokens"])), None
@@ -222,6 +327,7 @@ def main() -> int:
                 "rows": rows,
                 "ratios": ratios,
                 "target": {**TARGET, "measured": target, "met": met},
+                "varied": varied,
                 "wall_s": round(time.perf_counter() - t_start, 1),
             }
         )
