@@ -2,15 +2,22 @@
 
     python bench/rollout.py [--engine hf|vllm] [--steps 20] [--prompts-per-batch 4] [--n-samples 4]
                             [--max-new-tokens 32] [--hidden 64] [--layers 2] [--threads 1] [--updates 10]
+                            [--inflight K] [--chunk 5]
 
 In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per_batch × n_samples`` rows):
   (a) ``tokens_per_s``: the full rollout loop (admission, prompt claims and trajectory writes in a real
-      Redis via EmbeddedRedis, the engine, reward scoring), response tokens over wall time;
+      Redis via EmbeddedRedis, the engine, reward scoring), response tokens over wall time, with up to
+      ``--inflight`` batches held at once (``rollout.max_inflight_batches``; 0: the engine's default, 1 for
+      hf and 3 for vllm; 1: one batch at a time). Where the loop's time goes: ``engine_busy`` (share of its
+      wall time with a generation running), and seconds in admission waits, prompt claims, weight checks,
+      scoring and trajectory writes (Redis);
   (b) ``engine_tokens_per_s``: the engine adapter's ``generate`` alone;
   (c) ``direct_tokens_per_s``: the engine without tandem, counting the tokens up to and including EOS:
       ``hf``: ``model.generate`` (sampling, KV cache); ``vllm``: an offline ``vllm.LLM.generate`` in this
       process on the same token-id prompts and sampling (``logprobs=0``, processed logprobs, like the
       server); ``overhead_ratio`` = direct / loop (> 1: the loop is slower), ``loop_ratio`` = loop / direct;
+  The three run in turns of ``--chunk`` batches each (the loop's batches in flight finish within its turn),
+  so load from other processes hits them alike.
   (d) ``update_pause_s``: median time the generation thread spends on one weight update through the
       real shm transport (hf: poll, map and verify the files, copy into the model; vllm: poll and verify,
       then pause → reload in the server's worker → reset the prefix cache → label → resume).
@@ -61,6 +68,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--updates", type=int, default=10)
+    ap.add_argument(
+        "--inflight", type=int, default=0, help="rollout.max_inflight_batches (0: engine default)"
+    )
+    ap.add_argument("--chunk", type=int, default=5, help="batches per turn of loop, engine and bare engine")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -82,6 +93,7 @@ def main() -> None:
                     "prompts_per_batch": args.prompts_per_batch,
                     "max_new_tokens": args.max_new_tokens,
                     "inflight_updates": True,
+                    "max_inflight_batches": args.inflight,
                     "engine": args.engine,
                     "vllm": {"extra_args": VLLM_ARGS, "startup_timeout_s": 600},
                 },
@@ -121,7 +133,7 @@ def main() -> None:
             rewards=RewardFunctions(cfg.reward),
         )
 
-        # The three take turns batch by batch, so load from other processes hits them alike.
+        # The three take turns, --chunk batches each, so load from other processes hits them alike.
         batch = [p.tokens.tolist() for p in prompts[: args.prompts_per_batch]]
         sampling = SamplingParams(n=args.n_samples, max_new_tokens=args.max_new_tokens, temperature=1.0)
         if args.engine == "hf":
@@ -129,21 +141,32 @@ def main() -> None:
         else:
             direct = DirectLLM(str(ckpt), batch, args.n_samples, args.max_new_tokens)
         loop.step()  # warm-up (applies the version-0 weights), not timed
+        loop.drain()
         buffer.take(rows, timeout_s=30)
         engine.generate(batch, sampling)
         direct()
+        loop.totals.clear()
         seconds = {"loop": 0.0, "engine": 0.0, "direct": 0.0}
         tokens = {"engine": 0, "direct": 0}
-        for _ in range(args.steps):
+        groups_before, done = loop.groups, 0
+        while done < args.steps:
+            k = min(args.chunk, args.steps - done)
             t0 = time.perf_counter()
-            assert loop.step() == args.prompts_per_batch, "the loop appended a short batch"
+            for _ in range(k):
+                loop.step()  # claims one batch; with several in flight, returns while it generates
+            loop.drain()
             t1 = time.perf_counter()
-            tokens["engine"] += sum(len(c.token_ids) for g in engine.generate(batch, sampling) for c in g)
+            for _ in range(k):
+                tokens["engine"] += sum(len(c.token_ids) for g in engine.generate(batch, sampling) for c in g)
             t2 = time.perf_counter()
-            tokens["direct"] += direct()
+            for _ in range(k):
+                tokens["direct"] += direct()
             t3 = time.perf_counter()
-            for k, dt in zip(seconds, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-                seconds[k] += dt
+            for key, dt in zip(seconds, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                seconds[key] += dt
+            done += k
+        assert loop.groups - groups_before == args.prompts_per_batch * args.steps, "the loop appended short"
+        stages = dict(loop.totals)
         appended = buffer.take(rows * args.steps, timeout_s=30)
         assert len(appended) == rows * args.steps
         tokens["loop"] = sum(len(t.traj.response_tokens) for t in appended)
@@ -166,16 +189,25 @@ def main() -> None:
     }
     figures["overhead_ratio"] = figures["direct_tokens_per_s"] / figures["tokens_per_s"]
     figures["loop_ratio"] = figures["tokens_per_s"] / figures["direct_tokens_per_s"]
+    figures["inflight"] = loop.window
+    figures["engine_busy"] = stages.get("time/engine_busy", 0.0) / seconds["loop"]
+    figures["loop_s"] = seconds["loop"]
+    for stage in STAGES:
+        figures[f"{stage}_s"] = stages.get(f"time/{stage}", 0.0)
     bare = "model.generate" if args.engine == "hf" else "LLM.generate"
     print(
         f"rollout loop   {figures['tokens_per_s']:9.0f} tok/s  (Redis, scoring, writes included)\n"
         f"{args.engine} engine{' ' * (9 - len(args.engine))}{figures['engine_tokens_per_s']:9.0f} tok/s\n"
         f"{bare:<15}{figures['direct_tokens_per_s']:9.0f} tok/s  -> loop / bare {figures['loop_ratio']:.2f}\n"
-        f"update pause   {figures['update_pause_s'] * 1e3:9.2f} ms (median of {len(pauses)}, shm transport)"
+        f"update pause   {figures['update_pause_s'] * 1e3:9.2f} ms (median of {len(pauses)}, shm transport)\n"
+        f"loop stages    {loop.window} batch(es) in flight; engine busy {figures['engine_busy']:.2f} of "
+        f"{seconds['loop']:.1f} s; " + ", ".join(f"{stage} {figures[f'{stage}_s']:.2f} s" for stage in STAGES)
     )
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
 
 
+# The loop's phases (time/<stage> in its logged stats); generate overlaps itself with several in flight.
+STAGES = ("wait_admission", "take_prompts", "weight_sync", "generate", "score", "put")
 VLLM_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20)]
 
 

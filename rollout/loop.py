@@ -2,6 +2,9 @@
 
 One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
 
+0. **harvest**: log the batches that have been appended since the last iteration, first waiting for one
+   to finish when ``rollout.max_inflight_batches`` batches are already held;
+
 1. **admit**: ask for admission of up to ``prompts_per_batch`` groups (AReaL's staleness control), blocking
    only for the first; this is the only place the server ever waits for the learner;
 2. **take prompts**: claim as many prompts as were admitted. Admission comes first so a server never holds
@@ -10,17 +13,22 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
 3. **fresh weights**: hold ``engine.version >= learner version - max_staleness`` (blocking on the weight
    subscriber if not), so ``max_staleness = 0`` is exactly the synchronous algorithm;
 4. **generate** all groups in one engine call; with ``rollout.inflight_updates`` a weight update that
-   arrives mid-call is applied between decode steps (PipelineRL) and later tokens carry its version;
+   arrives mid-call is applied between decode steps (PipelineRL) and later tokens carry its version.
+   With one batch in flight, steps 4 to 6 run here, in turn. With several (an engine in its own process,
+   ``max_staleness > 0``), the batch is handed to a generation thread and the iteration ends: the next
+   one admits and claims the next batch while this one generates, so the engine always has work;
 5. **score** with the reward functions (and the reward model, if any), shaped for over-long responses
    (``algorithm.overlong_buffer``); with ``algorithm.dynamic_sampling`` a group of equal rewards is dropped
    here and its admission given back (``rollout/shaping.py``);
-6. **put** each group contiguously, acknowledging its prompt in the same atomic step.
+6. **put** each group contiguously, acknowledging its prompt in the same atomic step. Steps 5 and 6 of
+   every batch run in one scoring thread, in the order batches finish generating, off the submission path.
 
 With an environment (``env.path``), steps 4 and 5 are one: :meth:`RolloutLoop.run_episodes` plays ``n``
 multi-turn episodes per prompt, all batched in the engine turn by turn, and the episode's return (the sum of
 its turn rewards) is the reward (docs/design.md §10.3). Weight updates are applied between turns too.
 
-A prompt taken but not appended (stop, crash) stays pending in Redis for another server to claim.
+A prompt taken but not appended (stop, crash) stays pending in Redis for another server to claim; on a
+clean stop the batches in flight finish and are appended first, then the rest is handed back.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack, nullcontext
 
 import redis
 from transformers import PreTrainedTokenizerBase
@@ -54,6 +64,21 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # longest single wait (admission, prompts, weights), so a stop request is seen within ~1 s
 JOIN_WAIT_S = 30.0  # longest wait for the current weights at start; then the freshness rule alone
 INFLIGHT_POLL_S = 0.05  # how often the decode loop asks the subscriber for a new version
+BUSY_WINDOW_S = 1.0  # shortest span the logged engine busy fraction is measured over
+OWN_PROCESS_INFLIGHT = 3  # batches held at once by default with an engine in its own process (vllm, sglang)
+
+
+def inflight_window(cfg: Config) -> int:
+    """How many batches a server holds at once (claimed, not yet appended): ``rollout.max_inflight_batches``,
+    or by default 1 for ``hf`` (in-process: a second batch competes for the same CPU) and
+    ``OWN_PROCESS_INFLIGHT`` for vllm/sglang. Always 1 in sync mode (``max_staleness`` 0, exactly the
+    synchronous algorithm), with an environment, without ``inflight_updates`` (a weight update between
+    batches would land inside the others) and with a pause mode that aborts requests in flight."""
+    r = cfg.rollout
+    pause = r.vllm.pause_mode if r.engine == "vllm" else r.sglang.pause_mode if r.engine == "sglang" else None
+    if cfg.max_staleness == 0 or cfg.env.path is not None or not r.inflight_updates or pause == "abort":
+        return 1
+    return r.max_inflight_batches or (1 if r.engine == "hf" else OWN_PROCESS_INFLIGHT)
 
 
 class RolloutLoop:
@@ -99,8 +124,17 @@ class RolloutLoop:
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.credits = 0  # groups admitted but not yet claimed
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
-        self.timers = Timers()  # seconds spent in each phase since the last log
+        self.timers = Timers()  # seconds spent in each phase since the last log (written by every thread)
+        self.totals = Timers()  # the same, summed over every log, with time/engine_busy and time/wall
+        self.busy = BusyClock()  # wall time with at least one generation running
+        self.engine_busy, self._busy_window = 0.0, (0.0, 0.0)  # its share of wall time (logged)
+        self._timers_lock = threading.Lock()
+        self._weights_lock = threading.Lock()  # one poll-and-apply at a time (main and generation threads)
         self._last_poll = 0.0
+        self.window = inflight_window(cfg)
+        self.inflight: list[Future[list[list[Trajectory]]]] = []  # batches handed to generation threads
+        self.generators = ThreadPoolExecutor(self.window, thread_name_prefix=f"rollout{server_id}-generate")
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_id}-score")
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
@@ -139,25 +173,63 @@ class RolloutLoop:
             self.apply(self.subscriber.poll(min(POLL_S, max(0.0, deadline - time.perf_counter()))))
 
     def step(self) -> int:
-        """One admitted batch of prompt groups, generated, scored and appended. Returns groups appended."""
+        """One admitted batch of prompt groups, generated, scored and appended: within this call when one
+        batch is in flight, else in the background. Returns the groups appended (and logged) in this call."""
         self.evaluate()  # held-out prompts at the weights now held, when this version is due
+        appended = self.harvest(block=len(self.inflight) >= self.window)
         # Without admission, still take prompts redelivered from a dead server: they hold its admission, and
         # enough of them can fill the whole window, which nobody could then enter (docs/design.md §1.3).
         prompts = self.take_prompts() if self.admit() else self.reclaim_prompts()
         if not prompts:
-            return 0
-        with ClaimHeartbeat(self.buffer, [p.id for p in prompts]):  # held prompts stay ours meanwhile
+            return appended
+        with ExitStack() as held:
+            held.enter_context(ClaimHeartbeat(self.buffer, [p.id for p in prompts]))  # they stay ours
             if not self.ensure_fresh_weights():
-                return 0
-            if self.episodes is not None:
-                groups = self.run_episodes(prompts)
-            else:
-                completions = self.generate(prompts)
-                groups = self.score(prompts, completions)
-            prompts, groups = self.drop_uninformative(prompts, groups)
-            groups = self.put(prompts, groups)
+                return appended
+            if self.window > 1:  # the heartbeat goes with the batch; this thread admits the next one
+                self.inflight.append(self.generators.submit(self.generate_score_put, prompts, held.pop_all()))
+                return appended
+            groups = self.generate_score_put(prompts)
         self.log(groups)
-        return len(groups)
+        return appended + len(groups)
+
+    def generate_score_put(
+        self, prompts: list[TakenPrompt], held: ExitStack | None = None
+    ) -> list[list[Trajectory]]:
+        """Steps 4 to 6 of one batch. With several batches in flight this runs in a generation thread and
+        hands scoring and the append to the scoring thread; ``held`` (the claim heartbeat) ends with it."""
+        with held or nullcontext():
+            if self.episodes is not None:
+                return self.put(*self.drop_uninformative(prompts, self.run_episodes(prompts)))
+            completions = self.generate(prompts)
+            if self.window == 1:
+                return self.score_and_put(prompts, completions)
+            return self.scorer.submit(self.score_and_put, prompts, completions).result()
+
+    def score_and_put(
+        self, prompts: list[TakenPrompt], completions: list[list[Completion]]
+    ) -> list[list[Trajectory]]:
+        return self.put(*self.drop_uninformative(prompts, self.score(prompts, completions)))
+
+    def harvest(self, *, block: bool = False) -> int:
+        """Log the batches in flight that are done (after waiting for one, with ``block``); returns their
+        groups appended. A batch that failed raises here, as it would have in a one-batch step."""
+        if block and self.inflight:
+            wait(self.inflight, return_when=FIRST_COMPLETED)
+        appended = 0
+        for done in [f for f in self.inflight if f.done()]:
+            self.inflight.remove(done)
+            groups = done.result()
+            self.log(groups)
+            appended += len(groups)
+        return appended
+
+    def drain(self) -> int:
+        """Wait for every batch in flight and log it; returns their groups appended."""
+        appended = 0
+        while self.inflight:
+            appended += self.harvest(block=True)
+        return appended
 
     # ------------------------------------------------------------------------------------------- stages
 
@@ -177,13 +249,13 @@ class RolloutLoop:
                     # broadcast waits for this server to join: take weights while waiting.
                     while_waiting=self.poll_weights, wake_channels=[weights_key(self.cfg.run.name, "announce")],
                 )  # fmt: skip
-        self.timers["time/wait_admission"] += time.perf_counter() - start
+        self.spent("time/wait_admission", start)
         return self.credits > 0
 
     def take_prompts(self) -> list[TakenPrompt]:
         start = time.perf_counter()
         prompts = self.buffer.take_prompts(self.credits, timeout_s=POLL_S)
-        self.timers["time/take_prompts"] += time.perf_counter() - start
+        self.spent("time/take_prompts", start)
         spent = sum(not p.redelivered for p in prompts)
         self.buffer.spend_credits(spent)
         self.credits -= spent
@@ -192,39 +264,42 @@ class RolloutLoop:
     def reclaim_prompts(self) -> list[TakenPrompt]:
         start = time.perf_counter()
         prompts = self.buffer.reclaim_prompts(self.cfg.rollout.prompts_per_batch)
-        self.timers["time/take_prompts"] += time.perf_counter() - start
+        self.spent("time/take_prompts", start)
         return prompts
 
     def ensure_fresh_weights(self) -> bool:
         """Apply any pending update, then block until ``version >= learner version - max_staleness``.
 
         The learner publishes version v before it sets the Redis version to v, so this never deadlocks.
-        False only when a stop was requested while waiting.
+        False only when a stop was requested while waiting. An update applied here while other batches
+        generate is an in-flight update for them (their later tokens carry its version).
         """
         start = time.perf_counter()
-        self.apply(self.subscriber.poll(0.0))
-        timeout = self.cfg.weightsync.timeout_s
-        deadline = start + timeout
-        while self.engine.version < (need := self.buffer.get_version() - self.cfg.max_staleness):
-            if self.should_stop():
-                return False
-            if time.perf_counter() > deadline:
-                raise WeightSyncError(
-                    f"server-{self.server_id}: holds weights v{self.engine.version} but needs >= v{need} "
-                    f"(learner version - max_staleness); no new version arrived within "
-                    f"weightsync.timeout_s={timeout:g}s. Is the learner publishing?"
-                )
-            self.apply(self.subscriber.poll(min(POLL_S, max(0.0, deadline - time.perf_counter()))))
-        self.timers["time/weight_sync"] += time.perf_counter() - start
+        with self._weights_lock:
+            self.apply(self.subscriber.poll(0.0))
+            timeout = self.cfg.weightsync.timeout_s
+            deadline = start + timeout
+            while self.engine.version < (need := self.buffer.get_version() - self.cfg.max_staleness):
+                if self.should_stop():
+                    return False
+                if time.perf_counter() > deadline:
+                    raise WeightSyncError(
+                        f"server-{self.server_id}: holds weights v{self.engine.version} but needs >= v{need} "
+                        f"(learner version - max_staleness); no new version arrived within "
+                        f"weightsync.timeout_s={timeout:g}s. Is the learner publishing?"
+                    )
+                self.apply(self.subscriber.poll(min(POLL_S, max(0.0, deadline - time.perf_counter()))))
+        self.spent("time/weight_sync", start)
         return True
 
     def generate(self, prompts: list[TakenPrompt]) -> list[list[Completion]]:
         start = time.perf_counter()
         hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
-        out = self.engine.generate(
-            [p.prompt.tokens.tolist() for p in prompts], self.sampling, between_steps=hook
-        )
-        self.timers["time/generate"] += time.perf_counter() - start
+        with self.busy:
+            out = self.engine.generate(
+                [p.prompt.tokens.tolist() for p in prompts], self.sampling, between_steps=hook
+            )
+        self.spent("time/generate", start)
         return out
 
     def run_episodes(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
@@ -238,8 +313,9 @@ class RolloutLoop:
             task = Task(p.text, tuple(p.tokens.tolist()), p.record)
             episodes += [Episode(task, self.env_factory(), p.tokens.tolist()) for _ in range(n)]
         hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
-        self.episodes.run(episodes, between_steps=hook, between_turns=self.poll_weights)
-        self.timers["time/generate"] += time.perf_counter() - start
+        with self.busy:
+            self.episodes.run(episodes, between_steps=hook, between_turns=self.poll_weights)
+        self.spent("time/generate", start)
         groups = []
         for k, taken in enumerate(prompts):
             group_id = uuid.uuid4().hex
@@ -261,7 +337,7 @@ class RolloutLoop:
     ) -> list[list[Trajectory]]:
         """Reward functions on the completion text plus the reward model's score weighted by
         ``reward.model_weight``; the total is clipped by ``reward.clip``."""
-        a = self.cfg.algorithm
+        a, start = self.cfg.algorithm, time.perf_counter()
         texts = [[self.completion_text(c) for c in group] for group in completions]
         rm_scores = iter(self.score_reward_model(prompts, texts))
         groups = []
@@ -280,6 +356,7 @@ class RolloutLoop:
                     reward = self.clip(reward + parts["overlong"])
                 trajs.append(self.trajectory(p, c, reward, parts, group_id))
             groups.append(trajs)
+        self.spent("time/score", start)
         return groups
 
     def drop_uninformative(
@@ -317,11 +394,13 @@ class RolloutLoop:
                 self.duplicates += 1
                 log.warning("server-%d: prompt %s was answered by another server; group dropped",
                             self.server_id, taken.prompt.prompt_id)  # fmt: skip
-        self.timers["time/put"] += time.perf_counter() - start
+        self.spent("time/put", start)
         self.groups += len(appended)
         return appended
 
     def log(self, groups: list[list[Trajectory]]) -> None:
+        """One telemetry step per batch appended, with the phase times since the last one and the engine's
+        busy fraction (the share of wall time with a generation running)."""
         trajs = [t for g in groups for t in g]
         if not trajs:
             return
@@ -329,9 +408,22 @@ class RolloutLoop:
         self.metrics.generated_tokens.labels(source="rollout").inc(tokens)
         self.metrics.rollout_groups.inc(len(groups))
         self.steps += 1
+        with self._timers_lock:
+            timers = dict(self.timers)
+            self.timers.clear()
+        busy, wall = self.busy.lap()
+        for k, v in (*timers.items(), ("time/engine_busy", busy), ("time/wall", wall)):
+            self.totals[k] += v
+        # Batches harvested together would each see a sliver of the clock: the fraction is over >= 1 s.
+        self._busy_window = (self._busy_window[0] + busy, self._busy_window[1] + wall)
+        if self._busy_window[1] >= BUSY_WINDOW_S or self.steps == 1:
+            self.engine_busy = self._busy_window[0] / max(self._busy_window[1], 1e-9)
+            self._busy_window = (0.0, 0.0)
         self.telemetry.log(
             {
-                "rollout/tokens_per_s": tokens / max(self.timers["time/generate"], 1e-9),
+                "rollout/tokens_per_s": tokens / max(timers.get("time/generate", 0.0), 1e-9),
+                "rollout/engine_busy": self.engine_busy,
+                "rollout/inflight_batches": len(self.inflight),
                 "rollout/groups": self.groups,
                 "rollout/duplicates_refused": self.duplicates,
                 "rollout/uniform_groups_dropped": self.uniform_dropped,
@@ -339,20 +431,20 @@ class RolloutLoop:
                 "rollout/response_len": tokens / len(trajs),
                 "rollout/stop_frac": sum(t.finish_reason == "stop" for t in trajs) / len(trajs),
                 "reward/mean": sum(t.reward for t in trajs) / len(trajs),
-                "rollout/episodes_per_s": len(trajs) / max(self.timers["time/generate"], 1e-9),
+                "rollout/episodes_per_s": len(trajs) / max(timers.get("time/generate", 0.0), 1e-9),
                 **{k: sum(v) / len(v) for k, v in self.env_metrics.items()},
-                **self.timers,
+                **timers,
             },
             step=self.steps,
         )
-        self.timers.clear()
         self.env_metrics.clear()
 
     # ---------------------------------------------------------------------------------------------- helpers
 
     def evaluate(self) -> None:
         if self.evaluator is not None and self.evaluator.claim(self.engine.version):
-            self.evaluator.run()
+            with self._weights_lock:  # no generation thread applies an update mid-evaluation
+                self.evaluator.run()
 
     def apply(self, update: Update | None) -> None:
         """The one path every weight update takes (between batches and in flight): apply, time, count."""
@@ -364,26 +456,42 @@ class RolloutLoop:
         self.metrics.weight_update_seconds.observe(seconds)
         log.info("server-%d: weights v%d applied in %.3fs", self.server_id, update.version, seconds)
 
-    def poll_weights(self) -> None:
-        """Apply a new version if one is on offer, without waiting for one."""
+    def poll_weights(self, *, block: bool = True) -> None:
+        """Apply a new version if one is on offer, without waiting for one. ``block=False``: not at all
+        while another thread polls (it applies whatever is on offer)."""
         start = time.perf_counter()
-        self.apply(self.subscriber.poll(0.0))
-        self.timers["time/weight_sync"] += time.perf_counter() - start
+        if not self._weights_lock.acquire(blocking=block):
+            return
+        try:
+            self.apply(self.subscriber.poll(0.0))
+        finally:
+            self._weights_lock.release()
+        self.spent("time/weight_sync", start)
 
     def poll_inflight(self) -> None:
-        """The engine's ``between_steps`` hook: a cheap, throttled poll for a new version mid-generation."""
+        """The engine's ``between_steps`` hook: a cheap, throttled poll for a new version mid-generation.
+        Never waits on another thread's poll: that one may be applying an update that waits for this very
+        generation's decode step (``hf``)."""
         now = time.perf_counter()
         if now - self._last_poll >= INFLIGHT_POLL_S:
             self._last_poll = now
-            self.poll_weights()
+            self.poll_weights(block=False)
+
+    def spent(self, phase: str, since: float) -> None:
+        """Add the time since ``since`` to a phase (timers are written from several threads)."""
+        seconds = time.perf_counter() - since
+        with self._timers_lock:
+            self.timers[phase] += seconds
 
     def score_reward_model(self, prompts: list[TakenPrompt], texts: list[list[str]]) -> list[float]:
         if self.reward_model is None:
             return []
-        with self.timers("time/reward_model"):
-            return self.reward_model.score(
-                [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
-            )
+        start = time.perf_counter()
+        scores = self.reward_model.score(
+            [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
+        )
+        self.spent("time/reward_model", start)
+        return scores
 
     def clip(self, reward: float) -> float:
         c = self.cfg.reward.clip
@@ -417,7 +525,17 @@ class RolloutLoop:
         return self.stop_event.is_set() or self.telemetry.stop_requested()
 
     def close(self) -> None:
-        """Give back admission this server holds but will not use, so the learner is not starved."""
+        """Let the batches in flight finish and append; then give back admission this server holds but will
+        not use, so the learner is not starved, and hand back the prompts it still holds."""
+        wait(self.inflight)
+        for done in self.inflight:
+            try:
+                self.log(done.result())
+            except Exception as e:  # its prompts are handed back below
+                log.warning("server-%d: a batch in flight failed: %r", self.server_id, e)
+        self.inflight.clear()
+        self.generators.shutdown()
+        self.scorer.shutdown()
         if self.credits:
             self.buffer.release_credits(self.credits, self.sampling.n)
             self.credits = 0
@@ -429,6 +547,38 @@ class RolloutLoop:
             if returned:
                 log.info("server-%d: handed back %d held prompt(s)", self.server_id, returned)
         log.info("server-%d: rollout loop stopped after %d groups", self.server_id, self.groups)
+
+
+class BusyClock:
+    """Wall time during which at least one generation runs (``with clock:`` around each engine call)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._busy = 0.0
+        self._since = self._lap_at = time.perf_counter()
+
+    def __enter__(self) -> BusyClock:
+        with self._lock:
+            if self._running == 0:
+                self._since = time.perf_counter()
+            self._running += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self._busy += time.perf_counter() - self._since
+
+    def lap(self) -> tuple[float, float]:
+        """(busy seconds, wall seconds) since the last lap."""
+        with self._lock:
+            now = time.perf_counter()
+            busy = self._busy + (now - self._since if self._running else 0.0)
+            wall = now - self._lap_at
+            self._busy, self._since, self._lap_at = 0.0, now, now
+        return busy, wall
 
 
 class ClaimHeartbeat:

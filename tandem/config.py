@@ -268,6 +268,14 @@ class RolloutConfig(Section):
         True,
         description="hf engine: apply a pending weight update between decode steps, not only between batches.",
     )
+    max_inflight_batches: int = Field(
+        0,
+        ge=0,
+        description="Batches a server holds at once (claimed, not yet appended): with more than 1 the next "
+        "batch generates while the last is scored and appended. 0: 1 for hf (in-process, it shares the "
+        "CPU), 3 for vllm/sglang (their own process). Always 1 when max_staleness is 0 (sync mode), with "
+        "an environment, or without inflight_updates.",
+    )
     threads: int = Field(
         0,
         ge=0,

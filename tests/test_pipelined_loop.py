@@ -1,0 +1,195 @@
+"""Several batches in flight (``rollout.max_inflight_batches``): the engine generates the next batch while the
+last is scored and appended, with the guarantees of the one-batch loop (docs/design.md §1.3).
+
+The engine is the tiny ``hf`` one behind a wrapper that makes every call last a while and counts the calls
+running at once, so the overlap is certain rather than a matter of timing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from buffer.streams import ReplayBuffer
+from rollout.engines.hf import HFEngine
+from rollout.loop import RolloutLoop, inflight_window
+from tandem.rewards import RewardFunctions
+from tandem.telemetry import Telemetry
+from tests.test_rollout_loop import TIMEOUT, Harness, Learner, make_cfg, queue_prompts
+from weightsync import make_subscriber
+from weightsync.base import Update
+
+DELAY_S = 0.3
+
+
+class SlowEngine:
+    """The hf engine, every call at least ``DELAY_S`` long; ``peak`` is the most calls ever running at once.
+    ``fail_on``: that call (1-based) raises instead."""
+
+    def __init__(self, inner: HFEngine, fail_on: int | None = None) -> None:
+        self.inner, self.tokenizer, self.fail_on = inner, inner.tokenizer, fail_on
+        self.lock = threading.Lock()
+        self.running = self.peak = self.calls = 0
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def generate(self, prompts, sampling, **kw):
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        try:
+            time.sleep(DELAY_S)
+            if call == self.fail_on:
+                raise RuntimeError("engine died")
+            return self.inner.generate(prompts, sampling, **kw)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def update_weights(self, update: Update) -> None:
+        self.inner.update_weights(update)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_ckpt: dict[str, Path]) -> HFEngine:
+    return HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0)
+
+
+def weights(engine: HFEngine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+
+
+def test_the_window_is_one_batch_unless_the_engine_runs_apart_and_staleness_allows(
+    tiny_ckpt, tmp_path
+) -> None:
+    def window(**over: object) -> int:
+        return inflight_window(make_cfg("w", "redis://unused", tiny_ckpt, tmp_path, **over))
+
+    async_ = {"algorithm.max_staleness": 2}
+    assert window(**async_) == 1  # hf: in-process, today's serial loop
+    assert window(**async_, **{"rollout.engine": "vllm"}) == 3
+    assert window(**async_, **{"rollout.engine": "sglang"}) == 3
+    assert window(**async_, **{"rollout.max_inflight_batches": 2}) == 2
+    assert window(**{"rollout.engine": "vllm", "rollout.max_inflight_batches": 4}) == 1  # s = 0: sync
+    assert window(**async_, **{"rollout.engine": "vllm", "rollout.inflight_updates": False}) == 1
+    assert window(**async_, **{"rollout.engine": "vllm", "rollout.vllm.pause_mode": "abort"}) == 1
+
+
+def test_batches_overlap_and_every_prompt_is_answered_once_within_the_staleness_bound(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    s = 2
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"algorithm.max_staleness": s, "rollout.max_inflight_batches": 3},
+    )  # fmt: skip
+    v0 = weights(hf)
+    learner = Learner(cfg, redis_client, v0)
+    prompts = queue_prompts(learner.buffer, hf, 16)
+    engine = SlowEngine(hf)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
+        assert h.loop.window == 3
+        trajs = []
+        for _ in range(8):  # 16 prompts × 2 samples = 8 learner batches of 4
+            trajs += (batch := learner.take(4))
+            assert all(learner.version - min(t.token_versions) <= s for t in batch)
+            learner.step(v0)  # a new version (same tensors): updates land while batches are in flight
+    assert engine.peak >= 2, "the loop never had two batches in the engine"
+    assert engine.peak <= 3
+    assert Counter(t.prompt_id for t in trajs) == {p.prompt_id: 2 for p in prompts}  # each once, n = 2
+    for i in range(0, len(trajs), 2):  # groups contiguous
+        assert trajs[i].group_id == trajs[i + 1].group_id and trajs[i].prompt_id == trajs[i + 1].prompt_id
+    assert any(max(t.token_versions) > 0 for t in trajs)
+    assert learner.buffer.prompts_pending() == 0
+    assert int(redis_client.get(f"{run_id}:admitted")) == 32
+    stats = redis_client.hgetall(f"{run_id}:stats:server-0")
+    assert 0.0 < float(stats[b"rollout/engine_busy"]) <= 1.0 + 1e-6
+    assert b"time/score" in stats and b"time/put" in stats
+
+
+def test_sync_mode_holds_one_batch_whatever_the_window_says(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"rollout.max_inflight_batches": 4, "algorithm.batch_size": 8, "algorithm.minibatch_size": 8},
+    )  # fmt: skip
+    v0 = weights(hf)
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, hf, 8)
+    engine = SlowEngine(hf)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
+        assert h.loop.window == 1
+        first = learner.take(8)  # two batches of 2 groups within one version's window
+        learner.step(v0)
+        second = learner.take(8)
+    assert engine.peak == 1
+    assert all(set(t.token_versions.tolist()) == {0} for t in first)
+    assert all(set(t.token_versions.tolist()) == {1} for t in second)
+
+
+def test_a_clean_stop_appends_the_batches_in_flight_and_gives_everything_else_back(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"algorithm.max_staleness": 3, "rollout.max_inflight_batches": 3},
+    )  # fmt: skip
+    learner = Learner(cfg, redis_client, weights(hf))
+    queue_prompts(learner.buffer, hf, 40)
+    engine = SlowEngine(hf)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
+        deadline = time.monotonic() + TIMEOUT
+        while len(h.loop.inflight) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(h.loop.inflight) >= 2
+    # Stopped: every batch it held was appended, nothing else is held, admission counts what was appended.
+    appended = learner.buffer.trajectories_pending()
+    assert appended >= 4 and appended % 2 == 0
+    assert int(redis_client.get(f"{run_id}:admitted")) == appended
+    assert ReplayBuffer.from_config(redis_client, cfg, consumer="server-0").held_credits() == 0
+    assert learner.buffer.prompts_pending() == 40 - appended // 2
+    other = ReplayBuffer.from_config(redis_client, cfg, consumer="server-1")
+    assert other.reclaim_prompts(40) == []  # none left claimed by server-0
+    h.telemetry.close()
+
+
+def test_a_batch_that_fails_in_flight_ends_the_loop_and_its_prompts_are_handed_back(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"algorithm.max_staleness": 3, "rollout.max_inflight_batches": 2},
+    )  # fmt: skip
+    learner = Learner(cfg, redis_client, weights(hf))
+    queue_prompts(learner.buffer, hf, 12)
+    engine = SlowEngine(hf, fail_on=3)
+    buffer = ReplayBuffer.from_config(redis_client, cfg, consumer="server-0")
+    loop = RolloutLoop(
+        cfg, engine, hf.tokenizer, buffer, make_subscriber(cfg, redis_client, "server-0"),
+        Telemetry(cfg, "server-0", redis_client), server_id=0, rewards=RewardFunctions(cfg.reward),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="engine died"):
+        loop.run()
+    loop.telemetry.close()
+    appended = learner.buffer.trajectories_pending()
+    assert appended % 2 == 0
+    answered = {t.traj.prompt_id for t in learner.buffer.take(appended, timeout_s=5)}
+    assert len(answered) == appended // 2
+    # Everything claimed and not appended is handed back at once (not after claim_idle_ms), with the
+    # admission it carries; unspent credits went back to the counter.
+    other = ReplayBuffer.from_config(redis_client, cfg, consumer="server-1")
+    handed = other.reclaim_prompts(12)
+    assert len(handed) >= 2 and all(p.redelivered for p in handed)
+    assert not answered & {p.prompt.prompt_id for p in handed}
+    assert int(redis_client.get(f"{run_id}:admitted")) == appended + 2 * len(handed)
+    assert buffer.held_credits() == 0
