@@ -150,7 +150,7 @@ def real_check(workload: str, steps: int, out: Path, window: int = 8) -> dict:
 
     from placement.cost import CostModel
     from placement.local import roles_of
-    from placement.profile import read_run
+    from placement.profile import profiled_workload, read_run
     from tandem.config import load_config
 
     w = vs_trl.WORKLOADS[workload]
@@ -167,12 +167,7 @@ def real_check(workload: str, steps: int, out: Path, window: int = 8) -> dict:
         profiles[mode] = read_run(run_dir, cores, window=window)
     cfg = load_config(ROOT / "configs/tiny.yaml", vs_trl.tandem_overrides(w))
     model = CostModel.from_samples([s for p in profiles.values() for s in p.samples])
-    work = Workload(cfg.algorithm.batch_size, 0.0, 0.0)
-    p0 = profiles["sync"]
-    # Workload in the planner's units: whole rows for scoring and training, generated tokens for decode.
-    work = Workload(
-        cfg.algorithm.batch_size, (p0.tokens - p0.generated) / work.samples, p0.generated / work.samples
-    )
+    work = profiled_workload(list(profiles.values()), cfg.algorithm.batch_size)
     roles = roles_of(cfg)
     out_row: dict = {"workload": workload, "cores": cores}
     for mode, prof in profiles.items():

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 from launcher import driver
 from launcher.backends import Backend
 from launcher.feeder import PromptSet
-from placement.cost import CostModel, Prediction, Workload
+from placement.cost import CostModel, Prediction
 from placement.local import roles_of
 from placement.plan import Plan, candidates
 from placement.planner import rank
-from placement.profile import RunProfile, read_run
+from placement.profile import RunProfile, profiled_workload, read_run
 from tandem.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,10 +77,7 @@ def probe(cfg: Config, mode: str, out: Path) -> Config:
 def choose(cfg: Config, profiles: list[RunProfile], cores: int) -> list[Prediction]:
     """Every runnable plan on ``cores`` predicted from the probes' phase times, fastest first."""
     model = CostModel.from_samples([s for p in profiles for s in p.samples])
-    tokens = statistics.mean(p.tokens for p in profiles)
-    generated = statistics.mean(p.generated for p in profiles)
-    b = cfg.algorithm.batch_size
-    work = Workload(b, (tokens - generated) / b, generated / b)
+    work = profiled_workload(profiles, cfg.algorithm.batch_size)
     roles = roles_of(cfg)
     plans = [p for p in candidates(roles, cores) if runnable(p)]
     return rank(roles, cores, model, work, plans=plans)

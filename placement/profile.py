@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from placement.cost import Sample
+from placement.cost import Sample, Workload
 from placement.local import configured_plan
 from placement.plan import Plan
 from tandem.config import Config, load_config
@@ -32,6 +32,14 @@ class RunProfile:
     window_step_s: float  # the same over the window itself
     tokens: float  # mean tokens per learner batch (prompt + response)
     generated: float  # mean generated tokens per learner batch
+
+
+def profiled_workload(profiles: list[RunProfile], batch_size: int) -> Workload:
+    """The profiled runs' mean step in the planner's units: whole rows for scoring and training,
+    generated tokens for decode."""
+    tokens = statistics.mean(p.tokens for p in profiles)
+    generated = statistics.mean(p.generated for p in profiles)
+    return Workload(batch_size, (tokens - generated) / batch_size, generated / batch_size)
 
 
 def _rows(path: Path) -> list[dict]:

@@ -17,7 +17,7 @@ from placement.cost import CostModel, Prediction, Workload
 from placement.local import configured_plan, prior_model, roles_of
 from placement.plan import Roles
 from placement.planner import rank
-from placement.profile import read_run
+from placement.profile import profiled_workload, read_run
 from tandem.config import Config, ConfigError, load_config
 
 GiB = 2**30
@@ -101,10 +101,7 @@ def main(argv: list[str]) -> int:
             return 2
         measured = CostModel.from_samples([s for p in profiles for s in p.samples])
         model = CostModel({**model.time, **measured.time}, {**model.memory, **measured.memory})
-        b = cfg.algorithm.batch_size
-        tokens = sum(p.tokens for p in profiles) / len(profiles)
-        generated = sum(p.generated for p in profiles) / len(profiles)
-        work = Workload(b, (tokens - generated) / b, generated / b)
+        work = profiled_workload(profiles, cfg.algorithm.batch_size)
         source = (
             f"fitted to the measured phases of {len(profiles)} run(s): {', '.join(sorted(measured.time))}; "
             "other phases from the prior"
