@@ -136,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         if resume is not None:
             cfg = auto.adopt(cfg, resume)
         else:
-            cfg, predicted = auto.resolve(cfg, prompts, lambda: get_backend(args.backend, args.ray))
+            try:
+                cfg, predicted = auto.resolve(cfg, prompts, lambda: get_backend(args.backend, args.ray))
+            except auto.ProbeFailed as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
     if args.dry_run:
         plan = driver.dry_run_plan(cfg, resume=resume is not None)
         for block in backend.describe(plan):

@@ -33,6 +33,10 @@ from tandem.config import Config, load_config
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class ProbeFailed(RuntimeError):
+    """A profile-window probe run did not finish; its run directory holds the reason."""
+
+
 def runnable(plan: Plan) -> bool:
     """Plans the processes run today (the planner predicts more; docs/design.md §11.1)."""
     return (
@@ -94,7 +98,9 @@ def resolve(
         c = probe(cfg, mode, out / mode)
         print(f"[launch] placement auto: profiling {cfg.placement.profile_steps} steps {mode}", flush=True)
         if (code := driver.run(c, prompts, make_backend(), resume=None, console_enabled=False)) != 0:
-            raise RuntimeError(f"placement auto: the {mode} probe run failed (exit {code}); see {out / mode}")
+            raise ProbeFailed(
+                f"placement auto: the {mode} probe run failed (exit {code}); its logs: {out / mode}"
+            )
         (run_dir,) = sorted(p for p in (out / mode).iterdir() if p.is_dir())[-1:]
         # The first steps warm up (allocator, first optimizer step): the window is the steps after them.
         skip = max(2, cfg.placement.profile_steps // 3)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -137,6 +138,45 @@ def test_async_demo_learns_across_nodes_over_dist(cluster, tiny_ckpt, prompts: P
     # every server version came over dist: the server held the learner's newest weights
     server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
     assert max(r.get("rollout/version", 0) for r in server) >= 150
+    assert leftover_processes(run_dir) == []
+
+
+@pytest.mark.ray
+def test_placement_auto_profiles_both_modes_and_runs_its_pick_on_the_cluster(
+    cluster, tiny_ckpt, prompts: Path, tmp_path: Path
+) -> None:
+    """``placement.mode: auto`` on Ray: two probe runs (colocated, separated) on the cluster's nodes, a
+    pick among the plans they predict, and the run under that pick (docs/design.md §11.3)."""
+    steps, probe = 16, 6
+    extra = (
+        *SMALL,
+        "placement.mode=auto",
+        f"placement.profile_steps={probe}",
+        f"learner.total_steps={steps}",
+    )
+    proc = subprocess.run(
+        ray_cmd(cluster, tiny_ckpt, prompts, tmp_path, *extra),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    probes = tmp_path / "tiny-auto-probes"
+    for mode in ("sync", "async"):
+        (probe_dir,) = [p for p in (probes / mode).iterdir() if p.is_dir()]
+        rows = (probe_dir / "learner_history.jsonl").read_text().splitlines()
+        assert len(rows) == probe, (mode, len(rows))
+        where = json.loads((probe_dir / "summary.json").read_text())["placement"]
+        assert where["learner/rank-0"] != where["server-0"]  # on the cluster's nodes, not in-process
+    choice = json.loads((probes / "choice.json").read_text())
+    assert set(choice["probes_step_s"]) == {"colocate 2 serial", "separate 1:1 serial"}
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and p != probes]
+    saved = yaml.safe_load((run_dir / "config.public.yaml").read_text())
+    assert choice["plan"].startswith(saved["placement"]["mode"])  # the run is the plan it chose
+    assert saved["run"]["mode"] == ("sync" if saved["placement"]["mode"] == "colocate" else "async")
+    assert f"learner finished at step {steps}" in proc.stdout
+    assert "placement auto: predicted" in proc.stdout and "measured" in proc.stdout
     assert leftover_processes(run_dir) == []
 
 
