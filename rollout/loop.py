@@ -76,7 +76,8 @@ def inflight_window(cfg: Config) -> int:
     batches would land inside the others) and with a pause mode that aborts requests in flight."""
     r = cfg.rollout
     pause = r.vllm.pause_mode if r.engine == "vllm" else r.sglang.pause_mode if r.engine == "sglang" else None
-    if cfg.max_staleness == 0 or cfg.env.path is not None or not r.inflight_updates or pause == "abort":
+    episodic = cfg.env.path is not None or cfg.agent.path is not None
+    if cfg.max_staleness == 0 or episodic or not r.inflight_updates or pause == "abort":
         return 1
     return r.max_inflight_batches or (1 if r.engine == "hf" else OWN_PROCESS_INFLIGHT)
 
@@ -120,6 +121,14 @@ class RolloutLoop:
             self.episodes = EpisodeRunner(
                 engine, tokenizer, self.sampling, max_turns=e.max_turns, max_total_tokens=e.max_total_tokens,
                 step_timeout_s=e.step_timeout_s, vocab_size=len(tokenizer),
+            )  # fmt: skip
+        self.agents = None
+        if cfg.agent.path is not None:  # the SDK is imported only by agent runs
+            from rollout.agents.runner import AgentRunner
+
+            self.agents = AgentRunner(
+                cfg, engine, tokenizer, metrics=self.metrics, between_batches=self.poll_weights,
+                between_steps=self.poll_inflight if r.inflight_updates else None,
             )  # fmt: skip
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.credits = 0  # groups admitted but not yet claimed
@@ -201,6 +210,8 @@ class RolloutLoop:
         with held or nullcontext():
             if self.episodes is not None:
                 return self.put(*self.drop_uninformative(prompts, self.run_episodes(prompts)))
+            if self.agents is not None:
+                return self.put(*self.drop_uninformative(prompts, self.run_agents(prompts)))
             completions = self.generate(prompts)
             if self.window == 1:
                 return self.score_and_put(prompts, completions)
@@ -330,6 +341,27 @@ class RolloutLoop:
             self.env_metrics["env/aborted"].append(float(e.finish_reason == "abort"))
             for name, value in e.metrics.items():
                 self.env_metrics[f"env/{name}"].append(value)
+        return groups
+
+    def run_agents(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
+        """``n`` agent episodes per prompt, all at once, each a session on this server (docs/design.md §10.9)."""
+        from rollout.agents.runner import AgentEpisode
+
+        assert self.agents is not None
+        start, n = time.perf_counter(), self.sampling.n
+        episodes = [AgentEpisode(t.prompt.record, t.prompt.tokens.tolist()) for t in prompts for _ in range(n)]
+        with self.busy:
+            self.agents.run(episodes)
+        self.spent("time/generate", start)
+        server = f"server-{self.server_id}"
+        groups = []
+        for k, taken in enumerate(prompts):
+            group_id = uuid.uuid4().hex
+            group = episodes[k * n : (k + 1) * n]
+            groups.append([e.trajectory(taken.prompt.prompt_id, group_id, server, self.clip) for e in group])
+        for e in episodes:
+            for name, value in e.metrics().items():
+                self.env_metrics[name].append(value)
         return groups
 
     def score(
@@ -534,6 +566,8 @@ class RolloutLoop:
             except Exception as e:  # its prompts are handed back below
                 log.warning("server-%d: a batch in flight failed: %r", self.server_id, e)
         self.inflight.clear()
+        if self.agents is not None:
+            self.agents.close()
         self.generators.shutdown()
         self.scorer.shutdown()
         if self.credits:

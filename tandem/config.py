@@ -309,6 +309,29 @@ class EnvConfig(Section):
     )
 
 
+class AgentConfig(Section):
+    """A black-box agent function trained in the run (docs/design.md §10.9). Off when ``path`` is null."""
+
+    path: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="The agent as module:function, async def agent(client, record, *, model, **kwargs) "
+        "returning its reward (a number, or a dict of reward parts); run n times per prompt through the "
+        "server's own OpenAI-compatible API, one session per episode. null: no agent.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to every call of the agent function."
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="An episode whose agent has not returned by then ends (abort, agent_timeout)."
+    )
+    gather_ms: float = Field(
+        5.0,
+        ge=0,
+        description="How long the engine waits for more agents' calls before starting a batch of them.",
+    )
+
+
 class RewardFunction(Section):
     path: str = Field(
         ...,
@@ -759,6 +782,7 @@ class Config(Section):
     data: DataConfig = Field(..., description="The prompt dataset.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout servers.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn environment (off by default).")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="Black-box agent (off by default).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward functions and model.")
     algorithm: Algorithm = Field(
         default_factory=AlgorithmConfig,
@@ -805,9 +829,17 @@ class Config(Section):
             raise ValueError(
                 f"algorithm.advantage={a.advantage} needs rollout.n_samples >= 2 (got {r.n_samples})"
             )
-        if not self.reward.functions and self.model.reward_model is None and self.env.path is None:
+        if self.env.path is not None and self.agent.path is not None:
+            raise ValueError("env.path and agent.path are exclusive: an episode is either one or the other")
+        if (
+            not self.reward.functions
+            and self.model.reward_model is None
+            and self.env.path is None
+            and self.agent.path is None
+        ):
             raise ValueError(
-                "reward: give at least one reward.functions entry, a model.reward_model or an env.path"
+                "reward: give at least one reward.functions entry, a model.reward_model, an env.path or an "
+                "agent.path"
             )
         if a.overlong_buffer is not None and a.overlong_buffer > r.max_new_tokens:
             raise ValueError(

@@ -17,6 +17,11 @@ session into a :class:`buffer.schema.Trajectory`.
 A completion returned as tool calls (docs/design.md §10.8) is remembered by its call ids: when the agent
 sends that assistant message back, it is rendered as the text the model sampled, so the next prompt still
 extends the transcript.
+
+A call changes the session only once its completion is recorded: a call that fails or is cancelled leaves
+no trace, so the agent may retry it. An agent run in the rollout loop (docs/design.md §10.9) uses a
+``strict`` store: sessions are opened and closed by the runner, a call on any other session is refused,
+and a completion that arrives after its session was closed is dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Session:
     mask: list[int] = field(default_factory=list)
     transcripts: tuple[str, ...] = ()  # what the agent's next prompt may start with, longest first
     calls: int = 0
+    tool_call_turns: int = 0  # completions returned as tool calls (docs/design.md §10.8)
     tool_turns: dict[str, str] = field(default_factory=dict)  # tool call id -> the completion's text
     touched: float = field(default_factory=time.monotonic)
 
@@ -57,60 +63,79 @@ class Session:
 
 
 class SessionStore:
-    """Open sessions of one server, safe across the API's worker threads."""
+    """Open sessions of one server, safe across the API's worker threads. ``strict``: only sessions opened
+    with :meth:`open` take calls (an agent runner's store); otherwise a call's session id opens one."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, strict: bool = False) -> None:
+        self.tokenizer, self.strict = tokenizer, strict
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+
+    def open(self, session_id: str) -> None:
+        with self._lock:
+            self.sessions[session_id] = Session(session_id)
+
+    def close(self, session_id: str) -> Session | None:
+        """Take a session out of the store: later calls on it are refused, late completions dropped."""
+        with self._lock:
+            return self.sessions.pop(session_id, None)
 
     def context(self, session_id: str, prompt_text: str) -> list[int]:
         """The token ids to generate from: the session's exact tokens plus the agent's new text."""
         with self._lock:
             s = self.sessions.get(session_id)
             if s is None:
+                if self.strict:
+                    raise SessionError(f"session {session_id!r} is not open on this server")
                 if len(self.sessions) >= MAX_SESSIONS:
                     oldest = min(self.sessions.values(), key=lambda x: x.touched)
                     del self.sessions[oldest.session_id]
                 s = self.sessions[session_id] = Session(session_id)
             s.touched = time.monotonic()
-            if not s.calls:
-                s.prompt = self.encode(prompt_text)
-                if not s.prompt:
-                    raise SessionError("the session's first prompt is empty")
-                return list(s.prompt)
-            added = next((prompt_text[len(t) :] for t in s.transcripts if prompt_text.startswith(t)), None)
-            if added is None:
-                raise SessionError(
-                    f"session {session_id!r}: the prompt does not extend the session's transcript (the last "
-                    "prompt and its completion); start a new session instead of editing history"
-                )
-            ids = self.encode(added)
-            s.tokens += ids
-            s.logp += [0.0] * len(ids)
-            s.versions += [-1] * len(ids)
-            s.mask += [0] * len(ids)
-            return s.context
+            prompt, added = self._extension(s, prompt_text)
+            return prompt + s.tokens + added
 
     def record(self, session_id: str, prompt_text: str, c: Completion, returned_text: str) -> None:
-        """Append a completion's sampled tokens (loss_mask 1) to the session."""
+        """Append the call's new text (loss_mask 0) and its completion's sampled tokens (loss_mask 1)."""
         with self._lock:
-            s = self.sessions[session_id]
-            s.tokens += c.token_ids
-            s.logp += c.logprobs
-            s.versions += c.versions
-            s.mask += [1] * len(c.token_ids)
+            s = self.sessions.get(session_id)
+            if s is None:  # closed while the call ran: the episode is over without it
+                return
+            try:
+                s.prompt, added = self._extension(s, prompt_text)
+            except SessionError:  # another call on the session was recorded meanwhile: keep that one
+                return
+            s.tokens += added + c.token_ids
+            s.logp += [0.0] * len(added) + c.logprobs
+            s.versions += [-1] * len(added) + c.versions
+            s.mask += [0] * len(added) + [1] * len(c.token_ids)
             full = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             s.transcripts = tuple(
                 sorted({prompt_text + full, prompt_text + returned_text}, key=len, reverse=True)
             )
             s.calls += 1
 
+    def _extension(self, s: Session, prompt_text: str) -> tuple[list[int], list[int]]:
+        """``(prompt, added)``: the session's first prompt and the tokens of the text this call adds."""
+        if not s.calls:
+            prompt = self.encode(prompt_text)
+            if not prompt:
+                raise SessionError("the session's first prompt is empty")
+            return prompt, []
+        added = next((prompt_text[len(t) :] for t in s.transcripts if prompt_text.startswith(t)), None)
+        if added is None:
+            raise SessionError(
+                f"session {s.session_id!r}: the prompt does not extend the session's transcript (the last "
+                "prompt and its completion); start a new session instead of editing history"
+            )
+        return s.prompt, self.encode(added)
+
     def remember_tool_turn(self, session_id: str, call_ids: list[str], text: str) -> None:
         """The completion's text (as returned) stands for its tool calls ``call_ids`` from now on."""
         with self._lock:
             if (s := self.sessions.get(session_id)) is not None:
                 s.tool_turns.update(dict.fromkeys(call_ids, text))
+                s.tool_call_turns += 1
 
     def tool_turns(self, session_id: str) -> dict[str, str]:
         """Tool call id -> the text of the completion that made the call, for an open session."""

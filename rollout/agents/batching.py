@@ -1,0 +1,189 @@
+"""One engine call for the model calls of many agents at once (docs/design.md §10.9).
+
+Each agent episode calls the API on its own, one request at a time, so an engine that serves requests as
+they come (the ``hf`` engine interleaves concurrent calls step by step, each a batch of one) would decode
+every episode separately. :class:`BatchingEngine` stands between the agents' API and the engine: a call
+waits in a queue; a worker thread takes every call that arrives within ``gather_s`` of the first, and runs
+those with the same sampling settings as one engine call (``n`` of each kept), handing each caller its
+rows. Calls that arrive meanwhile form the next batch, so the engine always takes whatever is ready.
+
+A caller's ``between_steps`` hook (the API's client-disconnect check) runs on every decode step of its
+batch; one that raises drops that caller only (it gets the hook's exception), and the batch goes on while
+any caller still waits. The run's own hooks apply weight updates between decode steps (in flight) and
+between batches. Sampling is the run's where it says so (``sampling``: the learner scores the tokens at
+the run's temperature, whatever an agent asks). A streamed call (``on_token``) goes to the engine directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rollout.engines.base import BetweenSteps, Completion, Engine, OnToken, SamplingParams
+from weightsync.base import Update
+
+log = logging.getLogger(__name__)
+
+
+class _AllGone(Exception):
+    """Every caller of a batch went away: the rest of its decoding is dropped."""
+
+
+@dataclass
+class _Call:
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    between_steps: BetweenSteps | None
+    done: threading.Event = field(default_factory=threading.Event)
+    out: list[list[Completion]] | None = None
+    error: BaseException | None = None
+
+    def key(self) -> tuple[object, ...]:
+        s = self.sampling
+        return (s.n, s.max_new_tokens, s.temperature, s.top_p, s.top_k, tuple(s.stop_token_ids),
+                tuple(s.stop), s.seed)  # fmt: skip
+
+    def finish(self, out: list[list[Completion]] | None = None, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.out, self.error = out, error
+            self.done.set()
+
+
+class BatchingEngine:
+    """An :class:`~rollout.engines.base.Engine` front that gathers concurrent calls into batches."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        gather_s: float,
+        between_steps: BetweenSteps | None = None,
+        between_batches: Callable[[], None] | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> None:
+        self.engine, self.gather_s, self.hook = engine, gather_s, between_steps
+        self.between_batches, self.override = between_batches, sampling or {}
+        self.batches = self.calls = 0  # engine calls made, and the agents' calls they served
+        self._queue: list[_Call] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="agent-batcher", daemon=True)
+        self._worker.start()
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        between_steps: BetweenSteps | None = None,
+        on_token: OnToken | None = None,
+    ) -> list[list[Completion]]:
+        if on_token is not None:
+            return self.engine.generate(prompts, sampling, between_steps=between_steps, on_token=on_token)
+        call = _Call([list(p) for p in prompts], replace(sampling, **self.override), between_steps)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the agents' engine front is closed")
+            self._queue.append(call)
+            self._cv.notify()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        assert call.out is not None
+        return call.out
+
+    def update_weights(self, update: Update) -> None:
+        self.engine.update_weights(update)
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def close(self) -> None:
+        """Stop the worker (the engine itself belongs to the server); calls still queued fail."""
+        with self._cv:
+            self._closed = True
+            pending, self._queue = self._queue, []
+            self._cv.notify()
+        for call in pending:
+            call.finish(error=RuntimeError("the agents' engine front is closed"))
+        self._worker.join(timeout=30)
+
+    # ------------------------------------------------------------------------------------------- worker
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+            time.sleep(self.gather_s)  # let the other agents' calls of this moment arrive
+            if self.between_batches is not None:
+                try:
+                    self.between_batches()  # a weight update lands between two batches
+                except Exception:
+                    log.exception("agents' engine front: between_batches failed")
+            with self._cv:
+                calls, self._queue = self._queue, []
+            groups: dict[tuple[object, ...], list[_Call]] = {}
+            for call in calls:
+                groups.setdefault(call.key(), []).append(call)
+            for group in groups.values():
+                self._serve(group)
+
+    def _serve(self, group: list[_Call]) -> None:
+        try:
+            self._batch(group)
+        except ValueError as e:  # the engine refused a prompt (too long): serve each call alone to say whose
+            if len(group) == 1:
+                group[0].finish(error=e)
+                return
+            for call in group:
+                if not call.done.is_set():
+                    self._serve([call])
+
+    def _batch(self, group: list[_Call]) -> None:
+        live = list(group)
+
+        def between_steps() -> None:
+            if self.hook is not None:
+                self.hook()
+            for call in list(live):
+                if call.between_steps is None:
+                    continue
+                try:
+                    call.between_steps()
+                except Exception as e:  # this caller is gone; the others' rows go on
+                    live.remove(call)
+                    call.finish(error=e)
+            if not live:
+                raise _AllGone
+
+        prompts = [p for call in group for p in call.prompts]
+        self.batches += 1
+        self.calls += len(group)
+        try:
+            out = self.engine.generate(prompts, group[0].sampling, between_steps=between_steps)
+        except _AllGone:
+            return
+        except ValueError:
+            raise
+        except Exception as e:  # the engine failed: every caller hears of it
+            for call in group:
+                call.finish(error=e)
+            return
+        at = 0
+        for call in group:
+            call.finish(out[at : at + len(call.prompts)])
+            at += len(call.prompts)

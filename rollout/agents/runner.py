@@ -1,0 +1,267 @@
+"""Black-box agents trained in a run: ``n`` episodes per prompt, each one agent function's session
+(docs/design.md §10.9).
+
+The agent is a plain function written against the OpenAI SDK, named by ``agent.path``::
+
+    async def agent(client: openai.AsyncOpenAI, record: dict, *, model: str, **kwargs) -> float | dict
+
+``client`` is bound to a session of its own on this server's OpenAI-compatible API, ``record`` is the
+prompt's dataset record, ``model`` the served model's name and ``kwargs`` are ``agent.kwargs``. It returns
+its reward: a number, or a dict of reward parts (numbers, summed).
+
+:meth:`AgentRunner.run` reads top to bottom:
+
+1. **open** one session per episode on the runner's own API: a loopback HTTP server with a bearer token,
+   over the server's engine through :class:`~rollout.agents.batching.BatchingEngine`, so the engine
+   batches the calls of every live agent. Its sampling is the run's (``rollout.temperature``, ``top_p``,
+   ``top_k``, whatever the agent asks: the learner scores the tokens under them), and ``max_tokens`` is
+   at most ``rollout.max_new_tokens``;
+2. **play** every episode at once, each on a thread with its own event loop, so an agent that blocks its
+   loop holds up only itself;
+3. **end**: an agent that raises, runs past ``agent.timeout_s``, returns a malformed reward, makes no model
+   call, or returns while one of its calls is still running (leaves its session open) ends its episode
+   as ``abort``, with the reason in ``meta["end_reason"]`` (the learner masks it out, docs/design.md
+   §10.1); never the server;
+4. **close** every session into a trajectory: the session's exact tokens (the agent's added text with
+   ``loss_mask`` 0), and the agent's reward, clipped. A call still running on a closed session is refused
+   or dropped (:class:`~rollout.http.sessions.SessionStore`, strict).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from buffer.schema import Trajectory
+from rollout.agents.batching import BatchingEngine
+from rollout.engines.base import BetweenSteps, Engine
+from rollout.http.app import create_app
+from rollout.http.serve import HTTPServer
+from rollout.http.sessions import Session, SessionStore
+from rollout.metrics import ServerMetrics
+from tandem.config import Config, HTTPConfig
+from tandem.rewards import load_callable
+
+log = logging.getLogger(__name__)
+
+# What an episode may take beyond agent.timeout_s before its thread is given up on (an agent that blocks
+# its own event loop cannot be cancelled, only abandoned: the thread is a daemon).
+JOIN_SLACK_S = 10.0
+
+
+@dataclass
+class AgentEpisode:
+    """One agent call's state: the prompt's record and, once ended, its reward or the reason it failed."""
+
+    record: dict[str, Any]
+    prompt_tokens: list[int]  # the feeder's, the trajectory's prompt only when the agent made no call
+    session_id: str = field(default_factory=lambda: f"agent-{uuid.uuid4().hex}")
+    reward: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+    end_reason: str = ""
+    session: Session | None = None
+    seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def aborted(self) -> bool:
+        return self.end_reason != "done"
+
+    def end(self, reason: str, reward: float = 0.0, parts: dict[str, float] | None = None) -> None:
+        """The first end stands (a timed-out agent's thread may return later)."""
+        with self._lock:
+            if self.end_reason:
+                return
+            self.end_reason, self.reward, self.parts = reason[:500], reward, parts or {}
+        if reason != "done":
+            log.warning("agent episode of %s ended: %s", self.record.get("id", "?"), reason)
+
+    def trajectory(
+        self, prompt_id: str, group_id: str, server_id: str, clip: Callable[[float], float] = float
+    ) -> Trajectory:
+        s = self.session if self.session is not None and self.session.calls else None
+        tokens, logp, versions, mask = (s.tokens, s.logp, s.versions, s.mask) if s else ([], [], [], [])
+        last = max((i for i, m in enumerate(mask) if m), default=-1) + 1  # text no completion answered: cut
+        generated = [v for v, m in zip(versions, mask, strict=True) if m]
+        reward = clip(self.reward)
+        return Trajectory(
+            traj_id=uuid.uuid4().hex,
+            group_id=group_id,
+            prompt_id=prompt_id,
+            prompt_tokens=s.prompt if s else self.prompt_tokens,
+            response_tokens=tokens[:last],
+            behav_logp=logp[:last],
+            token_versions=versions[:last],
+            loss_mask=mask[:last],
+            reward=reward,
+            reward_parts={"agent": reward, **{f"agent/{k}": v for k, v in self.parts.items()}},
+            finish_reason="abort" if self.aborted else "stop",
+            server_id=server_id,
+            meta={
+                "version": min(generated) if generated else 0,
+                "session_id": self.session_id,
+                "calls": s.calls if s else 0,
+                "end_reason": self.end_reason,
+                "seconds": self.seconds,
+            },
+        )
+
+    def metrics(self) -> dict[str, float]:
+        s = self.session
+        calls, tool = (s.calls, s.tool_call_turns) if s is not None else (0, 0)
+        return {
+            "agent/calls": float(calls),
+            "agent/tool_calls": float(tool),
+            "agent/tool_used": float(tool > 0),
+            "agent/aborted": float(self.aborted),
+            "agent/seconds": self.seconds,
+        }
+
+
+def check_reward(result: Any) -> tuple[float, dict[str, float]]:
+    """An agent's return as ``(reward, parts)``; ValueError names what is malformed."""
+
+    def number(x: Any, what: str) -> float:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ValueError(f"{what} {x!r} is not a finite number")
+        return float(x)
+
+    if isinstance(result, dict):
+        if not result:
+            raise ValueError("the agent returned an empty dict of reward parts")
+        parts = {str(k): number(v, f"reward part {k!r}") for k, v in result.items()}
+        return sum(parts.values()), parts
+    return number(result, "the agent's reward"), {}
+
+
+class _Counting(httpx.AsyncBaseTransport):
+    """The agent client's transport: counts its requests still waiting for a response."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.inflight = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.inflight += 1
+        try:
+            return await self.inner.handle_async_request(request)
+        finally:
+            self.inflight -= 1
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class AgentRunner:
+    """Runs batches of agent episodes against one engine, through the runner's own API."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        metrics: ServerMetrics,
+        between_steps: BetweenSteps | None = None,
+        between_batches: Callable[[], None] | None = None,
+    ) -> None:
+        import openai  # only agent runs need the SDK
+
+        a, r = cfg.agent, cfg.rollout
+        assert a.path is not None
+        self.openai = openai
+        self.fn = load_callable(a.path, what="agent.path")
+        self.kwargs, self.timeout_s = dict(a.kwargs), a.timeout_s
+        self.engine = BatchingEngine(
+            engine, gather_s=a.gather_ms / 1000, between_steps=between_steps, between_batches=between_batches,
+            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+        )  # fmt: skip
+        self.model_name = Path(cfg.model.actor).name
+        self.api_key = secrets.token_hex(16)
+        episodes = r.prompts_per_batch * r.n_samples
+        http = HTTPConfig(api_key=self.api_key, max_tokens_limit=r.max_new_tokens,
+                          max_concurrent_requests=max(16, 2 * episodes),
+                          max_total_tokens_per_request=max(65_536, r.max_new_tokens))  # fmt: skip
+        max_context = AutoConfig.from_pretrained(
+            cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code
+        ).max_position_embeddings
+        app = create_app(self.engine, tokenizer, model_name=self.model_name, http=http, metrics=metrics,
+                         max_context=max_context, aliases=(str(cfg.model.actor),))  # fmt: skip
+        self.sessions = app.state.api.sessions = SessionStore(tokenizer, strict=True)
+        self.server = HTTPServer(app, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self.server.port}/v1"
+
+    def run(self, episodes: list[AgentEpisode]) -> list[AgentEpisode]:
+        """Play every episode at once; each ends done or aborted with a reason, and holds its session."""
+        for e in episodes:
+            self.sessions.open(e.session_id)
+        threads = [threading.Thread(target=self.play, args=(e,), name="agent", daemon=True) for e in episodes]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.timeout_s + JOIN_SLACK_S
+        for e, t in zip(episodes, threads, strict=True):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                e.seconds = self.timeout_s + JOIN_SLACK_S
+                e.end(f"agent_timeout: still running after agent.timeout_s={self.timeout_s:g}s "
+                      f"(+{JOIN_SLACK_S:g}s); an agent that blocks its event loop cannot be cancelled")  # fmt: skip
+        for e in episodes:
+            e.session = self.sessions.close(e.session_id)
+            if not e.aborted and (e.session is None or not e.session.calls):  # a reward for nothing
+                e.end_reason, e.reward, e.parts = (
+                    "no_calls: the agent made no model call on its session",
+                    0.0,
+                    {},
+                )
+        return episodes
+
+    def play(self, e: AgentEpisode) -> None:
+        start = time.perf_counter()
+        try:
+            asyncio.run(self.episode(e))
+        except BaseException as err:  # whatever the agent leaves behind is its failure, never the server's
+            e.end(f"agent_error: {type(err).__name__}: {err}")
+        e.seconds = time.perf_counter() - start
+
+    async def episode(self, e: AgentEpisode) -> None:
+        transport = _Counting()
+        async with httpx.AsyncClient(transport=transport, timeout=self.timeout_s) as http:
+            client = self.openai.AsyncOpenAI(base_url=self.url, api_key=self.api_key, http_client=http,
+                                             max_retries=0, default_headers={"X-Session-Id": e.session_id})  # fmt: skip
+            try:
+                result = await asyncio.wait_for(
+                    self.fn(client, dict(e.record), model=self.model_name, **self.kwargs), self.timeout_s
+                )
+            except TimeoutError:
+                e.end(f"agent_timeout: the agent ran past agent.timeout_s={self.timeout_s:g}s")
+                return
+            except Exception as err:
+                e.end(f"agent_error: {type(err).__name__}: {err}")
+                return
+            if transport.inflight:
+                e.end(
+                    f"session_left_open: the agent returned with {transport.inflight} call(s) still running"
+                )
+                return
+            try:
+                reward, parts = check_reward(result)
+            except ValueError as err:
+                e.end(f"agent_garbage: {err}")
+                return
+            e.end("done", reward, parts)
+
+    def close(self) -> None:
+        self.server.stop()
+        self.engine.close()

@@ -1,0 +1,207 @@
+"""Black-box agents trained in a run (docs/design.md §10.9): agent functions on the official openai client,
+run n per prompt by the runner through its own API on the real hf engine, the tiny model and, for the
+loop, a real Redis. Agents that raise, hang, block, leave their session open or return garbage end only
+their own episode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoModelForCausalLM
+
+import rollout.agents.runner as runner_module
+from buffer.schema import decode_trajectory, encode_trajectory
+from rollout.agents.runner import AgentEpisode, AgentRunner, check_reward
+from rollout.engines.hf import HFEngine
+from rollout.metrics import ServerMetrics
+from tandem.config import Config, load_config
+from tests.test_env_episode import learner_logp
+
+N = 3
+TIMEOUT_S = 5.0  # the good agents must finish well within it on a loaded machine
+
+
+async def talk_agent(client, record, *, model: str, turns: int = 2) -> dict[str, float]:
+    """Two chat turns with a user reply in between; knows nothing of tandem."""
+    messages = [{"role": "user", "content": record["prompt"]}]
+    said = ""
+    for _ in range(turns):
+        r = await client.chat.completions.create(model=model, messages=messages, max_tokens=6, stop=["\n"])
+        said = r.choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": said}, {"role": "user", "content": "go on"}]
+    return {"length": len(said) / 10, "bonus": 0.5}
+
+
+async def misbehaving_agent(client, record, *, model: str) -> float:
+    """Behaves (one call, reward 1) except on the record marked ``bad``, where it does ``record["bad"]``."""
+    how = record.get("bad")
+
+    def call():
+        return client.completions.create(model=model, prompt=record["prompt"], max_tokens=4)
+
+    if how == "raise":
+        await call()
+        raise RuntimeError("the tool broke")
+    if how == "hang":
+        await asyncio.sleep(3600)
+    if how == "block":
+        time.sleep(TIMEOUT_S + 3)  # blocks its own event loop: cannot be cancelled, only given up on
+    if how == "open":
+        asyncio.get_running_loop().create_task(call())  # returns while its call is still running
+        await asyncio.sleep(0.2)
+        return 1.0
+    if how == "none":
+        return 1.0
+    await call()
+    return {"nan": float("nan")} if how == "garbage" else 1.0
+
+
+def agent_cfg(tiny_ckpt: dict[str, Path], tmp: Path, path: str, **over: object) -> Config:
+    raw = {
+        "run": {"name": "agents", "device": "cpu"},
+        "model": {"actor": str(tiny_ckpt["actor"])},
+        "data": {"prompts": str(tmp / "prompts.jsonl")},
+        "rollout": {"n_samples": N, "prompts_per_batch": 2, "max_new_tokens": 8, "http": {"enabled": False}},
+        "agent": {"path": path, "timeout_s": TIMEOUT_S},
+        "algorithm": {"batch_size": 2 * N, "minibatch_size": 2 * N, "max_staleness": 0},
+        "learner": {"micro_batch_size": 2 * N},
+        "logging": {"wandb_mode": "disabled"},
+    }
+    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in over.items()], raw=raw)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt) -> HFEngine:
+    return HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=3)
+
+
+def make_runner(cfg: Config, engine: HFEngine) -> AgentRunner:
+    return AgentRunner(cfg, engine, engine.tokenizer, metrics=ServerMetrics(engine))
+
+
+def episodes(engine: HFEngine, records: list[dict], n: int = N) -> list[AgentEpisode]:
+    return [AgentEpisode(r, engine.tokenizer(r["prompt"]).input_ids) for r in records for _ in range(n)]
+
+
+def test_agents_run_n_per_prompt_batched_and_token_exact(engine, tiny_ckpt, tmp_path) -> None:
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent", **{"agent.timeout_s": 60})
+    runner = make_runner(cfg, engine)
+    try:
+        eps = runner.run(episodes(engine, [{"id": "a", "prompt": "12+30="}, {"id": "b", "prompt": "7+5="}]))
+        batches, calls = runner.engine.batches, runner.engine.calls
+    finally:
+        runner.close()
+    assert [e.end_reason for e in eps] == ["done"] * 2 * N
+    assert calls == 2 * 2 * N  # two chat calls per episode
+    assert batches < calls, f"{calls} calls in {batches} engine calls: the engine did not batch them"
+    trajs = [decode_trajectory(encode_trajectory(e.trajectory("p", "g", "server-0"))) for e in eps]
+    tok = engine.tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"]).eval()
+    ref = learner_logp(model, trajs)
+    for e, t, r in zip(eps, trajs, ref, strict=True):
+        assert [k for k, _, _ in t.segments()] == ["model", "env", "model"]
+        assert tok.decode(t.prompt_tokens.tolist()) == f"user: {e.record['prompt']}\nassistant: "
+        _, s, end = t.segments()[1]
+        assert tok.decode(t.response_tokens[s:end].tolist()).endswith("\nuser: go on\nassistant: ")
+        gen = np.flatnonzero(t.generated)
+        np.testing.assert_allclose(t.behav_logp[gen], r[gen].numpy(), atol=2e-4)
+        assert t.reward == pytest.approx(sum(e.parts.values())) and e.parts["bonus"] == 0.5
+        assert t.finish_reason == "stop" and t.meta["calls"] == 2
+    assert eps[0].metrics()["agent/calls"] == 2.0 and eps[0].metrics()["agent/aborted"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("raise", "agent_error: RuntimeError: the tool broke"),
+        ("hang", "agent_timeout: the agent ran past agent.timeout_s=5s"),
+        ("block", "agent_timeout: still running after"),
+        ("open", "session_left_open: the agent returned with 1 call(s) still running"),
+        ("garbage", "agent_garbage: reward part 'nan' nan is not a finite number"),
+        ("none", "no_calls: the agent made no model call on its session"),
+    ],
+)
+def test_a_misbehaving_agent_ends_only_its_episode(engine, tiny_ckpt, tmp_path, monkeypatch, how, reason):
+    monkeypatch.setattr(runner_module, "JOIN_SLACK_S", 1.0)
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:misbehaving_agent")
+    runner = make_runner(cfg, engine)
+    try:
+        records = [{"id": "good", "prompt": "1+2="}, {"id": "bad", "prompt": "3+4=", "bad": how}]
+        eps = runner.run(episodes(engine, records))
+        assert [e.end_reason for e in eps[:N]] == ["done"] * N
+        for e in eps[N:]:
+            assert e.end_reason.startswith(reason), e.end_reason
+            t = decode_trajectory(encode_trajectory(e.trajectory("p", "g", "server-0")))
+            assert t.finish_reason == "abort" and t.reward == 0.0  # masked out by the learner
+        assert all(e.trajectory("p", "g", "s").reward == 1.0 for e in eps[:N])
+        assert runner.sessions.sessions == {}  # every session closed, the runaway call's included
+        again = runner.run(episodes(engine, [{"id": "next", "prompt": "5+6="}]))  # the server still serves
+        assert [e.end_reason for e in again] == ["done"] * N
+    finally:
+        runner.close()
+
+
+def test_a_closed_session_refuses_calls(engine, tiny_ckpt, tmp_path) -> None:
+    import openai
+
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:misbehaving_agent")
+    runner = make_runner(cfg, engine)
+    try:
+        client = openai.OpenAI(base_url=runner.url, api_key=runner.api_key, max_retries=0, timeout=30)
+        with pytest.raises(openai.BadRequestError, match="not open on this server"):
+            client.completions.create(model=runner.model_name, prompt="1+1=", max_tokens=2,
+                                      extra_headers={"X-Session-Id": "made-up"})  # fmt: skip
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=runner.url, api_key="wrong", max_retries=0).models.list()
+    finally:
+        runner.close()
+
+
+def test_rewards_are_checked() -> None:
+    assert check_reward(1) == (1.0, {})
+    assert check_reward({"a": 0.5, "b": 1}) == (1.5, {"a": 0.5, "b": 1.0})
+    for bad in (True, None, "1", float("inf"), {}, {"a": "x"}):
+        with pytest.raises(ValueError):
+            check_reward(bad)
+
+
+def test_agent_and_env_are_exclusive(tiny_ckpt, tmp_path) -> None:
+    from tandem.config import ConfigError
+
+    with pytest.raises(ConfigError, match="exclusive"):
+        agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent",
+                  **{"env.path": "rollout.envs.calculator:CalculatorEnv"})  # fmt: skip
+
+
+def test_agent_groups_go_through_admission_and_the_append(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+) -> None:
+    """In the rollout loop: n sessions of one prompt become one contiguous group, admitted, appended with
+    its prompt's acknowledgement, at the version admission allowed (max_staleness 0)."""
+    from tests.test_rollout_loop import Harness, Learner, make_cfg, queue_prompts
+    from weightsync import make_subscriber
+
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{
+        "agent.path": "tests.test_agent_run:talk_agent", "agent.timeout_s": 60, "reward.functions": [],
+    })  # fmt: skip
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 6)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+        batch = learner.take(4)
+        time.sleep(1.0)
+        assert learner.buffer.trajectories_pending() == 0, "admission let the agents run ahead"
+    assert batch[0].group_id == batch[1].group_id != batch[2].group_id == batch[3].group_id
+    assert batch[0].prompt_id == batch[1].prompt_id != batch[2].prompt_id
+    for t in batch:
+        assert t.finish_reason == "stop" and set(t.token_versions[t.generated].tolist()) == {0}
+        assert set(t.reward_parts) == {"agent", "agent/length", "agent/bonus"}
+        assert t.meta["end_reason"] == "done" and t.meta["calls"] == 2
+    assert learner.buffer.prompts_pending() == 4  # two answered and acknowledged, exactly once
+    stats = redis_client.hgetall(f"{run_id}:stats:server-0")
+    assert float(stats[b"agent/calls"]) == 2.0 and float(stats[b"agent/aborted"]) == 0.0
