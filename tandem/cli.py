@@ -18,6 +18,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
         layers=args.layers,
         head_dim=args.head_dim,
         vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer,
     )
     for name, p in paths.items():
         print(f"{name}: {p}")
@@ -88,12 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="pad embedding and head to this many rows (e.g. 151936, Qwen2's); the tokenizer is unchanged",
     )
+    p.add_argument(
+        "--tokenizer",
+        choices=["chars", "bytes"],
+        default="chars",
+        help="chars: the toy tasks' alphabet; bytes: every byte, with a chat template that renders tools",
+    )
     p.set_defaults(fn=_make_tiny)
 
     p = sub.add_parser(
         "make-data", help="write a toy task's prompts, demonstrations or preference pairs as JSONL"
     )
-    p.add_argument("task", choices=["echo", "reverse", "calc"])
+    p.add_argument("task", choices=["echo", "reverse", "calc", "calc-agent"])
     p.add_argument("out")
     p.add_argument(
         "--kind",
@@ -106,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_make_data)
 
     p = sub.add_parser("warmstart", help="supervised warm-start of a checkpoint on a task's demonstrations")
-    p.add_argument("task", help="echo, reverse or calc (demonstrations made here), or any name with --demos")
+    p.add_argument(
+        "task", help="echo, reverse, calc or calc-agent (demonstrations made here), or any name with --demos"
+    )
     p.add_argument("model")
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=300)

@@ -29,6 +29,20 @@ CHAT_TEMPLATE = (
 )
 
 
+# The byte-level variant's template renders tools and tool calls itself (docs/design.md §10.8), compactly:
+# the tools as one line of names, a call as the Hermes block the model writes, a tool result as a turn.
+TOOLS_CHAT_TEMPLATE = (  # newlines as {{ '\\n' }}: a template's newline right after a tag is trimmed
+    "{% if tools %}system: tools: {% for t in tools %}{{ t['function']['name'] }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' and m.get('tool_calls') %}assistant: "
+    "{% for c in m['tool_calls'] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% else %}{{ m['role'] }}: {{ m['content'] }}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
 def _byte_level(ch: str) -> str:
     """GPT-2/Qwen2 byte-level spelling of a one-byte character (space is 'Ġ', newline is 'Ċ')."""
     (b,) = ch.encode()
@@ -62,6 +76,22 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE over all 256 bytes, no merges: any text (JSON tool calls included) round-trips, one
+    token per byte. Its chat template renders tools (:data:`TOOLS_CHAT_TEMPLATE`)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({ch: len(SPECIALS) + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+    )  # fmt: skip
+    fast.chat_template = TOOLS_CHAT_TEMPLATE
     return fast
 
 
@@ -106,6 +136,7 @@ def make_tiny(
     layers: int = 2,
     head_dim: int | None = None,
     vocab_size: int | None = None,
+    tokenizer: str = "chars",
 ) -> dict[str, Path]:
     """Build and save ``actor/`` (causal LM) and ``critic/`` (scalar head; doubles as a reward model).
 
@@ -113,10 +144,11 @@ def make_tiny(
     :func:`tiny_config` (``head_dim=32``: the same size, 2 heads of 32, loadable by vLLM's CPU build).
     ``vocab_size`` pads the embedding and the (tied) head to that many rows while the tokenizer keeps its
     small vocabulary, as real checkpoints carry unused rows (Qwen2's 151,936 rows for ~151,650 tokens):
-    a model with a real vocabulary's head cost at a tiny model's trunk cost.
+    a model with a real vocabulary's head cost at a tiny model's trunk cost. ``tokenizer="bytes"``: the
+    byte-level tokenizer whose template renders tools (:func:`build_byte_tokenizer`), for tool calling.
     """
     out = Path(out_dir)
-    tokenizer = build_tokenizer()
+    tokenizer = build_byte_tokenizer() if tokenizer == "bytes" else build_tokenizer()
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
     cfg = tiny_config(vocab_size or len(tokenizer), hidden=hidden, layers=layers, head_dim=head_dim)

@@ -80,7 +80,7 @@ def engine(tiny_ckpt) -> HFEngine:
     return HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=3)
 
 
-def make_runner(cfg: Config, engine: HFEngine) -> AgentRunner:
+def make_runner(cfg: Config, engine) -> AgentRunner:
     return AgentRunner(cfg, engine, engine.tokenizer, metrics=ServerMetrics(engine))
 
 
@@ -205,3 +205,58 @@ def test_agent_groups_go_through_admission_and_the_append(
     assert learner.buffer.prompts_pending() == 4  # two answered and acknowledged, exactly once
     stats = redis_client.hgetall(f"{run_id}:stats:server-0")
     assert float(stats[b"agent/calls"]) == 2.0 and float(stats[b"agent/aborted"]) == 0.0
+
+
+@pytest.fixture(scope="module")
+def tools_ckpt(tmp_path_factory) -> Path:
+    from tandem.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-tools"), tokenizer="bytes")["actor"]
+
+
+def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path) -> None:
+    """configs/tiny-agent.yaml's agent (tandem/tasks/calc_agent.py, plain openai SDK) inside the runner: a
+    tool call, its result, the final answer, one session each, token-exact. The engine is the labelled test
+    double of tests/test_tool_calls.py (a random model writes no calls): it writes the call a warm-started
+    model would, and answers with the tool's result once the prompt holds it."""
+    import re
+
+    from tandem.tasks.calc_tools import chat_prompt
+    from tandem.tiny import build_byte_tokenizer
+    from tests.test_tool_calls import ScriptedEngine
+
+    def reply(prompt: str) -> str:
+        if m := re.search(r"tool: (\S+)\nassistant: $", prompt):
+            return m.group(1)
+        a, b = re.search(r"user: (\d+)\+(\d+)=", prompt).groups()
+        return f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {int(b) + (a == "11")}}}}}</tool_call>'
+
+    engine = ScriptedEngine(build_byte_tokenizer())
+    engine.reply = reply
+    cfg = agent_cfg({"actor": tools_ckpt}, tmp_path, "tandem.tasks.calc_agent:agent",
+                    **{"agent.timeout_s": 60, "rollout.max_new_tokens": 80})  # fmt: skip
+    runner = make_runner(cfg, engine)
+    try:
+        records = [
+            {"id": "a", "prompt": "37+48=", "result": 85},
+            {"id": "b", "prompt": "11+20=", "result": 31},
+        ]
+        eps = runner.run(episodes(engine, records))
+    finally:
+        runner.close()
+    assert [e.end_reason for e in eps] == ["done"] * 2 * N
+    assert [e.reward for e in eps] == [1.0] * N + [0.0] * N  # the second prompt's call adds 11+21
+    tok, sums = engine.tokenizer, {"37+48=": 85, "11+20=": 32}
+    for e in eps:
+        t = e.trajectory("p", "g", "s")
+        assert e.metrics()["agent/tool_used"] == 1.0 and t.meta["calls"] == 2
+        assert tok.decode(t.prompt_tokens.tolist()) == chat_prompt(
+            e.record["prompt"]
+        )  # as the warm start saw
+        assert [k for k, _, _ in t.segments()] == ["model", "env", "model"]
+        _, s, end = t.segments()[1]
+        assert (
+            tok.decode(t.response_tokens[s:end].tolist())
+            == f"\ntool: {sums[e.record['prompt']]}\nassistant: "
+        )
+        assert set(t.reward_parts) == {"agent", "agent/correct"}

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from rollout.envs import calculator
-from tandem.tasks import echo, reverse
+from tandem.tasks import calc_tools, echo, reverse
 
-# calc is multi-turn: its reward is the environment's (rollout/envs/calculator.py), not a function here.
-TASKS: dict[str, Any] = {"echo": echo, "reverse": reverse, "calc": calculator}
+# calc is multi-turn: its reward is the environment's (rollout/envs/calculator.py), not a function here;
+# calc-agent's is the agent's (tandem/tasks/calc_agent.py).
+TASKS: dict[str, Any] = {"echo": echo, "reverse": reverse, "calc": calculator, "calc-agent": calc_tools}
 
 
 def make_records(task: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -35,8 +36,9 @@ def make_records(task: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def demonstrations(task: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
-    """(prompt, ideal completion) pairs for a supervised warm-start."""
-    return [(r["prompt"], r["answer"]) for r in make_records(task, n, seed)]
+    """(prompt, ideal completion) pairs for a supervised warm-start (a task may render its own prompt)."""
+    render = getattr(TASKS[task], "demonstration", lambda r: (r["prompt"], r["answer"]))
+    return [render(r) for r in make_records(task, n, seed)]
 
 
 RewardFn = Callable[[str, str, dict[str, Any]], "float | dict[str, float]"]
