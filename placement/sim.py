@@ -22,10 +22,12 @@ plan, and hysteresis-gated re-planning as the workload drifts.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -33,7 +35,7 @@ import numpy as np
 
 from placement.cost import CostModel, Sample, Workload, predict
 from placement.plan import Plan, Roles, validate
-from placement.planner import Replanner, rank
+from placement.planner import Decision, Replanner, rank
 
 GiB = 2**30
 
@@ -470,6 +472,46 @@ def probe_plans(roles: Roles, devices: int) -> list[Plan]:
     return probes
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """What the planner reads from a run: its recent phase times and memory, and the work now and next."""
+
+    samples: list[Sample]
+    memory: list[Sample]
+    work_now: Workload
+    work_next: Workload
+
+
+Judgement = tuple[Decision, float | None]  # the decision, and the current plan's measured / predicted
+
+
+def _judge(
+    snap: Snapshot,
+    roles: Roles,
+    devices: int,
+    capacity: tuple[float, float],
+    observed: dict[Plan, float],
+    replanner: Replanner,
+    at: tuple[Plan, float | None, int, float],
+) -> Judgement:
+    """One re-planning decision, in the planner's process: refit, correct, rank, apply hysteresis."""
+    current, measured, remaining, switch_s = at
+    model = CostModel.from_samples(snap.samples, snap.memory)
+    ratio = None
+    if measured is not None:
+        ratio = observed[current] = measured / predict(current, roles, model, snap.work_now).step_s
+    ranked = rank(
+        roles,
+        devices,
+        model,
+        snap.work_next,
+        device_bytes=capacity[0],
+        host_bytes=capacity[1],
+        observed=observed,
+    )
+    return replanner.decide(current, ranked, remaining, switch_s), ratio
+
+
 def run_auto(
     sim: SimRun,
     steps: int,
@@ -516,9 +558,27 @@ def run_auto(
     result = AutoResult(0, 0.0, [Switch(step, best.plan, best.step_s)])
     current = best.plan
     switch_s, switched_at = sim.truth.replace_s, None  # the cost of moving, as last measured
+    # The planner runs beside the run in its own process, as the driver would: its fit and ranking are
+    # milliseconds of Python that, in a thread here, would hold the GIL and delay the phases it judges.
+    planner = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+    def judge(i: int, current: Plan, ends_from: int, done: int, switch_s: float) -> Future[Judgement]:
+        measured = step_time(sim.ends[ends_from:], warmup=1) if done > 3 else None
+        return planner.submit(
+            _judge,
+            Snapshot(sim.samples[-window:], sim.memory[-window:], sim.work_at(i), sim.work_at(i + 1)),
+            roles,
+            devices,
+            (cluster.capacity, cluster.host_capacity),
+            dict(observed),
+            replanner,
+            (current, measured, steps - i - 1, switch_s),
+        )
+
     while step < steps:
         run_from, ends_from = step, len(sim.ends)
         decision = None
+        pending: list[Future[Judgement]] = []  # at most one judgement in flight for this plan
 
         def stop(
             i: int,
@@ -526,19 +586,19 @@ def run_auto(
             ends_from: int = ends_from,
             current: Plan = current,
             switch_s: float = switch_s,
+            pending: list[Future[Judgement]] = pending,
         ) -> bool:
             nonlocal decision
+            if pending and pending[0].done():
+                d, ratio = pending.pop().result()
+                if ratio is not None:
+                    observed[current] = ratio
+                if d.switch and i + 1 < steps:
+                    decision = d
+                    return True
             done = i - run_from + 1
-            if done % replan_every or i + 1 >= steps:
-                return False
-            model, work = refit(), sim.work_at(i)
-            measured = step_time(sim.ends[ends_from:], warmup=1) if done > 3 else None
-            if measured is not None:
-                observed[current] = measured / predict(current, roles, model, work).step_s
-            d = replanner.decide(current, ranked_at(i + 1), steps - i - 1, switch_s)
-            if d.switch:
-                decision = d
-                return True
+            if not pending and done % replan_every == 0 and i + 1 < steps:
+                pending.append(judge(i, current, ends_from, done, switch_s))
             return False
 
         step += sim.run(current, step, steps - step, stop)
@@ -553,5 +613,6 @@ def run_auto(
             time.sleep(sim.truth.replace_s)  # restart the roles under the new plan
             current = decision.plan
             result.switches.append(Switch(step, current, decision.predicted_s))
+    planner.shutdown(wait=True)
     result.steps, result.seconds, result.model = step, time.perf_counter() - t0, refit()
     return result
