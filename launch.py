@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from launcher import driver
+from launcher import driver, prepare
 from launcher.backends import available, get_backend
 from launcher.feeder import PromptFeeder, PromptSet
 from tandem.config import ConfigError, dump_config, load_config
@@ -122,13 +122,25 @@ def main(argv: list[str] | None = None) -> int:
         if resume is None and driver.started_before(fixed) and not args.fresh:
             resume = fixed  # the same command again: continue the run in run.dir
         backend = get_backend(args.backend, args.ray)
+        if resume is None and args.dry_run:  # what the config's prepare steps would make first
+            for line in prepare.describe(cfg.prepare):
+                print(f"# {line}")
+        elif resume is None:
+            prepare.run_steps(cfg.prepare)  # data, models, warm starts: the missing ones
         if not args.dry_run:
             driver.check_inputs(cfg)
             prompts = PromptSet.load(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except prepare.StepFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
+    if cfg.recipe != "ppo":  # sft, rm, dpo read no rollouts: the learner alone (launcher/offline.py)
+        from launcher import offline
+
+        return offline.run(cfg, resume=resume, fresh=args.fresh, dry_run=args.dry_run)
     predicted = None
     if cfg.placement.mode == "auto" and not args.dry_run:  # profile both placements, run the best
         from launcher import auto

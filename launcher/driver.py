@@ -32,6 +32,7 @@ from launcher.backends import Backend, Outcome, StartError
 from launcher.console import Console, status_line, summarize
 from launcher.feeder import PromptFeeder, PromptSet
 from launcher.plan import RunPlan, plan_run
+from launcher.prepare import how_to_make
 from launcher.supervision import RestartPolicy, Restarts, forget_dead_publisher
 from tandem.config import Config, ConfigError, dump_config
 from tandem.procs import alive
@@ -55,12 +56,12 @@ def check_inputs(cfg: Config) -> None:
     ):
         if p is not None and not (Path(p) / "config.json").is_file():
             raise ConfigError(
-                f"{field_path}: {p} is not a checkpoint directory (no config.json); build the demo's with `python -m tandem make-tiny assets/tiny`"
+                f"{field_path}: {p} is not a checkpoint directory (no config.json); {how_to_make(cfg, p)}"
             )
     if not Path(cfg.data.prompts).is_file():
-        raise ConfigError(f"data.prompts: {cfg.data.prompts} not found")
+        raise ConfigError(f"data.prompts: {cfg.data.prompts} not found; {how_to_make(cfg, cfg.data.prompts)}")
     if cfg.eval.prompts is not None and not Path(cfg.eval.prompts).is_file():
-        raise ConfigError(f"eval.prompts: {cfg.eval.prompts} not found")
+        raise ConfigError(f"eval.prompts: {cfg.eval.prompts} not found; {how_to_make(cfg, cfg.eval.prompts)}")
 
 
 def fixed_run_dir(cfg: Config) -> Path | None:

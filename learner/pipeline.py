@@ -31,10 +31,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError
 
+from launcher import prepare
 from learner.evaluate import task_score
 from tandem.config import (
     Config,
     ConfigError,
+    PrepareStep,
     Section,
     _format_validation_error,
     apply_overrides,
@@ -88,6 +90,10 @@ class PipelineConfig(Section):
         ..., description="Sections the rm stage sets over base (algorithm.recipe: rm)."
     )
     ppo: dict[str, Any] = Field(..., description="Sections the ppo stage sets over base (a launch.py run).")
+    prepare: list[PrepareStep] = Field(
+        default_factory=list,
+        description="Steps that make the stages' inputs first (launcher/prepare.py), as in a run config.",
+    )
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -349,6 +355,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m learner.pipeline"
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        for line in prepare.describe(pipeline.pc.prepare):
+            print(f"# {line}")
         for stage in STAGES:
             stage_dir = pipeline.dir / stage
             if (stage_dir / DONE).exists():
@@ -360,6 +368,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m learner.pipeline"
                 cmd = f"python -m learner.train --config {stage_dir / 'config.yaml'} --run-dir {stage_dir} --resume"
             print(f"# {stage}: {cmd}\n{dump_config(cfgs[stage])}")
         return 0
+    try:
+        prepare.run_steps(pipeline.pc.prepare)  # the base model and whatever else the stages read
+    except prepare.StepFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     pipeline.run()
     return 0
 

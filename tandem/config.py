@@ -775,6 +775,40 @@ class SupervisionConfig(Section):
     )
 
 
+class PrepareStep(Section):
+    """One step that makes a run's inputs (a data file, a model, a warm start, an earlier stage): launch.py
+    runs it first unless every path it produces exists (launcher/prepare.py)."""
+
+    name: str = Field(..., min_length=1, description="What the step makes, shown in its progress line.")
+    command: list[str] = Field(
+        ...,
+        min_length=1,
+        description="The command as an argument list, run from the working directory (where relative "
+        "config paths resolve); a leading `python` is the interpreter running launch.py.",
+    )
+    produces: list[str] = Field(
+        ...,
+        min_length=1,
+        description="The paths the command makes, each an argument of the command (or its `KEY=PATH` "
+        "value): it writes them under a temporary name, renamed when the command succeeds.",
+    )
+    reduced: list[str] = Field(
+        default_factory=list,
+        description="Arguments appended at reduced size (TANDEM_PREPARE=reduced, as the tests run), "
+        "e.g. [--steps, '5']; later flags override earlier ones.",
+    )
+
+    @model_validator(mode="after")
+    def _produces_in_command(self) -> PrepareStep:
+        for path in self.produces:
+            if not any(a == path or a.endswith(f"={path}") for a in self.command[1:]):
+                raise ValueError(
+                    f"produces {path!r} is not an argument of the command: the runner writes it under a "
+                    "temporary name and renames it when the command succeeds, so a partial one never counts"
+                )
+        return self
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and mode.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="The buffer and control plane.")
@@ -801,6 +835,11 @@ class Config(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Placement on a Ray cluster.")
     supervision: SupervisionConfig = Field(
         default_factory=SupervisionConfig, description="Restarts of crashed processes and Redis reconnects."
+    )
+    prepare: list[PrepareStep] = Field(
+        default_factory=list,
+        description="Steps that make the run's inputs, in order, before it starts: each a name, command, "
+        "produces and reduced (launcher/prepare.py); skipped when all its paths exist.",
     )
 
     @model_validator(mode="after")
