@@ -32,15 +32,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m tandem.prebuild; \
 	touch $(STAMP)
 
-ASSETS := assets/tiny/actor/config.json assets/echo.jsonl
+# Every config makes what it needs (its prepare steps: models, data, warm starts) when launch.py runs it;
+# `make assets` makes the demo's alone (python -m launcher.prepare CONFIG does it for any config).
+assets: $(STAMP)
+	$(PY) -m launcher.prepare configs/tiny.yaml
 
-assets/tiny/actor/config.json: | $(STAMP)
-	$(PY) -m tandem make-tiny assets/tiny
-
-assets/echo.jsonl: | $(STAMP)
-	$(PY) -m tandem make-data echo assets/echo.jsonl --n 2000
-
-demo: $(STAMP) $(ASSETS)
+demo: $(STAMP)
 	$(PY) launch.py configs/tiny.yaml
 
 test: $(STAMP)
@@ -56,7 +53,7 @@ test-presets: $(STAMP)
 	$(PY) -m pytest -m presets
 
 # and the SFT -> RM -> PPO pipeline end to end.
-test-stages: $(STAMP) $(ASSETS)
+test-stages: $(STAMP) assets
 	$(PY) -m pytest -m stages
 
 test-fast: $(STAMP)
@@ -72,10 +69,8 @@ bench: $(STAMP)
 	$(PY) bench/buffer.py && $(PY) bench/weightsync.py && $(PY) bench/rollout.py && $(PY) bench/learner.py && $(PY) bench/overlap.py
 
 # tandem against TRL's GRPOTrainer (installs TRL under .venv-trl on first use; ~25 min on 2 cores).
-bench-trl: $(STAMP) $(ASSETS)
+bench-trl: $(STAMP) assets
 	$(PY) bench/vs_trl.py
-
-assets: $(ASSETS)
 
 engines-env:
 	bash scripts/engines-env.sh all
@@ -93,36 +88,13 @@ $(VLLM_STAMP): pyproject.toml scripts/engines-env.sh
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -m vllm
 
-assets/tiny32/actor/config.json: | $(STAMP)
-	$(PY) -m tandem make-tiny assets/tiny32 --head-dim 32
-
 # The demo with rollout.engine=vllm (CPU build here): the same echo task, a head_dim-32 tiny model.
-demo-vllm: $(VLLM_STAMP) assets/tiny32/actor/config.json assets/echo.jsonl
+demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python launch.py configs/tiny-vllm.yaml
 
-# A real task (configs/tiny-arith.yaml): reasoning-gym basic_arithmetic (one-digit a + b, a - b), graded by
-# the dataset's own verifier. Data from four seeds: RL prompts 0, SFT demonstrations 1, SFT validation 3 and
-# the held-out eval prompts 2. Then a short SFT warm-start, then GRPO with held-out evaluation.
-ARITH_CONFIG := {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"], "allow_parentheses": false, "allow_negation": false}
-ARITH_GEN = $(PY) -m rollout.envs.reasoning_gym basic_arithmetic $@ --lowercase --config '$(ARITH_CONFIG)'
-ARITH_DATA := assets/arith/prompts.jsonl assets/arith/sft.jsonl assets/arith/sft-eval.jsonl assets/arith/eval.jsonl
-
-assets/arith/prompts.jsonl: | $(STAMP)
-	$(ARITH_GEN) --n 2000 --seed 0
-assets/arith/sft.jsonl: | $(STAMP)
-	$(ARITH_GEN) --kind sft --n 2000 --seed 1
-assets/arith/sft-eval.jsonl: | $(STAMP)
-	$(ARITH_GEN) --kind sft --n 200 --seed 3
-assets/arith/eval.jsonl: | $(STAMP)
-	$(ARITH_GEN) --n 128 --seed 2
-
-assets/tiny-arith/actor/config.json: | $(STAMP)
-	$(PY) -m tandem make-tiny assets/tiny-arith --hidden 128
-
-runs/sft-arith/final/config.json: assets/tiny-arith/actor/config.json $(ARITH_DATA)
-	$(PY) -m learner.train --config configs/sft-arith.yaml --run-dir runs/sft-arith
-
-demo-arith: $(STAMP) runs/sft-arith/final/config.json
+# A real task (configs/tiny-arith.yaml): reasoning-gym basic_arithmetic, a short SFT warm-start, then GRPO
+# with held-out evaluation; its data and the SFT stage are the config's prepare steps.
+demo-arith: $(STAMP)
 	$(PY) launch.py configs/tiny-arith.yaml
 
 clean:
