@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,28 @@ def test_every_input_of_every_shipped_config_has_a_prepare_step_or_is_external()
         for p in filter(None, needed):
             made = any(p == s or p.startswith(s.rstrip("/") + "/") for st in steps for s in st.produces)
             assert made or Path(p).is_absolute(), f"{path.name}: nothing makes {p}"
+
+
+def test_a_prepare_killed_mid_step_is_redone_by_the_next_run(tmp_path: Path) -> None:
+    """SIGKILL of the runner while its step writes: no cleanup runs, yet the half output is not reused."""
+    code = (
+        "import os, pathlib, signal, sys, time\n"
+        "out, seen = pathlib.Path(sys.argv[1]), pathlib.Path('killed-once')\n"
+        "if not seen.exists():\n"
+        "    seen.touch(); out.write_text('half'); os.kill(os.getppid(), signal.SIGKILL); time.sleep(1)\n"
+        "    sys.exit(0)\n"
+        "out.write_text('full')\n"
+    )
+    steps = [
+        {"name": "slow data", "command": ["python", "-c", code, "data/out.txt"], "produces": ["data/out.txt"]}
+    ]
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"prepare": steps}))
+    cmd = [sys.executable, "-m", "launcher.prepare", "cfg.yaml"]
+    first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert first.returncode == -9 and (tmp_path / "killed-once").exists()
+    assert not (tmp_path / "data/out.txt").exists()  # only a .partial-PID- file, its process gone
+    second = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "[prepare 1/1 slow data] running: " in second.stdout and "reused" not in second.stdout
+    assert (tmp_path / "data/out.txt").read_text() == "full"
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["out.txt"]  # the leftover cleared
