@@ -8,8 +8,9 @@
     python launch.py pipeline configs/pipeline-tiny.yaml               # SFT -> RM -> PPO (learner/pipeline.py)
     python launch.py plan configs/tiny-ppo.yaml --devices 8            # candidate placements, ranked
 
-A thin command line over the ``launcher`` package (docs/design.md §1.5): validate the config and the
-prompts, pick a backend (``local`` subprocesses by default; ``--ray`` or ``--backend NAME``), and run.
+A thin command line over the ``launcher`` package (docs/design.md §1.5): make what the config's prepare
+steps produce and is missing (data, models, warm starts: ``launcher/prepare.py``), validate the config and
+the prompts, pick a backend (``local`` subprocesses by default; ``--ray`` or ``--backend NAME``), and run.
 ``local`` needs no Ray: nothing here imports it unless asked. ``--ray`` runs the learner's ranks in one
 placement group and the servers as restartable actors (docs/design.md §1.7, docs/ray.md).
 
@@ -65,7 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--servers", metavar="+K", help="--attach: how many servers to add, e.g. +2")
     ap.add_argument(
-        "--dry-run", action="store_true", help="print the commands and per-process config, start nothing"
+        "--dry-run",
+        action="store_true",
+        help="print the prepare steps it would run, the commands and per-process config; start nothing",
     )
     ap.add_argument(
         "--no-console", action="store_true", help="plain log lines instead of the live progress view"
