@@ -26,6 +26,8 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
 With an environment (``env.path``), steps 4 and 5 are one: :meth:`RolloutLoop.run_episodes` plays ``n``
 multi-turn episodes per prompt, all batched in the engine turn by turn, and the episode's return (the sum of
 its turn rewards) is the reward (docs/design.md §10.3). Weight updates are applied between turns too.
+With an agent (``agent.path``), :meth:`RolloutLoop.run_agents` runs the agent function ``n`` times per
+prompt, each episode a session on the server's own API, and the sessions are the group (§10.9).
 
 A prompt taken but not appended (stop, crash) stays pending in Redis for another server to claim; on a
 clean stop the batches in flight finish and are appended first, then the rest is handed back.

@@ -250,6 +250,7 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path) 
     for e in eps:
         t = e.trajectory("p", "g", "s")
         assert e.metrics()["agent/tool_used"] == 1.0 and t.meta["calls"] == 2
+        assert t.meta["env/tool_used"] == 1.0 and t.meta["env/aborted"] == 0.0  # the learner logs them
         assert tok.decode(t.prompt_tokens.tolist()) == chat_prompt(
             e.record["prompt"]
         )  # as the warm start saw

@@ -115,6 +115,12 @@ class AgentEpisode:
                 "calls": s.calls if s else 0,
                 "end_reason": self.end_reason,
                 "seconds": self.seconds,
+                # the learner averages episode metrics over each batch it trains on (docs/design.md §10.3)
+                **{
+                    f"env/{k.removeprefix('agent/')}": v
+                    for k, v in self.metrics().items()
+                    if k != "agent/seconds"
+                },
             },
         )
 
