@@ -106,13 +106,22 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
 
 
 @torch.no_grad()
-def token_rewards(seq_reward: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
+def token_rewards(
+    seq_reward: Tensor,
+    mask: Tensor,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    *,
+    placed: Tensor | None = None,
+) -> Tensor:
     """Per-token rewards: the sequence reward on the last valid token, minus ``kl_coef·kl`` on every
     valid token (the KL folded into the reward, Ziegler et al. 2019 / Ouyang et al. 2022).
 
-    ``kl`` is a per-token estimate from ``KL_ESTIMATORS`` (usually k1). Padding is 0.
+    ``kl`` is a per-token estimate from ``KL_ESTIMATORS`` (usually k1). Padding is 0. ``placed`` holds
+    rewards already on their tokens: per-turn credit, each turn's reward on that turn's last generated
+    token (docs/design.md §10.1). A row of it that is all zero takes the sequence reward as usual.
 
-    Shape: seq_reward (B,), mask (B, T), kl (B, T) -> (B, T).
+    Shape: seq_reward (B,), mask (B, T), kl (B, T), placed (B, T) -> (B, T).
     """
     m = mask.bool()
     dtype = seq_reward.dtype if kl is None else torch.promote_types(seq_reward.dtype, kl.dtype)
@@ -122,6 +131,10 @@ def token_rewards(seq_reward: Tensor, mask: Tensor, kl: Tensor | None = None, kl
     # argmax returns the first maximum of the running count, i.e. the last valid token.
     last = m.long().cumsum(-1).argmax(-1)  # (B,)
     bonus = torch.where(m.any(-1), seq_reward.to(dtype), 0.0)  # (B,)
+    if placed is not None:
+        per_turn = placed.ne(0).any(-1)  # (B,)
+        bonus = torch.where(per_turn, 0.0, bonus)
+        rewards = rewards + torch.where(m & per_turn[:, None], placed.to(dtype), 0.0)
     return rewards.scatter_add(-1, last[:, None], bonus[:, None])
 
 

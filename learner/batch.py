@@ -50,6 +50,7 @@ class Batch:
     group_index: Tensor  # (B,) int64; aborted rows get a label of their own
     staleness: Tensor  # (B,) int64, at the learner version that trains on the batch
     seq_lens: Tensor  # (B,) int64, prompt + response
+    turn_rewards: Tensor | None = None  # (B, R) float32: each turn's reward on its last generated token
 
     def __len__(self) -> int:
         return len(self.trajs)
@@ -62,6 +63,7 @@ class Batch:
             mask=self.mask.to(device),
             rewards=self.rewards.to(device),
             group_index=self.group_index.to(device),
+            turn_rewards=None if self.turn_rewards is None else self.turn_rewards.to(device),
         )
 
     @property
@@ -82,8 +84,10 @@ def trajectory_problem(t: Trajectory, vocab_size: int) -> str | None:
     return None
 
 
-def make_batch(trajs: Sequence[Trajectory], version: int) -> Batch:
-    """Collate trajectories (on CPU; tensors move to the device per micro-batch)."""
+def make_batch(trajs: Sequence[Trajectory], version: int, *, per_turn: bool = False) -> Batch:
+    """Collate trajectories (on CPU; tensors move to the device per micro-batch). ``per_turn`` places the
+    turn rewards an episode recorded (``meta["turn_credit"]``: last generated token, reward) on their
+    tokens; a trajectory without them keeps its sequence reward."""
     width = max([1, *(len(t.response_tokens) for t in trajs)])
     b = len(trajs)
     # Filled in numpy, then wrapped: a numpy slice assignment costs a fraction of a torch one per row.
@@ -99,6 +103,10 @@ def make_batch(trajs: Sequence[Trajectory], version: int) -> Batch:
         # targets, all of which read this mask (docs/design.md §10.1).
         mask[i, :r] = 0.0 if aborted else t.loss_mask
         group_index[i] = -1 - i if aborted else groups.setdefault(t.group_id, len(groups))
+    turns = np.zeros((b, width), dtype=np.float32) if per_turn else None
+    for i, t in enumerate(trajs if per_turn else ()):
+        for pos, reward in t.meta.get("turn_credit") or ():
+            turns[i, pos] += reward
     return Batch(
         trajs=list(trajs),
         behav_logp=torch.from_numpy(behav),
@@ -107,6 +115,7 @@ def make_batch(trajs: Sequence[Trajectory], version: int) -> Batch:
         group_index=torch.from_numpy(group_index),
         staleness=torch.tensor([t.staleness(version) for t in trajs], dtype=torch.long),
         seq_lens=torch.tensor([len(t.prompt_tokens) + len(t.response_tokens) for t in trajs]),
+        turn_rewards=None if turns is None else torch.from_numpy(turns),
     )
 
 

@@ -112,7 +112,8 @@ class PPOLearner(OnlineRuntime):
         taken = self.take_batch()  # rank 0 reads the buffer; every rank receives the batch
         if taken is None:
             return False
-        batch = make_batch([t.traj for t in taken], self.version).to(self.device)
+        per_turn = self.cfg.algorithm.credit == "turn"
+        batch = make_batch([t.traj for t in taken], self.version, per_turn=per_turn).to(self.device)
         t1 = time.perf_counter()
         self.timers.clear()  # per-role phases of this step (the placement planner's profile)
         stats = self.train(batch)  # no-grad passes, advantages, PPO epochs, optimizer steps
@@ -155,7 +156,7 @@ class PPOLearner(OnlineRuntime):
         kl_reward = None
         if a.kl_in_reward and ref_logp is not None:
             kl_reward = self.kl_estimator(prox_logp, ref_logp)  # (B, R)
-        rewards = token_rewards(batch.rewards, batch.mask, kl_reward, a.kl_coef)  # (B, R)
+        rewards = token_rewards(batch.rewards, batch.mask, kl_reward, a.kl_coef, placed=batch.turn_rewards)
         adv, returns = self.estimate(
             AdvantageInputs(
                 rewards,

@@ -387,6 +387,10 @@ class AlgorithmConfig(Section):
     kl_in_reward: bool = Field(
         False, description="Fold the KL into the per-token reward (true) or add it as a loss term (false)."
     )
+    credit: Literal["episode", "turn"] = Field(
+        "episode",
+        description="Multi-turn rewards: episode puts their sum on the last generated token; turn puts each turn's reward on that turn's last generated token, so gae and reinforce_pp credit turns separately.",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (gae only).")
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the value update; null disables.")
@@ -901,6 +905,11 @@ class Config(Section):
         if a.minibatch_size % min(self.learner.micro_batch_size, a.minibatch_size):
             raise ValueError(
                 f"algorithm.minibatch_size ({a.minibatch_size}) must be a multiple of learner.micro_batch_size ({self.learner.micro_batch_size})"
+            )
+        if a.credit == "turn" and a.advantage not in ("gae", "reinforce_pp"):
+            raise ValueError(
+                f"algorithm.credit=turn places rewards on tokens, which only the per-token estimators read "
+                f"(gae, reinforce_pp); algorithm.advantage={a.advantage} scores whole sequences"
             )
         return self
 

@@ -72,6 +72,29 @@ def test_token_rewards_places_reward_on_last_valid_token_and_kl_on_every_valid_t
     torch.testing.assert_close(token_rewards(t64([1.0, 2.0, 3.0]), mask)[:2], t64([[0, 1, 0], [2, 0, 0]]))
 
 
+def test_per_turn_credit_puts_each_turn_reward_on_its_last_token_and_gae_credits_turns_separately():
+    # Two model turns (tokens 0-1 and 4-5) around two environment tokens, then padding. Turn 1 earned
+    # 1.0, turn 2 earned 0.5; the episode's sum, 1.5, is the sequence reward.
+    mask = t64([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]])
+    placed = t64([[0, 1.0, 0, 0, 0, 0.5, 0], [0, 0, 0, 0, 0, 0, 0]])  # row 1: single-turn, no placement
+    seq = t64([1.5, 2.0])
+    r = token_rewards(seq, mask, placed=placed)
+    torch.testing.assert_close(r, t64([[0, 1.0, 0, 0, 0, 0.5, 0], [0, 0, 2.0, 0, 0, 0, 0]]))
+    # KL still lands on every valid token, beside the placed rewards.
+    kl = torch.ones_like(mask)
+    r_kl = token_rewards(seq, mask, kl, 0.1, placed=placed)
+    torch.testing.assert_close(r_kl[0], t64([-0.1, 0.9, 0, 0, -0.1, 0.4, 0]))
+    # GAE with V = 0, γ = 0.5, λ = 1 over the valid steps 0, 1, 4, 5 (environment tokens skipped):
+    #   per turn:   G5 = 0.5, G4 = 0.25, G1 = 1 + 0.5·0.25 = 1.125, G0 = 0.5625
+    #   per episode: the 1.5 at step 5 only: G5 = 1.5, G4 = 0.75, G1 = 0.375, G0 = 0.1875
+    values = torch.zeros_like(mask)
+    adv_turn, _ = gae(r, values, mask, gamma=0.5, lam=1.0)
+    adv_episode, _ = gae(token_rewards(seq, mask), values, mask, gamma=0.5, lam=1.0)
+    torch.testing.assert_close(adv_turn[0], t64([0.5625, 1.125, 0, 0, 0.25, 0.5, 0]))
+    torch.testing.assert_close(adv_episode[0], t64([0.1875, 0.375, 0, 0, 0.75, 1.5, 0]))
+    torch.testing.assert_close(adv_turn[1], adv_episode[1])  # a row without turns is unchanged
+
+
 def test_discounted_returns_hand_values_and_masked_tail():
     rewards = t64([[1.0, 0.0, 2.0, 7.0]])
     mask = t64([[1, 1, 1, 0]])

@@ -88,6 +88,15 @@ def test_sync_interval_beyond_the_staleness_bound_is_refused() -> None:
         load_config(tiny, [s2, "algorithm.sync_interval=2", "run.mode=sync"])
 
 
+def test_per_turn_credit_needs_a_per_token_estimator() -> None:
+    tiny = ROOT / "configs/tiny.yaml"
+    assert load_config(tiny, ["algorithm.credit=turn", "algorithm.advantage=gae"]).algorithm.credit == "turn"
+    with pytest.raises(
+        ConfigError, match=r"algorithm\.credit=turn .*algorithm\.advantage=grpo scores whole sequences"
+    ):
+        load_config(tiny, ["algorithm.credit=turn", "algorithm.advantage=grpo"])
+
+
 def test_sync_mode_is_on_policy_whatever_the_configured_bound() -> None:
     tiny = ROOT / "configs/tiny.yaml"
     assert load_config(tiny, ["algorithm.max_staleness=2"]).max_staleness == 2

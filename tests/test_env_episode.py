@@ -113,7 +113,16 @@ def test_behav_logp_equals_the_learners_forward_across_turns_and_a_between_turn_
         obs = tok("ok, go on\n", add_special_tokens=False)["input_ids"]
         assert t.response_tokens[~t.generated].tolist() == obs * 2
         env_tokens += int((~t.generated).sum())
+        # Per-turn credit: each turn's reward on that turn's last generated token, and so in the batch.
+        ends = [end - 1 for kind, _, end in t.segments() if kind == "model"]
+        assert t.meta["turn_credit"] == [[e, r] for e, r in zip(ends, [0.25, 0.25, 1.0], strict=True)]
     assert env_tokens > 0
+    placed = make_batch(trajs, 0, per_turn=True).turn_rewards
+    for i, t in enumerate(trajs):
+        row = placed[i, : len(t.response_tokens)]
+        assert row.sum().item() == pytest.approx(t.reward) and int(row.ne(0).sum()) == 3
+        assert all(t.generated[j] for j in row.nonzero().flatten().tolist())
+    assert make_batch(trajs, 0).turn_rewards is None  # episode credit: the sequence reward alone
 
 
 def test_behav_logp_across_an_inflight_update_inside_a_turn(models) -> None:
@@ -255,7 +264,7 @@ def test_the_learner_logs_batch_means_of_episode_metrics() -> None:
     def traj(turns: int, metrics: dict[str, float]):
         e = Episode(Task("p", (1,), {}), TalkEnv(), [1], turns=turns, metrics=metrics)
         e.add([5, 6], [-0.1, -0.2], [0, 0], generated=True)
-        e.turn_rewards.append(1.0)
+        e.rewarded(1.0)
         e.end("stop", "done")
         return e.trajectory("p", "g", "s")
 

@@ -59,6 +59,7 @@ class Episode:
     versions: list[int] = field(default_factory=list)  # -1 on env tokens
     mask: list[int] = field(default_factory=list)  # 1 generated, 0 env
     turn_rewards: list[float] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)  # each reward's turn: its last generated token
     metrics: dict[str, float] = field(default_factory=dict)
     turns: int = 0
     last_action: Action | None = None
@@ -100,9 +101,19 @@ class Episode:
                 "turns": self.turns,
                 "end_reason": self.end_reason,
                 "turn_rewards": self.turn_rewards,
+                # For algorithm.credit=turn: each turn's reward on its last generated token.
+                "turn_credit": [
+                    [i, clip(r)] for i, r in zip(self.turn_ends, self.turn_rewards, strict=True) if i >= 0
+                ],
                 **{f"env/{k}": v for k, v in self.metrics.items()},
             },
         )
+
+    def rewarded(self, reward: float) -> None:
+        """The environment's reward for the turn just taken, kept with that turn's last generated token
+        (-1 before the model has said anything)."""
+        self.turn_rewards.append(reward)
+        self.turn_ends.append(next((i for i in range(len(self.mask) - 1, -1, -1) if self.mask[i]), -1))
 
     def add(self, ids: list[int], logp: list[float], versions: list[int], generated: bool) -> None:
         self.tokens += ids
@@ -233,7 +244,7 @@ class EpisodeRunner:
         try:
             result = call_with_timeout(e.env.step, e.last_action, self.step_timeout_s, "step")
             reward, done, obs = self.check(result)
-            e.turn_rewards.append(reward)
+            e.rewarded(reward)
             for k, v in (result.info.get("metrics") or {}).items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     e.metrics[str(k)] = float(v)  # the episode so far: the last step's value stands
