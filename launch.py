@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             resume = fixed  # the same command again: continue the run in run.dir
         backend = get_backend(args.backend, args.ray)
         if resume is None and args.dry_run:  # what the config's prepare steps would make first
-            for line in prepare.describe(cfg.prepare):
+            for line in prepare.describe(cfg.prepare, reads=prepare.config_reads(cfg)):
                 print(f"# {line}")
-        elif resume is None:
-            prepare.run_steps(cfg.prepare)  # data, models, warm starts: the missing ones
+        elif resume is None:  # data, models, warm starts: the missing ones this run reads
+            prepare.run_steps(cfg.prepare, reads=prepare.config_reads(cfg))
         if not args.dry_run:
             driver.check_inputs(cfg)
             prompts = PromptSet.load(cfg)

@@ -60,16 +60,75 @@ def is_done(step: PrepareStep, root: Path, reduced: bool) -> bool:
     return all(p.exists() for p in paths) and (reduced or not any(_marker(p).exists() for p in paths))
 
 
+def config_reads(cfg: Config | dict) -> list[str]:
+    """Every string of the config but its prepare list: the paths the run reads are among them."""
+    out: list[str] = []
+
+    def walk(v: object) -> None:
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    data = dict(cfg) if isinstance(cfg, dict) else cfg.model_dump(mode="json")
+    data.pop("prepare", None)
+    walk(data)
+    return out
+
+
+def _yaml_reads(path: Path) -> list[str]:
+    """The strings of a YAML config named by a step's argument (a stage reads its inputs through it)."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return config_reads(raw) if isinstance(raw, dict) else []
+
+
+def _abs(root: Path, p: str) -> Path:
+    return Path(os.path.abspath(root / p))
+
+
+def needed(steps: Sequence[PrepareStep], reads: Sequence[str] | None, root: Path) -> list[bool]:
+    """Which steps this run needs: one that makes a path it reads, or an argument of a needed later step
+    (the warm start needs the model it starts from) or a path in a YAML config that is one (an earlier
+    stage's). ``reads`` None: all of them. A step whose output an override replaced
+    (``model.actor=/my/model``) is left out."""
+    if reads is None:
+        return [True] * len(steps)
+    want = {_abs(root, r) for r in reads if r and "\0" not in r}
+    keep = [False] * len(steps)
+    for i in reversed(range(len(steps))):
+        made = [_abs(root, p) for p in steps[i].produces]
+        if any(w == m or m in w.parents for w in want for m in made):
+            keep[i] = True
+            args = [
+                v for a in steps[i].command[1:] + steps[i].reduced for v in (a, a.rpartition("=")[2]) if v
+            ]
+            args += [r for a in args if a.endswith((".yaml", ".yml")) for r in _yaml_reads(root / a)]
+            want |= {_abs(root, a) for a in args if "\0" not in a}
+    return keep
+
+
 def describe(
-    steps: Sequence[PrepareStep], root: Path | None = None, reduced: bool | None = None
+    steps: Sequence[PrepareStep],
+    root: Path | None = None,
+    reduced: bool | None = None,
+    reads: Sequence[str] | None = None,
 ) -> list[str]:
-    """One line per step: reused, or the command it would run (``--dry-run``)."""
+    """One line per step: reused, not needed, or the command it would run (``--dry-run``)."""
     root = Path.cwd() if root is None else root
     reduced = reduced_from_env() if reduced is None else reduced
     out = []
-    for i, step in enumerate(steps, 1):
+    for i, (step, need) in enumerate(zip(steps, needed(steps, reads, root), strict=True), 1):
         head = f"prepare {i}/{len(steps)} {step.name}"
-        if is_done(step, root, reduced):
+        if not need:
+            out.append(f"{head}: not needed, the run reads none of {', '.join(step.produces)}")
+        elif is_done(step, root, reduced):
             out.append(f"{head}: exists, reused ({', '.join(step.produces)})")
         else:
             out.append(f"{head}: would run {shown(step, reduced)}")
@@ -79,10 +138,10 @@ def describe(
 def made_by(steps: Sequence[PrepareStep], path: str | Path, root: Path | None = None) -> PrepareStep | None:
     """The step whose output is ``path`` or holds it (``assets/tiny`` holds ``assets/tiny/actor``)."""
     root = Path.cwd() if root is None else root
-    target = Path(os.path.abspath(root / path))
+    target = _abs(root, str(path))
     for step in steps:
         for p in step.produces:
-            made = Path(os.path.abspath(root / p))
+            made = _abs(root, p)
             if target == made or made in target.parents:
                 return step
     return None
@@ -172,13 +231,18 @@ def run_steps(
     root: Path | None = None,
     reduced: bool | None = None,
     say: Callable[[str], None] = lambda line: print(line, flush=True),
+    reads: Sequence[str] | None = None,
 ) -> int:
-    """Run the steps whose outputs are missing, in order; returns how many ran. Raises StepFailed."""
+    """Run the needed steps whose outputs are missing, in order; returns how many ran. Raises StepFailed.
+    ``reads``: the strings of the run's config (:func:`config_reads`); None runs every step."""
     root = Path.cwd() if root is None else root
     reduced = reduced_from_env() if reduced is None else reduced
     ran = 0
-    for i, step in enumerate(steps, 1):
+    for i, (step, need) in enumerate(zip(steps, needed(steps, reads, root), strict=True), 1):
         label = f"prepare {i}/{len(steps)} {step.name}"
+        if not need:
+            say(f"[{label}] not needed, the run reads none of {', '.join(step.produces)}")
+            continue
         if is_done(step, root, reduced):
             say(f"[{label}] exists, reused ({', '.join(step.produces)})")
             continue

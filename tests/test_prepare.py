@@ -12,7 +12,15 @@ import yaml
 
 import launch
 from launcher import driver
-from launcher.prepare import StepFailed, describe, how_to_make, load_steps, run_steps
+from launcher.prepare import (
+    StepFailed,
+    config_reads,
+    describe,
+    how_to_make,
+    load_steps,
+    needed,
+    run_steps,
+)
 from tandem.config import Config, ConfigError, PrepareStep, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,20 +160,41 @@ def test_a_missing_input_names_the_command_that_makes_it(tmp_path: Path, monkeyp
 def test_launch_runs_the_steps_first_and_dry_run_lists_them(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     raw = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
-    raw["prepare"].append(
-        {"name": "broken", "command": ["python", "-c", "raise SystemExit(5)", "x"], "produces": ["x"]}
-    )
+    raw["data"]["prompts"] = "mine.jsonl"  # made by a broken step; the echo prompts are then not needed
+    broken = ["python", "-c", "raise SystemExit(5)", "mine.jsonl"]
+    raw["prepare"].append({"name": "broken", "command": broken, "produces": ["mine.jsonl"]})
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(raw))
     args = ["tiny.yaml", f"run.output_dir={tmp_path / 'runs'}", "--no-console"]
     assert launch.main([*args, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "# prepare 1/3 tiny model: would run python -m tandem make-tiny assets/tiny" in out
+    assert "# prepare 2/3 echo prompts: not needed, the run reads none of assets/echo.jsonl" in out
     assert "# prepare 3/3 broken: would run python -c" in out and not (tmp_path / "assets").exists()
-    assert launch.main(args) == 1  # the real steps ran, then the broken one stopped the run
+    assert launch.main(args) == 1  # the model was made, then the broken step stopped the run
     out, err = capsys.readouterr()
-    assert "[prepare 1/3 tiny model] done in" in out and "[prepare 2/3 echo prompts] done in" in out
+    assert "[prepare 1/3 tiny model] done in" in out and "[prepare 2/3 echo prompts] not needed" in out
     assert "error: prepare 3/3 broken failed with exit code 5" in err
-    assert (tmp_path / "assets/tiny/actor/config.json").is_file() and not (tmp_path / "runs").exists()
+    assert (tmp_path / "assets/tiny/actor/config.json").is_file() and not (
+        tmp_path / "assets/echo.jsonl"
+    ).exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_step_is_needed_when_the_run_reads_its_output_or_a_needed_step_does(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(ROOT / "configs/tiny-calc.yaml")  # tiny model -> calc prompts, warm start from it
+    assert needed(cfg.prepare, config_reads(cfg), tmp_path) == [True, True, True]
+    cfg = load_config(ROOT / "configs/tiny-calc.yaml", [f"model.actor={tmp_path / 'my-model'}"])
+    assert needed(cfg.prepare, config_reads(cfg), tmp_path) == [False, True, False]
+    assert needed(cfg.prepare, None, tmp_path) == [True, True, True]  # python -m launcher.prepare: all
+    # the SFT stage reads the model and demonstrations through its own config, named in its command
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # a checkout's
+    cfg = load_config(ROOT / "configs/tiny-arith.yaml")
+    assert needed(cfg.prepare, config_reads(cfg), tmp_path) == [True] * 6
+    cfg = load_config(ROOT / "configs/tiny-arith.yaml", [f"model.actor={tmp_path / 'my-model'}"])
+    assert needed(cfg.prepare, config_reads(cfg), tmp_path) == [False, True, False, False, True, False]
 
 
 def test_every_input_of_every_shipped_config_has_a_prepare_step_or_is_external() -> None:
