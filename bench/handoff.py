@@ -5,9 +5,9 @@
 In ``--mode sync`` every step pays this latency twice over nothing else: the learner publishes, announces
 the version, and the server (blocked in ``wait_admission`` as rollout/loop.py blocks) wakes, loads the
 weights and starts generating. Two ways of announcing, alternated step by step in the same run:
-  separate  the shm publisher's announce transaction, then ``buffer.set_version(v)`` (a second one);
-  folded    ``buffer.queue_version`` inside the publisher's announce transaction (what the learner does).
-A real embedded Redis, the real ``ShmPublisher``/``ShmSubscriber`` and ``ReplayBuffer``; the server is a
+  separate  the shm publisher's announce transaction, then ``admission.set_version(v)`` (a second one);
+  folded    ``admission.queue_version`` inside the publisher's announce transaction (what the learner does).
+A real embedded Redis, the real ``ShmPublisher``/``ShmSubscriber`` and ``Admission``; the server is a
 separate process. Prints the median hand-off and the learner's own publish time per variant and their
 ratios; the last line is one JSON object.
 """
@@ -30,8 +30,8 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":  # bench/buffer.p
 import redis  # noqa: E402
 import torch  # noqa: E402
 
+from buffer.admission import Admission  # noqa: E402
 from buffer.redis_server import EmbeddedRedis  # noqa: E402
-from buffer.streams import ReplayBuffer  # noqa: E402
 from weightsync.base import weights_key  # noqa: E402
 from weightsync.shm import ShmPublisher, ShmSubscriber  # noqa: E402
 
@@ -43,7 +43,7 @@ def server(url: str, steps: int) -> None:
     """What rollout/loop.py does between batches: wait for admission (taking weights meanwhile), then
     make sure it holds the learner's version."""
     client = redis.Redis.from_url(url, socket_timeout=30)
-    buf = ReplayBuffer(client, RUN, consumer="server-0")
+    adm = Admission(client, RUN, consumer="server-0", batch_size=1, max_staleness=0, n_samples=1)
     sub = ShmSubscriber(client, RUN, "server-0")
     held = [-1]
 
@@ -55,13 +55,12 @@ def server(url: str, steps: int) -> None:
             held[0] = upd.version
 
     for _ in range(steps + 1):
-        ok = buf.wait_admission(
-            1, batch_size=1, max_staleness=0, timeout_s=30, while_waiting=take_weights,
-            wake_channels=[weights_key(RUN, "announce")],
-        )  # fmt: skip
+        ok = adm.wait(
+            1, timeout_s=30, while_waiting=take_weights, wake_channels=[weights_key(RUN, "announce")]
+        )
         assert ok, "server: not admitted within 30 s"
         take_weights()
-        while held[0] < (v := buf.get_version()):
+        while held[0] < (v := adm.version()):
             take_weights(1.0)
         client.rpush(DONE, json.dumps([v, time.perf_counter()]))
     sub.close()
@@ -82,10 +81,10 @@ def main() -> None:
     mb = sum(t.nbytes for _, t in tensors) / 1e6
     with tempfile.TemporaryDirectory(prefix="tandem-handoff-") as tmp, EmbeddedRedis(tmp) as r:
         client = r.client(socket_timeout=30)
-        buf = ReplayBuffer(client, RUN, consumer="learner-0")
+        adm = Admission(client, RUN, consumer="learner-0", batch_size=1, max_staleness=0, n_samples=1)
         pub = ShmPublisher(client, RUN, Path(tmp) / "weights")
         pub.publish(tensors, 0)
-        buf.set_version(0)
+        adm.set_version(0)
         proc = mp.get_context("spawn").Process(target=server, args=(r.url, args.steps))
         proc.start()
         client.blpop(DONE, timeout=60)  # admitted at v0: the server is up
@@ -94,12 +93,12 @@ def main() -> None:
         }
         for step in range(1, args.steps + 1):
             variant = "folded" if step % 2 else "separate"
-            pub.announce_hooks = [buf.queue_version] if variant == "folded" else []
+            pub.announce_hooks = [adm.queue_version] if variant == "folded" else []
             time.sleep(args.train_ms / 1000)  # the server is blocked in wait_admission meanwhile
             t0 = time.perf_counter()
             pub.publish(tensors, step)
             if variant == "separate":
-                buf.set_version(step)
+                adm.set_version(step)
             t1 = time.perf_counter()
             got = client.blpop(DONE, timeout=60)
             assert got is not None, "server: no report within 60 s"

@@ -1,13 +1,13 @@
 """The replay buffer: Redis Streams carrying prompts to the rollout servers and trajectories to the learner.
 
-Owns every data-path key of a run (docs/design.md §1.6, §3, §6)::
+Owns the stream keys of a run (docs/design.md §1.6, §3, §6)::
 
     {run}:traj           trajectories, consumer group "learner"     {run}:traj:dead     malformed entries
     {run}:traj:stale     entries refused as too stale               {run}:prompts       prompts, group "rollout"
     {run}:prompts:dead   malformed prompts                          {run}:counts        dead/stale counters (hash)
-    {run}:version        the learner's policy version               {run}:admitted      admitted trajectories
-    {run}:credits        groups each server was admitted for and has not yet spent on prompts (hash)
-    {run}:version:changed   pub/sub channel announcing each new version
+
+Admission and the policy version (``{run}:admitted``, ``{run}:credits``, ``{run}:version``) are
+:mod:`buffer.admission`'s.
 
 Delivery is at-least-once, acknowledged only once the effect is durable: a trajectory after the optimizer
 step that used it, a prompt when its trajectories are appended. Choices, and why:
@@ -26,10 +26,8 @@ step that used it, a prompt when its trajectories are appended. Choices, and why
   ``{run}:traj:stale``, a separate stream because they are valid data and the two counts mean different
   things. Both are acknowledged in the same transaction that moves them, counted exactly in
   ``{run}:counts``, and capped (approximately) at ``DEAD_MAXLEN`` entries: they are for inspection.
-- Admission (AReaL's staleness manager, moved into Redis so K servers share one counter): a Lua script
-  INCRBYs ``{run}:admitted`` only if ``admitted + n <= (v + max_staleness + 1) * batch_size``, and records
-  the groups as the server's unspent credits in the same step: a server killed before it takes prompts for
-  them leaves them in ``{run}:credits``, where its next life adopts them (otherwise they would be lost).
+- A refused trajectory held admission: its refund (:func:`buffer.admission.queue_refund`) is queued in the
+  transaction that moves it, and the take-time screen is :meth:`buffer.admission.Admission.screen`.
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import redis
 
+from buffer.admission import Admission, admitted_key, queue_refund, read_version
 from buffer.schema import (
     PromptRecord,
     SchemaError,
@@ -62,7 +61,6 @@ FIELD = b"d"  # the one field of a stream entry: the encoded record
 DEAD_MAXLEN = 10_000  # entries kept in each dead-letter / stale stream (approximate MAXLEN)
 DEAD_PAYLOAD_BYTES = 64 << 10  # payload prefix kept with a dead letter
 BLOCK_CAP_MS = 1_000  # longest single XREADGROUP BLOCK, so claims and deadlines are re-checked
-ADMISSION_POLL_S = 0.5  # wait_admission re-checks this often even without a version message
 ACK_MEMORY_S = 300.0  # acked ids are remembered this long, to re-ack what a Redis restart lost (§6.6)
 
 R = TypeVar("R")  # the record type of a stream
@@ -102,21 +100,6 @@ for i = 5, #ARGV do redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
 redis.call('HSET', KEYS[2], 'epoch', ARGV[3], 'index', ARGV[4])
 return #ARGV - 4
 """
-
-# KEYS[1] admitted, KEYS[2] version, KEYS[3] credits; ARGV: n, batch_size, max_staleness, groups, consumer.
-# Admits as many groups of n (up to ``groups``) as fit under the bound, records them as the consumer's
-# unspent credits; returns {groups admitted, admitted, bound}.
-_ADMIT_LUA = """
-local v = tonumber(redis.call('GET', KEYS[2]) or '0')
-local bound = (v + tonumber(ARGV[3]) + 1) * tonumber(ARGV[2])
-local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
-local n = tonumber(ARGV[1])
-local k = math.min(tonumber(ARGV[4]), math.floor((bound - admitted) / n))
-if k < 1 then return {0, admitted, bound} end
-redis.call('HINCRBY', KEYS[3], ARGV[5], k)
-return {k, redis.call('INCRBY', KEYS[1], k * n), bound}
-"""
-
 
 # KEYS[1] stream; ARGV: group, lo, hi, count. XACK + XDEL up to count entries, and pending ids of deleted
 # entries, in [lo, hi]; returns how many ids it touched (0: nothing left in the range).
@@ -194,10 +177,10 @@ class _GroupStream(Generic[R]):
         max_bytes: int,
         counts_key: str,
         block_cap_ms: int,
-        refund_key: str | None = None,
+        on_reject: Callable[[redis.client.Pipeline, int], None] | None = None,
     ) -> None:
         self.client, self.key, self.group, self.consumer = client, key, group, consumer
-        self.refund_key = refund_key
+        self.on_reject = on_reject  # queued with every dead-lettering, in its transaction
         self.decode, self.claim_idle_ms, self.max_bytes = decode, claim_idle_ms, max_bytes
         self.counts_key, self.block_cap_ms = counts_key, block_cap_ms
         self._put = client.register_script(_PUT_LUA)
@@ -498,10 +481,8 @@ class _GroupStream(Generic[R]):
         ids = [r.id for r in rejects]
         pipe.xack(self.key, self.group, *ids)
         pipe.xdel(self.key, *ids)
-        if self.refund_key is not None:
-            # A refused trajectory used an admission slot but will never be trained on: give the slot back
-            # so the servers generate a replacement instead of the learner starving (e.g. after a restart).
-            pipe.decrby(self.refund_key, len(rejects))
+        if self.on_reject is not None:  # the trajectories' admission refund
+            self.on_reject(pipe, len(rejects))
         pipe.execute()
 
     # ---------------------------------------------------------------------------------------- state
@@ -525,8 +506,8 @@ class _GroupStream(Generic[R]):
 
 
 class ReplayBuffer:
-    """Redis Streams buffer of one run: trajectories ({run}:traj, group "learner"), prompts ({run}:prompts,
-    group "rollout"), the learner version ({run}:version) and admission ({run}:admitted).
+    """The two streams of one run: trajectories ({run}:traj, group "learner") and prompts ({run}:prompts,
+    group "rollout"). Admission and the policy version are :class:`buffer.admission.Admission`'s.
 
     One instance per consumer (process or thread); the client must use ``decode_responses=False``.
     """
@@ -562,16 +543,12 @@ class ReplayBuffer:
             "learner",
             consumer,
             decode=decode_trajectory,
-            refund_key=f"{run}:admitted",
+            on_reject=lambda pipe, n: queue_refund(pipe, run, n),
             **common,
         )
         self._prompts: _GroupStream[PromptRecord] = _GroupStream(
             client, f"{run}:prompts", "rollout", consumer, decode=decode_prompt, **common
         )
-        self._version_key, self._admitted_key = f"{run}:version", f"{run}:admitted"
-        self._credits_key = f"{run}:credits"
-        self._version_channel = f"{run}:version:changed"
-        self._admit = client.register_script(_ADMIT_LUA)
         self._feed = client.register_script(_FEED_LUA)
         self._staleness: Counter[int] = Counter()  # of trajectories taken since the last metrics()
         self._put_count = self._take_count = 0
@@ -629,25 +606,25 @@ class ReplayBuffer:
         n: int,
         timeout_s: float,
         *,
-        max_staleness: int | None = None,
+        admission: Admission | None = None,
         validate: Callable[[Trajectory], str | None] | None = None,
     ) -> list[Taken]:
-        """Up to n (blocks until n arrive or timeout). With max_staleness, moves entries whose staleness at
-        the current learner version exceeds it to {run}:traj:stale (acked and counted). ``validate`` returns
+        """Up to n (blocks until n arrive or timeout). With ``admission``, moves entries its take-time screen
+        refuses at the current learner version to {run}:traj:stale (acked and counted). ``validate`` returns
         why a well-formed trajectory is still unusable by this consumer (e.g. a token id outside the
         model's vocabulary): such a poison pill is dead-lettered and counted, never handed out, so a
         restarted consumer cannot crash on it again. Own pending entries come first, then entries idle >
         claim_idle_ms on other consumers, then new ones."""
-        v = self.get_version()
+        v = read_version(self.client, self.run)
+        stale = admission.screen(v) if admission is not None else None
 
         def screen(t: Trajectory) -> tuple[str, str] | None:
             problem = validate(t) if validate is not None else None
             if problem:
                 return "dead", problem
-            s = t.staleness(v)
-            if max_staleness is not None and s > max_staleness:
-                return "stale", f"staleness {s} > max_staleness {max_staleness} at version {v}"
-            self._staleness[s] += 1  # accepted: exactly the entries take returns
+            if stale is not None and (why := stale(t)):
+                return "stale", why
+            self._staleness[t.staleness(v)] += 1  # accepted: exactly the entries take returns
             return None
 
         got = self._traj.take(n, timeout_s, screen)
@@ -720,139 +697,13 @@ class ReplayBuffer:
         """Prompts not yet acknowledged (undelivered + being generated)."""
         return self._prompts.length()
 
-    # ---------------------------------------------------------------------------- versions and admission (§3)
-
-    def set_version(self, v: int) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        self.queue_version(pipe, v)
-        pipe.execute()
-
-    def queue_version(self, pipe: redis.client.Pipeline, v: int) -> None:
-        """Queue ``set_version(v)`` on the caller's pipeline: the shm publisher announces the weights and
-        the version that opens admission in one transaction, one round trip fewer per step."""
-        pipe.set(self._version_key, int(v))
-        pipe.publish(self._version_channel, int(v))
-
-    def get_version(self) -> int:
-        """The learner's policy version (optimizer steps); 0 until the learner sets one."""
-        v = self.client.get(self._version_key)
-        return int(v) if v is not None else 0
-
-    def admit(self, n: int, *, batch_size: int, max_staleness: int) -> bool:
-        """Atomically admit a group of n trajectories if ``admitted + n <= (v + max_staleness + 1) * batch_size``."""
-        return self.admit_groups(n, 1, batch_size=batch_size, max_staleness=max_staleness) == 1
-
-    def admit_groups(self, n: int, groups: int, *, batch_size: int, max_staleness: int) -> int:
-        """Atomically admit as many groups of n as fit under the bound, at most ``groups``; returns how many.
-
-        One round trip for a server's whole batch of groups instead of one per group."""
-        if groups < 1:
-            raise ValueError(f"admit_groups: groups must be >= 1, got {groups}")
-        if n < 1 or n > (max_staleness + 1) * batch_size:
-            # A group larger than one staleness window could only start once the learner had trained on
-            # data that this very group is part of: it would wait forever.
-            raise ValueError(
-                f"admit: group of {n} must be in 1..(max_staleness + 1) * batch_size = "
-                f"{(max_staleness + 1) * batch_size}"
-            )
-        got, _, _ = self._admit(
-            keys=[self._admitted_key, self._version_key, self._credits_key],
-            args=[n, batch_size, max_staleness, groups, self.consumer],
-        )
-        return int(got)
-
-    def release(self, n: int) -> None:
-        """Give back admission for n trajectories that will never be appended (a server abandoning work)."""
-        self.client.decrby(self._admitted_key, n)
-
-    def held_credits(self) -> int:
-        """Groups this consumer was admitted for and has not spent on prompts: left by an earlier life of
-        this consumer that was killed, or 0. A restarted server adopts them."""
-        held = int(self.client.hget(self._credits_key, self.consumer) or 0)
-        return max(0, held)  # below 0 only after Redis lost a write
-
-    def spend_credits(self, groups: int) -> None:
-        """Record that ``groups`` credits were spent on new prompts (which now carry that admission).
-
-        Called right after the prompts are read: a kill in between leaves both the prompts (redelivered) and
-        the credits, and the next life admits that many groups too many, which the staleness screen at
-        take time bounds. The other order would lose them, which can stall a small window."""
-        if groups:
-            self.client.hincrby(self._credits_key, self.consumer, -groups)
-
-    def release_credits(self, groups: int, n: int) -> None:
-        """Give back ``groups`` unspent credits of n trajectories each (a server stopping cleanly)."""
-        if groups:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.decrby(self._admitted_key, groups * n)
-            pipe.hincrby(self._credits_key, self.consumer, -groups)
-            pipe.execute()
+    def prompts_claimed(self) -> int:
+        """Prompts a server has taken and not yet answered (they hold admission)."""
+        return self._prompts.pending()
 
     def reack(self) -> int:
         """Re-acknowledge the trajectories this instance acked lately (after a Redis restart; idempotent)."""
         return self._traj.reack()
-
-    def recount_admission(
-        self, version: int, *, batch_size: int, n_samples: int, trained_unacked: int = 0
-    ) -> int:
-        """Rebuild the admission counter after a learner restart and return it.
-
-        A resumed learner restarts at its checkpoint's version, below what the crashed run had admitted, so
-        the old counter would hold every server until the learner caught up: a deadlock. What is truly
-        admitted is what was trained (``version * batch_size``), plus the trajectories still in the stream
-        (including trained-but-not-checkpointed ones, which will be trained again), plus the groups of
-        prompts a server has claimed but not answered (they are redelivered and keep their admission), plus
-        the credits servers hold unspent (``{run}:credits``: a live server spends them, a restarted one
-        adopts them). Call it before the restarted learner announces its version.
-
-        A live learner recounting after a Redis restart (which can lose or repeat admission increments,
-        docs/design.md §6.6) passes ``trained_unacked``: trajectories in ``version`` that are still in the
-        stream, awaiting their checkpoint, so they are not counted twice.
-        """
-        in_flight = self._prompts.pending()
-        credits = sum(max(0, int(c)) for c in self.client.hvals(self._credits_key))
-        admitted = version * batch_size + self._traj.length() - trained_unacked
-        admitted += (in_flight + credits) * n_samples
-        self.client.set(self._admitted_key, admitted)
-        return admitted
-
-    def wait_admission(
-        self,
-        n: int,
-        *,
-        batch_size: int,
-        max_staleness: int,
-        timeout_s: float,
-        should_stop: Callable[[], bool] | None = None,
-        while_waiting: Callable[[], None] | None = None,
-        wake_channels: Sequence[str] = (),
-        groups: int = 1,
-    ) -> int:
-        """Block until at least one group of n is admitted, taking up to ``groups`` at once; returns how
-        many (0 when timeout_s passes or should_stop() is true first).
-
-        Wakes on each version announcement (and on any of ``wake_channels``) and re-checks every
-        ADMISSION_POLL_S regardless. ``while_waiting`` runs at each wake-up: a rollout server takes new
-        weights there, since the learner's next version may be waiting on it (a ``dist`` broadcast).
-        """
-        kw = dict(batch_size=batch_size, max_staleness=max_staleness)
-        if got := self.admit_groups(n, groups, **kw):
-            return got
-        deadline = time.monotonic() + timeout_s
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self._version_channel, *wake_channels)
-        try:
-            while True:
-                if got := self.admit_groups(n, groups, **kw):
-                    return got
-                if while_waiting is not None:
-                    while_waiting()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or (should_stop is not None and should_stop()):
-                    return 0
-                pubsub.get_message(timeout=min(remaining, ADMISSION_POLL_S))
-        finally:
-            pubsub.close()
 
     # ------------------------------------------------------------------------------------------- metrics
 
@@ -862,7 +713,7 @@ class ReplayBuffer:
         pipe.xlen(self._traj.key)
         pipe.xlen(self._prompts.key)
         pipe.hgetall(f"{self.run}:counts")
-        pipe.get(self._admitted_key)
+        pipe.get(admitted_key(self.run))
         traj_len, prompts_len, counts, admitted = pipe.execute()
         counts = {_str(k): int(v) for k, v in counts.items()}
         pending = self._traj.pending()

@@ -9,7 +9,7 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
   This puts one reader on the stream, so exactly-once stays a single-consumer problem
   (``learner/checkpoint.py``).
 - **Order after the optimizer step** (synchronous equivalence, docs/design.md §3.5, §3.6): version ``v += 1``;
-  publish version-``v`` weights if ``v % sync_interval == 0``; *then* ``buffer.set_version(v)``, which opens
+  publish version-``v`` weights if ``v % sync_interval == 0``; *then* ``admission.set_version(v)``, which opens
   admission, so no server starts a group for ``v`` before its weights exist. The ``shm`` publisher queues
   the version in the transaction that announces the weights (after them, one round trip fewer per step). At start-up (and on resume)
   the current weights are published before anything waits for them, so a broken weight path fails at
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 import weightsync
+from buffer.admission import Admission
 from buffer.retry import Incarnation
 from buffer.retry import connect as connect_redis
 from buffer.schema import Trajectory
@@ -104,6 +105,7 @@ class OnlineRuntime(Runtime):
         self.client: redis.Redis | None = None
         self.redis_incarnation: Incarnation | None = None
         self.buffer: ReplayBuffer | None = None
+        self.admission: Admission | None = None  # the policy version, admission and its recount
         self.publisher: weightsync.Publisher = weightsync.DrainPublisher()
         self.trained_log: TextIO | None = None
         self.sync_bytes = 0  # bytes of the last published version (weightsync/bytes)
@@ -122,9 +124,10 @@ class OnlineRuntime(Runtime):
             self.client = connect(self.cfg)
             self.redis_incarnation = Incarnation(self.client)
             self.buffer = ReplayBuffer.from_config(self.client, self.cfg, CONSUMER)
+            self.admission = Admission.from_config(self.client, self.cfg, CONSUMER)
             self.publisher = weightsync.make_publisher(self.cfg, self.client, run_dir=str(self.run_dir))
             if isinstance(self.publisher, ShmPublisher):  # weights and version in one Redis transaction
-                self.publisher.announce_hooks.append(self.buffer.queue_version)
+                self.publisher.announce_hooks.append(self.admission.queue_version)
             self.telemetry = Telemetry(self.cfg, "learner", self.client, run_dir=str(self.run_dir))
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.trained_log = open(self.run_dir / "trained.jsonl", "a")  # noqa: SIM115 (closed in close())
@@ -137,10 +140,7 @@ class OnlineRuntime(Runtime):
             self.acked = state.acked
             if self.lead:  # their update is in the checkpoint: never train on them again
                 self.reack_lineage()
-                a = self.cfg.algorithm
-                self.buffer.recount_admission(
-                    self.version, batch_size=a.batch_size, n_samples=self.cfg.rollout.n_samples
-                )
+                self.admission.recount(self.version, self.buffer)
             log.info("resumed at version %d from %s", self.version, self.ckpt_dir)
         elif self.resume:
             log.warning("--resume: no checkpoint in %s, starting fresh", self.ckpt_dir)
@@ -204,7 +204,7 @@ class OnlineRuntime(Runtime):
             taken += self.buffer.take(
                 need - len(taken),
                 min(remaining, POLL_S),
-                max_staleness=self.cfg.max_staleness,
+                admission=self.admission,
                 validate=self.unusable,
             )
         return taken
@@ -217,14 +217,8 @@ class OnlineRuntime(Runtime):
             return
         reacked = self.buffer.reack()
         self.reack_lineage()  # and every checkpointed id: the restart may have reloaded an older AOF (§6.7)
-        self.buffer.set_version(self.version)
-        a = self.cfg.algorithm
-        admitted = self.buffer.recount_admission(
-            self.version,
-            batch_size=a.batch_size,
-            n_samples=self.cfg.rollout.n_samples,
-            trained_unacked=len(self.pending),
-        )
+        self.admission.set_version(self.version)
+        admitted = self.admission.recount(self.version, self.buffer, trained_unacked=len(self.pending))
         log.warning(
             "Redis was restarted: re-acked %d recent ids, version %d set again, admission recounted to %d",
             reacked, self.version, admitted,
@@ -253,7 +247,7 @@ class OnlineRuntime(Runtime):
                 log.warning("weights v%d did not reach every server: %s", self.version, e)
             self.sync_bytes = counted.bytes
         if self.lead and not announced:
-            self.buffer.set_version(self.version)
+            self.admission.set_version(self.version)
 
     def serve_joiners(self) -> None:
         """Publish the current weights again when a server that holds none waits for them (a ``dist``

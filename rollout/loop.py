@@ -46,6 +46,7 @@ from contextlib import ExitStack, nullcontext
 import redis
 from transformers import PreTrainedTokenizerBase
 
+from buffer.admission import Admission
 from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ReplayBuffer, TakenPrompt
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
@@ -133,7 +134,7 @@ class RolloutLoop:
                 between_steps=self.poll_inflight if r.inflight_updates else None,
             )  # fmt: skip
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
-        self.credits = 0  # groups admitted but not yet claimed
+        self.admission = Admission.from_config(buffer.client, cfg, buffer.consumer)  # and its credits
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
         self.timers = Timers()  # seconds spent in each phase since the last log (written by every thread)
         self.totals = Timers()  # the same, summed over every log, with time/engine_busy and time/wall
@@ -161,11 +162,10 @@ class RolloutLoop:
     def adopt_credits(self) -> None:
         """Take over the admission an earlier life of this server was granted and did not spend before it
         was killed (docs/design.md §3.3); without this, a few such kills could close the window for good."""
-        if held := self.buffer.held_credits():
+        if held := self.admission.adopt():
             log.warning(
                 "server-%d: adopted %d unspent admission credits of an earlier life", self.server_id, held
             )
-            self.credits += held
 
     def join_current(self) -> None:
         """Before the first token, take the weights the learner has now (a server joining a running run,
@@ -249,29 +249,21 @@ class RolloutLoop:
     def admit(self) -> bool:
         """Gain admission for up to ``prompts_per_batch`` groups: wait for the first, take the rest if free
         (one Redis call when the window is open)."""
-        a, n, start = self.cfg.algorithm, self.sampling.n, time.perf_counter()
-        want = self.cfg.rollout.prompts_per_batch - self.credits
-        if want > 0:
-            kw = dict(batch_size=a.batch_size, max_staleness=self.cfg.max_staleness)
-            if self.credits:
-                self.credits += self.buffer.admit_groups(n, want, **kw)
-            else:
-                self.credits += self.buffer.wait_admission(
-                    n, **kw, groups=want, timeout_s=POLL_S, should_stop=self.should_stop,
-                    # The learner may be publishing the very version that opens admission, and a dist
-                    # broadcast waits for this server to join: take weights while waiting.
-                    while_waiting=self.poll_weights, wake_channels=[weights_key(self.cfg.run.name, "announce")],
-                )  # fmt: skip
+        start = time.perf_counter()
+        held = self.admission.top_up(
+            self.cfg.rollout.prompts_per_batch, timeout_s=POLL_S, should_stop=self.should_stop,
+            # The learner may be publishing the very version that opens admission, and a dist broadcast
+            # waits for this server to join: take weights while waiting.
+            while_waiting=self.poll_weights, wake_channels=[weights_key(self.cfg.run.name, "announce")],
+        )  # fmt: skip
         self.spent("time/wait_admission", start)
-        return self.credits > 0
+        return held > 0
 
     def take_prompts(self) -> list[TakenPrompt]:
         start = time.perf_counter()
-        prompts = self.buffer.take_prompts(self.credits, timeout_s=POLL_S)
+        prompts = self.buffer.take_prompts(self.admission.credits, timeout_s=POLL_S)
         self.spent("time/take_prompts", start)
-        spent = sum(not p.redelivered for p in prompts)
-        self.buffer.spend_credits(spent)
-        self.credits -= spent
+        self.admission.spend(sum(not p.redelivered for p in prompts))
         return prompts
 
     def reclaim_prompts(self) -> list[TakenPrompt]:
@@ -292,7 +284,7 @@ class RolloutLoop:
             self.apply(self.subscriber.poll(0.0))
             timeout = self.cfg.weightsync.timeout_s
             deadline = start + timeout
-            while self.engine.version < (need := self.buffer.get_version() - self.cfg.max_staleness):
+            while self.engine.version < (need := self.admission.freshness_floor()):
                 if self.should_stop():
                     return False
                 if time.perf_counter() > deadline:
@@ -404,7 +396,7 @@ class RolloutLoop:
         dropped = [i for i, k in enumerate(keep) if not k]
         if dropped:
             self.buffer.ack_prompts([prompts[i].id for i in dropped])
-            self.buffer.release(sum(len(groups[i]) for i in dropped))
+            self.admission.refund(sum(len(groups[i]) for i in dropped))
             self.uniform_dropped += len(dropped)
         return [p for p, k in zip(prompts, keep, strict=True) if k], [
             g for g, k in zip(groups, keep, strict=True) if k
@@ -572,9 +564,7 @@ class RolloutLoop:
             self.agents.close()
         self.generators.shutdown()
         self.scorer.shutdown()
-        if self.credits:
-            self.buffer.release_credits(self.credits, self.sampling.n)
-            self.credits = 0
+        self.admission.give_back()
         try:
             returned = self.buffer.return_prompts()
         except redis.RedisError as e:  # they stay pending: another server claims them after claim_idle_ms

@@ -1,4 +1,6 @@
-"""The replay buffer against a real redis-server: delivery, crashes, dead letters, staleness, admission."""
+"""The replay buffer against a real redis-server: delivery, crashes, dead letters, the staleness screen.
+
+Admission itself is tests/test_admission.py's."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 import redis
 
+from buffer.admission import Admission
 from buffer.redis_server import EmbeddedRedis
 from buffer.schema import PromptRecord, Trajectory, encode_trajectory
 from buffer.streams import ReplayBuffer
@@ -103,13 +106,6 @@ def test_concurrent_groups_stay_contiguous(redis_client: redis.Redis, run_id: st
     assert len(groups) == 240
     runs = [g for k, g in enumerate(groups) if k == 0 or groups[k - 1] != g]
     assert len(runs) == len(set(runs)) == 30  # each group is one unbroken run of 8
-
-
-def test_version_defaults_to_zero_and_round_trips(redis_client: redis.Redis, run_id: str):
-    buf = buffer(redis_client, run_id)
-    assert buf.get_version() == 0
-    buf.set_version(7)
-    assert buffer(redis_client, run_id, "other").get_version() == 7
 
 
 def test_refuses_a_decoding_client(redis_server: EmbeddedRedis, run_id: str):
@@ -336,9 +332,10 @@ def test_put_refuses_an_oversize_trajectory(redis_client: redis.Redis, run_id: s
 
 def test_stale_entries_are_moved_and_counted(redis_client: redis.Redis, run_id: str):
     buf = buffer(redis_client, run_id)
-    buf.set_version(5)
+    admission = Admission(redis_client, run_id, consumer="c0", batch_size=4, max_staleness=2, n_samples=1)
+    admission.set_version(5)
     buf.put([traj(v, version=v) for v in (5, 4, 2, 3)])  # staleness 0, 1, 3, 2
-    taken = buf.take(3, timeout_s=2, max_staleness=2)
+    taken = buf.take(3, timeout_s=2, admission=admission)
     assert [t.traj.traj_id for t in taken] == ["t5", "t4", "t3"]
     stale = redis_client.xrange(f"{run_id}:traj:stale")
     assert [f[b"reason"] for _, f in stale] == [b"staleness 3 > max_staleness 2 at version 5"]
@@ -500,123 +497,3 @@ def test_put_groups_appends_each_group_atomically_in_one_call(redis_client: redi
     rest = [x.traj.traj_id for x in learner.take(10, timeout_s=0.5)]
     assert rest == ["t20", "t21", "t30", "t31"]  # each group contiguous, in order
     assert server.prompts_pending() == 0
-
-
-# -------------------------------------------------------------------------------------------- admission
-
-
-def test_admission_never_exceeds_the_bound_under_concurrency(redis_client: redis.Redis, run_id: str):
-    batch_size, max_staleness, n = 16, 1, 3
-    bound = (0 + max_staleness + 1) * batch_size
-    wins: list[int] = []
-
-    def hammer() -> None:
-        buf = buffer(redis_client, run_id)
-        wins.append(sum(buf.admit(n, batch_size=batch_size, max_staleness=max_staleness) for _ in range(20)))
-
-    threads = [threading.Thread(target=hammer) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    admitted = int(redis_client.get(f"{run_id}:admitted"))
-    assert admitted == sum(wins) * n == (bound // n) * n  # as many whole groups as fit, never more
-    buf = buffer(redis_client, run_id)
-    buf.set_version(1)  # one learner step: one more batch of room
-    more = sum(buf.admit(n, batch_size=batch_size, max_staleness=max_staleness) for _ in range(20))
-    assert more == (3 * batch_size - admitted) // n == 6  # bound 48, 30 already admitted
-    with pytest.raises(ValueError, match="group of 33"):
-        buf.admit(33, batch_size=batch_size, max_staleness=max_staleness)
-
-
-def test_admit_groups_takes_as_many_whole_groups_as_fit_atomically(redis_client: redis.Redis, run_id: str):
-    batch_size, max_staleness, n = 16, 1, 3
-    bound = (0 + max_staleness + 1) * batch_size  # 32: ten groups of 3 fit
-    got: list[int] = []
-
-    def hammer() -> None:
-        buf = buffer(redis_client, run_id)
-        got.extend(
-            buf.admit_groups(n, 4, batch_size=batch_size, max_staleness=max_staleness) for _ in range(5)
-        )
-
-    threads = [threading.Thread(target=hammer) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert all(0 <= k <= 4 for k in got) and sum(got) == bound // n
-    assert int(redis_client.get(f"{run_id}:admitted")) == (bound // n) * n
-    buf = buffer(redis_client, run_id)
-    buf.set_version(1)  # bound 48, 30 admitted: six groups fit, though seven are asked for
-    assert buf.admit_groups(n, 7, batch_size=batch_size, max_staleness=max_staleness) == 6
-    assert (
-        buf.wait_admission(n, batch_size=batch_size, max_staleness=max_staleness, timeout_s=0.2, groups=2)
-        == 0
-    )
-    buf.set_version(2)
-    assert (
-        buf.wait_admission(n, batch_size=batch_size, max_staleness=max_staleness, timeout_s=5, groups=2) == 2
-    )
-
-
-def test_wait_admission_wakes_on_a_new_version(redis_client: redis.Redis, run_id: str):
-    buf = buffer(redis_client, run_id)
-    assert buf.admit(4, batch_size=4, max_staleness=0)
-    timer = threading.Timer(0.3, lambda: buffer(redis_client, run_id, "learner").set_version(1))
-    timer.start()
-    start = time.monotonic()
-    assert buf.wait_admission(4, batch_size=4, max_staleness=0, timeout_s=10)
-    timer.join()
-    assert 0.25 < time.monotonic() - start < 5
-
-
-def test_wait_admission_gives_up_on_timeout_or_stop(redis_client: redis.Redis, run_id: str):
-    buf = buffer(redis_client, run_id)
-    assert buf.admit(4, batch_size=4, max_staleness=0)
-    start = time.monotonic()
-    assert not buf.wait_admission(4, batch_size=4, max_staleness=0, timeout_s=0.3)
-    assert 0.29 < time.monotonic() - start < 3
-    start = time.monotonic()
-    assert not buf.wait_admission(4, batch_size=4, max_staleness=0, timeout_s=30, should_stop=lambda: True)
-    assert time.monotonic() - start < 3
-    buf.release(4)
-    assert buf.admit(4, batch_size=4, max_staleness=0)
-
-
-def test_refused_trajectories_give_their_admission_back(redis_client: redis.Redis, run_id: str):
-    """A stale trajectory used an admission slot but will never be trained on: the slot is returned."""
-    buf = buffer(redis_client, run_id)
-    assert buf.admit(4, batch_size=4, max_staleness=0)
-    assert not buf.admit(1, batch_size=4, max_staleness=0)  # the window of version 0 is full
-    buf.set_version(2)
-    buf.put([traj(v, version=v) for v in (2, 0, 0, 2)])  # two with staleness 2 > 0
-    assert len(buf.take(2, timeout_s=2, max_staleness=0)) == 2
-    assert int(redis_client.get(f"{run_id}:admitted")) == 4 - 2
-
-
-def test_unspent_credits_are_kept_per_server_and_counted_by_recount(redis_client: redis.Redis, run_id: str):
-    """Admission granted but not yet spent on prompts is recorded per server, atomically with the counter,
-    so a killed server's next life can adopt it and a recount can include it."""
-    kw = dict(batch_size=4, max_staleness=1)  # room for 8 trajectories: four groups of 2
-    a, b = buffer(redis_client, run_id, "server-0"), buffer(redis_client, run_id, "server-1")
-    assert a.admit_groups(2, 3, **kw) == 3 and b.admit_groups(2, 3, **kw) == 1
-    a.spend_credits(1)
-    assert buffer(redis_client, run_id, "server-0").held_credits() == 2  # a next life of server-0 sees 2
-    assert b.held_credits() == 1
-    b.release_credits(1, 2)  # server-1 stops cleanly
-    assert b.held_credits() == 0 and int(redis_client.get(f"{run_id}:admitted")) == 6
-    # 0 trained, nothing in the streams or pending: only server-0's 2 unspent groups of 2 remain admitted.
-    assert a.recount_admission(0, batch_size=4, n_samples=2) == 4
-
-
-def test_recount_admission_after_a_learner_restart(redis_client: redis.Redis, run_id: str):
-    """Trained + still in the stream + claimed-but-unanswered groups; the crashed run's count is discarded."""
-    buf = buffer(redis_client, run_id)
-    redis_client.set(f"{run_id}:admitted", 400)  # what the crashed run had admitted, far ahead
-    buf.put([traj(i) for i in range(5)])  # 5 trajectories waiting in the stream
-    buf.put_prompts([PromptRecord(prompt_id=f"p{i}", text="x", tokens=[1, 2]) for i in range(4)])
-    server = buffer(redis_client, run_id, consumer="server-0")
-    assert len(server.take_prompts(3, timeout_s=2)) == 3  # 3 groups in flight, 1 prompt still queued
-    assert buf.recount_admission(2, batch_size=8, n_samples=4) == 2 * 8 + 5 + 3 * 4
-    assert int(redis_client.get(f"{run_id}:admitted")) == 33

@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 
+from buffer.admission import Admission
 from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer
 from learner.batch import decode_batch, encode_batch, make_batch
@@ -255,23 +256,18 @@ def test_stop_request_while_waiting_publishes_and_checkpoints(
 
 def run_with_admission_producer(cfg: Config, redis_client, tmp_path: Path) -> list[dict]:
     """Run a learner against a producer thread that emulates a rollout server honouring admission."""
-    n, batch_size = cfg.rollout.n_samples, cfg.algorithm.batch_size
+    n = cfg.rollout.n_samples
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def produce() -> None:
         buffer = ReplayBuffer.from_config(redis_client, cfg, "server-0")
+        admission = Admission.from_config(redis_client, cfg, "server-0")
         g = 0
         try:
             while not stop.is_set():
-                if buffer.wait_admission(
-                    n,
-                    batch_size=batch_size,
-                    max_staleness=cfg.max_staleness,
-                    timeout_s=0.5,
-                    should_stop=stop.is_set,
-                ):
-                    buffer.put(group(g, n, version=buffer.get_version(), seed=7))
+                if admission.wait(1, timeout_s=0.5, should_stop=stop.is_set):
+                    buffer.put(group(g, n, version=admission.version(), seed=7))
                     g += 1
         except BaseException as e:  # surfaced by the test below
             errors.append(e)

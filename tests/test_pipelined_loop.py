@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from buffer.admission import Admission
 from buffer.streams import ReplayBuffer
 from rollout.engines.hf import HFEngine
 from rollout.loop import RolloutLoop, inflight_window
@@ -156,7 +157,7 @@ def test_a_clean_stop_appends_the_batches_in_flight_and_gives_everything_else_ba
     appended = learner.buffer.trajectories_pending()
     assert appended >= 4 and appended % 2 == 0
     assert int(redis_client.get(f"{run_id}:admitted")) == appended
-    assert ReplayBuffer.from_config(redis_client, cfg, consumer="server-0").held_credits() == 0
+    assert Admission.from_config(redis_client, cfg, consumer="server-0").held_credits() == 0
     assert learner.buffer.prompts_pending() == 40 - appended // 2
     other = ReplayBuffer.from_config(redis_client, cfg, consumer="server-1")
     assert other.reclaim_prompts(40) == []  # none left claimed by server-0
@@ -192,4 +193,4 @@ def test_a_batch_that_fails_in_flight_ends_the_loop_and_its_prompts_are_handed_b
     assert len(handed) >= 2 and all(p.redelivered for p in handed)
     assert not answered & {p.prompt.prompt_id for p in handed}
     assert int(redis_client.get(f"{run_id}:admitted")) == appended + 2 * len(handed)
-    assert buffer.held_credits() == 0
+    assert loop.admission.held_credits() == 0

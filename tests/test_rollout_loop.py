@@ -22,6 +22,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import rollout.loop
+from buffer.admission import Admission
 from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ReplayBuffer
 from rollout.engines.base import SamplingParams
@@ -83,10 +84,11 @@ class Learner:
     def __init__(self, cfg: Config, client, engine_weights: dict[str, torch.Tensor]) -> None:
         self.cfg = cfg
         self.buffer = ReplayBuffer.from_config(client, cfg, consumer="learner-0")
+        self.admission = Admission.from_config(client, cfg, consumer="learner-0")
         self.publisher = make_publisher(cfg, client)
         self.version = 0
         self.publisher.publish(engine_weights.items(), 0)  # version-0 weights first, as the learner does
-        self.buffer.set_version(0)
+        self.admission.set_version(0)
 
     def take(self, n: int) -> list[Trajectory]:
         got = self.buffer.take(n, timeout_s=TIMEOUT)
@@ -97,7 +99,7 @@ class Learner:
     def step(self, weights: dict[str, torch.Tensor]) -> None:
         self.version += 1
         self.publisher.publish(weights.items(), self.version)  # publish v before announcing v
-        self.buffer.set_version(self.version)
+        self.admission.set_version(self.version)
 
 
 class Harness:
@@ -262,7 +264,7 @@ def test_stop_leaves_unanswered_prompts_pending(
     with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
         # No prompts yet: the loop holds admission for a batch and waits for prompts.
         deadline = time.monotonic() + TIMEOUT
-        while h.loop.credits < 2 and time.monotonic() < deadline:
+        while h.loop.admission.credits < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert int(redis_client.get(f"{run_id}:admitted")) == 4
     assert int(redis_client.get(f"{run_id}:admitted")) == 0
@@ -368,7 +370,7 @@ def test_missing_weights_fail_with_a_clear_error_and_prompts_stay_claimable(
     v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
     learner = Learner(cfg, redis_client, v0)
     queue_prompts(learner.buffer, engine, 2)
-    learner.buffer.set_version(3)
+    learner.admission.set_version(3)
     h = Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0"))
     with pytest.raises(WeightSyncError, match=r"holds weights v0 but needs >= v3"):
         h.loop.step()
@@ -390,7 +392,7 @@ def test_groups_of_a_dead_server_that_fill_the_window_are_still_answered(
     learner = Learner(cfg, redis_client, v0)
     queue_prompts(learner.buffer, engine, 4)
     dead = ReplayBuffer.from_config(redis_client, cfg, consumer="server-1")
-    assert dead.admit_groups(2, 2, batch_size=4, max_staleness=0) == 2  # the window is full
+    assert Admission.from_config(redis_client, cfg, "server-1").try_admit(2) == 2  # the window is full
     held = [p.prompt.prompt_id for p in dead.take_prompts(2, timeout_s=1)]  # ... and then it is killed
     time.sleep(0.2)
     h = Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0"))
@@ -412,8 +414,8 @@ def test_a_restarted_server_adopts_the_admission_its_killed_life_had_not_spent(
     v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
     learner = Learner(cfg, redis_client, v0)
     queue_prompts(learner.buffer, engine, 4)
-    first_life = ReplayBuffer.from_config(redis_client, cfg, consumer="server-0")
-    assert first_life.admit_groups(2, 2, batch_size=4, max_staleness=0) == 2  # ... and then it is killed
+    first_life = Admission.from_config(redis_client, cfg, consumer="server-0")
+    assert first_life.try_admit(2) == 2  # ... and then it is killed
     with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
         trajs = learner.take(4)
     assert len({t.prompt_id for t in trajs}) == 2

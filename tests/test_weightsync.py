@@ -348,11 +348,11 @@ def test_shm_waiting_subscriber_verifies_while_the_publisher_writes(
 
 
 def test_shm_announce_carries_the_learner_version_in_one_transaction(redis_client, run_id, tmp_path):
-    """With ``buffer.queue_version`` hooked in (the learner's set-up), one publish is one MULTI/EXEC that
+    """With ``admission.queue_version`` hooked in (the learner's set-up), one publish is one MULTI/EXEC that
     announces the weights and then the version opening admission, in that order; without, none is set."""
-    from buffer.streams import ReplayBuffer
+    from buffer.admission import Admission
 
-    buf = ReplayBuffer(redis_client, run_id, consumer="learner-0")
+    buf = Admission(redis_client, run_id, consumer="learner-0", batch_size=1, max_staleness=0, n_samples=1)
     pub = ShmPublisher(redis_client, run_id, tmp_path)
     pubsub = redis_client.pubsub()
     pubsub.subscribe(weights_key(run_id, "announce"), f"{run_id}:version:changed")
@@ -366,7 +366,7 @@ def test_shm_announce_carries_the_learner_version_in_one_transaction(redis_clien
     before = execs()
     pub.publish(weights(1).items(), 1)
     assert execs() - before == 1
-    assert buf.get_version() == 1 and shm.latest_version(redis_client, run_id) == 1
+    assert buf.version() == 1 and shm.latest_version(redis_client, run_id) == 1
     seen = []
     while (m := pubsub.get_message(timeout=1)) is not None:  # subscribe confirmations, then messages
         if m["type"] == "message":

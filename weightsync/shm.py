@@ -277,7 +277,7 @@ class ShmPublisher:
         self._notes: list[Future[None]] = []
         self._writing: bytes | None = None  # ``[version, token]``, sent with the version's first note
         self._config_files: list[Path] | None = None  # under ``.config``, linked into every version
-        # Run inside the announce transaction after ``latest``: the learner's buffer.queue_version, so
+        # Run inside the announce transaction after ``latest``: the learner's admission.queue_version, so
         # admission for a version opens in the same round trip that announces its weights.
         self.announce_hooks: list[Callable[[redis.client.Pipeline, int], None]] = []
         for stale in self.root.glob(".tmp-*"):  # a crashed publisher's half-written version
