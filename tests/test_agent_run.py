@@ -26,12 +26,14 @@ N = 3
 TIMEOUT_S = 5.0  # the good agents must finish well within it on a loaded machine
 
 
-async def talk_agent(client, record, *, model: str, turns: int = 2) -> dict[str, float]:
+async def talk_agent(client, record, *, model: str, turns: int = 2, max_tokens: int = 6) -> dict[str, float]:
     """Two chat turns with a user reply in between; knows nothing of tandem."""
     messages = [{"role": "user", "content": record["prompt"]}]
     said = ""
     for _ in range(turns):
-        r = await client.chat.completions.create(model=model, messages=messages, max_tokens=6, stop=["\n"])
+        r = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, stop=["\n"]
+        )
         said = r.choices[0].message.content or ""
         messages += [{"role": "assistant", "content": said}, {"role": "user", "content": "go on"}]
     return {"length": len(said) / 10, "bonus": 0.5}
@@ -113,6 +115,20 @@ def test_agents_run_n_per_prompt_batched_and_token_exact(engine, tiny_ckpt, tmp_
         assert t.reward == pytest.approx(sum(e.parts.values())) and e.parts["bonus"] == 0.5
         assert t.finish_reason == "stop" and t.meta["calls"] == 2
     assert eps[0].metrics()["agent/calls"] == 2.0 and eps[0].metrics()["agent/aborted"] == 0.0
+
+
+def test_a_longer_max_tokens_is_cut_to_the_runs(engine, tiny_ckpt, tmp_path) -> None:
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent",
+                    **{"agent.timeout_s": 60, "agent.kwargs": {"max_tokens": 400}, "rollout.max_new_tokens": 3})  # fmt: skip
+    runner = make_runner(cfg, engine)
+    try:
+        (e,) = runner.run(episodes(engine, [{"id": "a", "prompt": "12+30="}], n=1))
+    finally:
+        runner.close()
+    assert e.end_reason == "done"
+    t = e.trajectory("p", "g", "s")
+    lengths = [end - s for k, s, end in t.segments() if k == "model"]
+    assert len(lengths) == 2 and max(lengths) <= 3, lengths  # the random model rarely ends a line by then
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ A caller's ``between_steps`` hook (the API's client-disconnect check) runs on ev
 batch; one that raises drops that caller only (it gets the hook's exception), and the batch goes on while
 any caller still waits. The run's own hooks apply weight updates between decode steps (in flight) and
 between batches. Sampling is the run's where it says so (``sampling``: the learner scores the tokens at
-the run's temperature, whatever an agent asks). A streamed call (``on_token``) goes to the engine directly.
+the run's temperature, whatever an agent asks), and ``max_new_tokens`` caps a call's length. A streamed call (``on_token``) goes to the engine directly.
 """
 
 from __future__ import annotations
@@ -64,9 +64,14 @@ class BatchingEngine:
         between_steps: BetweenSteps | None = None,
         between_batches: Callable[[], None] | None = None,
         sampling: dict[str, Any] | None = None,
+        max_new_tokens: int | None = None,
     ) -> None:
         self.engine, self.gather_s, self.hook = engine, gather_s, between_steps
-        self.between_batches, self.override = between_batches, sampling or {}
+        self.between_batches, self.override, self.max_new_tokens = (
+            between_batches,
+            sampling or {},
+            max_new_tokens,
+        )
         self.batches = self.calls = 0  # engine calls made, and the agents' calls they served
         self._queue: list[_Call] = []
         self._cv = threading.Condition()
@@ -88,7 +93,10 @@ class BatchingEngine:
     ) -> list[list[Completion]]:
         if on_token is not None:
             return self.engine.generate(prompts, sampling, between_steps=between_steps, on_token=on_token)
-        call = _Call([list(p) for p in prompts], replace(sampling, **self.override), between_steps)
+        sampling = replace(sampling, **self.override)
+        if self.max_new_tokens is not None and sampling.max_new_tokens > self.max_new_tokens:
+            sampling = replace(sampling, max_new_tokens=self.max_new_tokens)
+        call = _Call([list(p) for p in prompts], sampling, between_steps)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the agents' engine front is closed")

@@ -14,8 +14,8 @@ its reward: a number, or a dict of reward parts (numbers, summed).
 1. **open** one session per episode on the runner's own API: a loopback HTTP server with a bearer token,
    over the server's engine through :class:`~rollout.agents.batching.BatchingEngine`, so the engine
    batches the calls of every live agent. Its sampling is the run's (``rollout.temperature``, ``top_p``,
-   ``top_k``, whatever the agent asks: the learner scores the tokens under them), and ``max_tokens`` is
-   at most ``rollout.max_new_tokens``;
+   ``top_k``, whatever the agent asks: the learner scores the tokens under them), and a longer
+   ``max_tokens`` is cut to ``rollout.max_new_tokens``;
 2. **play** every episode at once, each on a thread with its own event loop, so an agent that blocks its
    loop holds up only itself;
 3. **end**: an agent that raises, runs past ``agent.timeout_s``, returns a malformed reward, makes no model
@@ -193,13 +193,15 @@ class AgentRunner:
         self.engine = BatchingEngine(
             engine, gather_s=a.gather_ms / 1000, between_steps=between_steps, between_batches=between_batches,
             sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+            max_new_tokens=r.max_new_tokens,
         )  # fmt: skip
         self.model_name = Path(cfg.model.actor).name
         self.api_key = secrets.token_hex(16)
         episodes = r.prompts_per_batch * r.n_samples
-        http = HTTPConfig(api_key=self.api_key, max_tokens_limit=r.max_new_tokens,
-                          max_concurrent_requests=max(16, 2 * episodes),
-                          max_total_tokens_per_request=max(65_536, r.max_new_tokens))  # fmt: skip
+        # An agent does not know the run's limits: a longer max_tokens is cut to rollout.max_new_tokens
+        # (by the engine front), not refused; the model's context still bounds a call.
+        http = HTTPConfig(api_key=self.api_key, max_tokens_limit=1 << 30, max_total_tokens_per_request=1 << 30,
+                          max_concurrent_requests=max(16, 2 * episodes))  # fmt: skip
         max_context = AutoConfig.from_pretrained(
             cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code
         ).max_position_embeddings
