@@ -1,18 +1,25 @@
-"""Multi-turn episodes against single-turn generation at the same token budget.
+"""Multi-turn episodes: turn-synchronous rounds against independent progression, and against single-turn
+generation at the same token budget.
 
-    python bench/episodes.py [--episodes 32] [--turns 4] [--turn-tokens 16] [--obs-tokens 4] [--repeats 3]
-                             [--hidden 64] [--layers 2] [--threads 1]
+    python bench/episodes.py [--engine hf|vllm] [--episodes 32] [--turns 4] [--turn-tokens 16]
+                             [--obs-tokens 4] [--repeats 3] [--slow-ms 200] [--slow-share 0.1] [--fast-ms 2]
+                             [--gather-ms 2] [--hidden 64] [--layers 2] [--threads 1]
 
-In one run, on the same tiny checkpoint (hf engine, CPU), the same prompts and the same budget of
-``turns × turn_tokens`` generated tokens per episode:
-  (a) ``multi``: :class:`rollout.envs.episode.EpisodeRunner` runs ``turns`` model turns of ``turn_tokens``
-      each (no stop string, EOS ignored), an environment answering every turn with ``obs_tokens`` tokens
-      (context, not generated); each turn is one engine call over every live episode's whole context, so
-      every turn prefills again;
-  (b) ``single``: one ``engine.generate`` call of ``turns × turn_tokens`` new tokens per prompt.
-Figures: episodes/s and generated tokens/s (``tokens_per_s``) of each; ``ratio`` = multi / single (< 1:
-multi-turn is slower per generated token; the gap is the re-prefill, the per-turn engine call and the
-environment's thread hand-offs). The last line is one JSON object.
+In one run, on the same tiny checkpoint (CPU), the same prompts and the same budget of ``turns ×
+turn_tokens`` generated tokens per episode (no stop string; EOS ignored on hf):
+  (a) **heavy-tailed environment**: every step sleeps ``fast_ms``, except a ``slow_share`` of them that
+      sleep ``slow_ms`` (a tool call that hits the network). ``rounds`` (``env.progression: rounds``) waits
+      for the slowest step of every round; ``independent`` lets each episode take its next turn as soon as
+      its own step returns. Figure: episodes/s of each and their ratio.
+  (b) **instant environment** against single-turn: each progression's generated tokens/s against one
+      ``engine.generate`` call of ``turns × turn_tokens`` new tokens per prompt. Below 1, multi-turn is
+      slower per generated token: every turn prefills the whole context again on the hf engine, and each
+      turn is an engine call of its own.
+``--engine hf`` decodes each engine call on its own, so independent episodes go through the engine front
+that gathers the turns ready within ``--gather-ms`` (``env.gather_ms``); ``--engine vllm`` (run it with
+``.venv-vllm/bin/python``; a head_dim-32 checkpoint) sends each turn as its own request into the server's
+running batch. The environment answers every turn with ``obs_tokens`` tokens (context, not generated).
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -20,10 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 # This script's folder must not shadow the packages it measures.
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
@@ -32,7 +42,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import torch
 from transformers import AutoTokenizer
 
-from rollout.engines.base import SamplingParams
+from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HFEngine
 from rollout.envs.base import Action, Env, StepResult, Task
 from rollout.envs.episode import Episode, EpisodeRunner
@@ -40,26 +50,63 @@ from tandem.tiny import make_tiny
 
 
 class FixedReply(Env):
-    """Answers every model turn with the same observation; never ends an episode itself."""
+    """Answers every model turn with the same observation after a delay; never ends an episode itself."""
 
-    def __init__(self, obs: str) -> None:
-        self.obs = obs
+    def __init__(self, obs: str, delay: Callable[[], float] = lambda: 0.0) -> None:
+        self.obs, self.delay = obs, delay
 
     def step(self, action: Action) -> StepResult:
+        time.sleep(self.delay())
         return StepResult(self.obs, 0.0, False)
 
 
-def run_multi(engine: HFEngine, tok, prompts: list[list[int]], args) -> tuple[float, int]:
+def heavy_tail(args: argparse.Namespace, rng: random.Random) -> Callable[[], float]:
+    """Most steps take fast_ms, a slow_share of them slow_ms."""
+    lock = threading.Lock()
+
+    def delay() -> float:
+        with lock:
+            slow = rng.random() < args.slow_share
+        return (args.slow_ms if slow else args.fast_ms) / 1000
+
+    return delay
+
+
+def run_multi(
+    engine: HFEngine, tok, prompts: list[list[int]], args, progression: str, delay: Callable[[], float]
+) -> tuple[float, int]:
     obs = "ok, go\n"[: args.obs_tokens].ljust(args.obs_tokens, " ")
     sampling = SamplingParams(max_new_tokens=args.turn_tokens, temperature=1.0, seed=None)
     runner = EpisodeRunner(engine, tok, sampling, max_turns=args.turns, max_total_tokens=10_000,
-                           step_timeout_s=30.0, vocab_size=len(tok))  # fmt: skip
+                           step_timeout_s=30.0, vocab_size=len(tok), progression=progression,
+                           gather_s=args.gather_ms / 1000)  # fmt: skip
     eps = [
-        Episode(Task("", tuple(p), {"id": str(i)}), FixedReply(obs), list(p)) for i, p in enumerate(prompts)
+        Episode(Task("", tuple(p), {"id": str(i)}), FixedReply(obs, delay), list(p))
+        for i, p in enumerate(prompts)
     ]
     t0 = time.perf_counter()
     runner.run(eps)
     return time.perf_counter() - t0, sum(sum(e.mask) for e in eps)
+
+
+def make_engine(args: argparse.Namespace, path: str, tmp: str) -> Engine:
+    if args.engine == "hf":
+        engine = HFEngine(path, device="cpu", seed=0)
+        engine.eos_token_ids = set()  # EOS ignored, so every side generates exactly the budget
+        return engine
+    from rollout.engines.vllm import VLLMEngine
+    from tandem.config import load_config
+
+    vllm_args = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20)]
+    cfg = load_config(None, raw={
+        "run": {"name": "benchepisodes", "device": "cpu", "output_dir": tmp},
+        "model": {"actor": path, "dtype": "float32"},
+        "data": {"prompts": "unused.jsonl"},
+        "rollout": {"engine": "vllm", "vllm": {"extra_args": vllm_args, "startup_timeout_s": 600}},
+        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},  # unused: the config needs one
+        "logging": {"wandb_mode": "disabled"},
+    })  # fmt: skip
+    return VLLMEngine(cfg, path, server_id=0, device="cpu")
 
 
 def run_single(engine: HFEngine, prompts: list[list[int]], args) -> tuple[float, int]:
@@ -71,47 +118,64 @@ def run_single(engine: HFEngine, prompts: list[list[int]], args) -> tuple[float,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--engine", choices=["hf", "vllm"], default="hf", help="vllm: run with .venv-vllm's python"
+    )
     ap.add_argument("--episodes", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=16)
     ap.add_argument("--obs-tokens", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each; the medians are reported")
+    ap.add_argument("--slow-ms", type=float, default=200.0, help="a slow environment step")
+    ap.add_argument("--slow-share", type=float, default=0.1, help="the share of steps that are slow")
+    ap.add_argument("--fast-ms", type=float, default=2.0, help="every other step")
+    ap.add_argument("--gather-ms", type=float, default=2.0, help="env.gather_ms of independent progression")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    instant: Callable[[], float] = lambda: 0.0  # noqa: E731
 
+    runs: dict[str, list[tuple[float, int]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(make_tiny(tmp, hidden=args.hidden, layers=args.layers)["actor"])
+        head_dim = 32 if args.engine == "vllm" else None  # vLLM's CPU attention refuses 16
+        path = str(make_tiny(tmp, hidden=args.hidden, layers=args.layers, head_dim=head_dim)["actor"])
         tok = AutoTokenizer.from_pretrained(path)
-        engine = HFEngine(path, device="cpu", seed=0)
-        # EOS ignored (like vLLM's ignore_eos), so both sides generate exactly the budget.
-        engine.eos_token_ids = set()
+        engine = make_engine(args, path, tmp)
         prompts = [tok(f"{i % 90 + 10}+{i % 7 + 3}=")["input_ids"] for i in range(args.episodes)]
         run_single(engine, prompts[:2], args)  # warm-up
-        figures = {"multi": [], "single": []}
-        for _ in range(args.repeats):
-            for kind in ("multi", "single"):
-                dt, n = (
-                    run_multi(engine, tok, prompts, args)
-                    if kind == "multi"
-                    else run_single(engine, prompts, args)
-                )
-                figures[kind].append((dt, n))
+        kinds = {
+            "tail_rounds": lambda: run_multi(engine, tok, prompts, args, "rounds", heavy_tail(args, rng)),
+            "tail_independent": lambda: run_multi(engine, tok, prompts, args, "independent", heavy_tail(args, rng)),
+            "instant_rounds": lambda: run_multi(engine, tok, prompts, args, "rounds", instant),
+            "instant_independent": lambda: run_multi(engine, tok, prompts, args, "independent", instant),
+            "single": lambda: run_single(engine, prompts, args),
+        }  # fmt: skip
+        try:
+            for _ in range(args.repeats):  # interleaved, so a change of machine load hits every kind alike
+                for kind, run in kinds.items():
+                    runs.setdefault(kind, []).append(run())
+        finally:
+            engine.close()
 
-    out = {}
-    for kind, runs in figures.items():
-        out[f"{kind}_episodes_per_s"] = statistics.median(args.episodes / dt for dt, _ in runs)
-        out[f"{kind}_tokens_per_s"] = statistics.median(n / dt for dt, n in runs)
-        out[f"{kind}_generated_tokens"] = statistics.median(n for _, n in runs)
-        print(f"{kind:>6}: {out[f'{kind}_episodes_per_s']:8.2f} episodes/s  "
+    out: dict[str, float] = {}
+    for kind, rs in runs.items():
+        out[f"{kind}_episodes_per_s"] = statistics.median(args.episodes / dt for dt, _ in rs)
+        out[f"{kind}_tokens_per_s"] = statistics.median(n / dt for dt, n in rs)
+        print(f"{kind:>20}: {out[f'{kind}_episodes_per_s']:8.2f} episodes/s  "
               f"{out[f'{kind}_tokens_per_s']:9.1f} generated tok/s  "
-              f"({out[f'{kind}_generated_tokens']:.0f} generated tokens per run)")  # fmt: skip
-    out["ratio_tokens_per_s"] = out["multi_tokens_per_s"] / out["single_tokens_per_s"]
-    out["ratio_episodes_per_s"] = out["multi_episodes_per_s"] / out["single_episodes_per_s"]
-    print(f"multi-turn / single-turn: {out['ratio_tokens_per_s']:.2f}x tokens/s, "
-          f"{out['ratio_episodes_per_s']:.2f}x episodes/s")  # fmt: skip
+              f"({statistics.median(n for _, n in rs):.0f} generated tokens per run)")  # fmt: skip
+    out["tail_independent_vs_rounds"] = (
+        out["tail_independent_episodes_per_s"] / out["tail_rounds_episodes_per_s"]
+    )
+    for p in ("rounds", "independent"):
+        out[f"instant_{p}_vs_single_tokens"] = out[f"instant_{p}_tokens_per_s"] / out["single_tokens_per_s"]
+    print(f"heavy-tailed environment ({args.slow_share:.0%} of steps {args.slow_ms:g} ms, the rest {args.fast_ms:g} ms): "
+          f"independent / rounds {out['tail_independent_vs_rounds']:.2f}x episodes/s")  # fmt: skip
+    print(f"instant environment, multi-turn / single-turn tokens/s: rounds {out['instant_rounds_vs_single_tokens']:.2f}x, "
+          f"independent {out['instant_independent_vs_single_tokens']:.2f}x")  # fmt: skip
     print(json.dumps({"bench": "episodes", **vars(args), **{k: round(v, 4) for k, v in out.items()}}))
 
 

@@ -123,7 +123,8 @@ class RolloutLoop:
             self.env_factory = load_env_factory(e.path, e.kwargs)
             self.episodes = EpisodeRunner(
                 engine, tokenizer, self.sampling, max_turns=e.max_turns, max_total_tokens=e.max_total_tokens,
-                step_timeout_s=e.step_timeout_s, vocab_size=len(tokenizer),
+                step_timeout_s=e.step_timeout_s, vocab_size=len(tokenizer), progression=e.progression,
+                gather_s=e.gather_ms / 1000,
             )  # fmt: skip
         self.agents = None
         if cfg.agent.path is not None:  # the SDK is imported only by agent runs

@@ -307,6 +307,15 @@ class EnvConfig(Section):
     step_timeout_s: float = Field(
         10.0, gt=0, description="An environment's reset/step/close taking longer ends its episode (abort)."
     )
+    progression: Literal["auto", "rounds", "independent"] = Field(
+        "auto",
+        description="rounds: every live episode's turn in one engine call, then every environment step, in lockstep; independent: each episode takes its next turn as soon as its environment step returns, and the engine batches whichever turns are ready; auto: independent on engines that batch concurrent requests (vllm, sglang), rounds on hf.",
+    )
+    gather_ms: float = Field(
+        2.0,
+        ge=0,
+        description="independent progression: how long the engine front waits after a turn arrives for others to join its batch.",
+    )
 
 
 class AgentConfig(Section):

@@ -7,6 +7,7 @@ The reference for behaviour logprobs is the learner's own forward pass (``learne
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -62,7 +63,8 @@ def runner(engine: HFEngine, tok, **kw) -> EpisodeRunner:
     )
     return EpisodeRunner(engine, tok, sampling, max_turns=kw.pop("max_turns", 4),
                          max_total_tokens=kw.pop("max_total_tokens", 200),
-                         step_timeout_s=kw.pop("timeout", 5.0), vocab_size=len(tok))  # fmt: skip
+                         step_timeout_s=kw.pop("timeout", 5.0), vocab_size=len(tok),
+                         progression=kw.pop("progression", "rounds"))  # fmt: skip
 
 
 def episodes(tok, prompts: list[str], env=TalkEnv) -> list[Episode]:
@@ -272,3 +274,82 @@ def test_the_learner_logs_batch_means_of_episode_metrics() -> None:
     got = episode_metric_means(trajs)
     # each metric over the episodes that report it; turns over all three
     assert got == {"env/tool_used": 0.5, "env/correct": 1.0, "env/turns": 2.0}
+
+
+class WaitForOthers(Env):
+    """Episode 0's first step waits until every other episode has taken its last step (``turns``); the
+    others answer at once. ``order`` records who got there: each other episode at its last step, then 0."""
+
+    def __init__(
+        self, index: int, order: list[int], others_done: threading.Event, total: int, turns: int
+    ) -> None:
+        self.index, self.order, self.others_done, self.total, self.turns = (
+            index,
+            order,
+            others_done,
+            total,
+            turns,
+        )
+        self.steps = 0
+
+    def step(self, action: Action) -> StepResult:
+        self.steps += 1
+        if self.index == 0 and self.steps == 1:
+            if not self.others_done.wait(timeout=20):
+                raise TimeoutError("the other episodes never finished")
+            self.order.append(0)
+        elif self.index and self.steps == self.turns:
+            self.order.append(self.index)
+            if len(self.order) == self.total - 1:
+                self.others_done.set()
+        return StepResult("ok\n", 1.0, False)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["engine-front", "continuous-engine"])
+def test_independent_progression_lets_episodes_finish_while_one_waits_on_its_environment(
+    models, direct
+) -> None:
+    """Episode 0's environment answers only once every other episode has ended. Independent progression
+    finishes the others meanwhile (their turns go to the engine without waiting for episode 0's step);
+    turn-synchronous rounds cannot, so there episode 0's step times out. ``direct``: the engine is treated
+    as one that batches concurrent calls itself (the hf engine serves them interleaved), so each episode's
+    turn is its own call and the between-turns hook runs after each step, one at a time."""
+    tok = models["tok"]
+    engine = HFEngine(str(models["path"]), device="cpu", seed=11)
+    engine.continuous_batching = direct
+    hooks, inside = [], []
+
+    def between_turns() -> None:  # never two at once
+        inside.append(1)
+        assert len(inside) == 1
+        hooks.append(time.monotonic())
+        inside.pop()
+
+    for progression in ("independent", "rounds"):
+        order: list[int] = []
+        done = threading.Event()
+        n = 4
+        eps = [
+            Episode(Task(p, tuple(ids), {"id": str(i)}), WaitForOthers(i, order, done, n, 3), list(ids))
+            for i, (p, ids) in enumerate((p, tok(p)["input_ids"]) for p in ["1+2=", "say a:", "hi", "12+3="])
+        ]
+        timeout = 30.0 if progression == "independent" else 3.0
+        runner(engine, tok, max_turns=3, timeout=timeout, progression=progression).run(
+            eps, between_turns=between_turns
+        )
+        if progression == "independent":
+            assert sorted(order[:-1]) == list(range(1, n)) and order[-1] == 0  # the others ended first
+            assert all(e.end_reason == "max_turns" and e.turns == 3 for e in eps), [e.end_reason for e in eps]
+            trajs = [
+                decode_trajectory(encode_trajectory(e.trajectory(f"p{i}", "g", "s")))
+                for i, e in enumerate(eps)
+            ]
+            ref = learner_logp(models["a"], trajs)
+            for i, t in enumerate(trajs):
+                assert [k for k, _, _ in t.segments()] == ["model", "env"] * 3
+                gen = np.flatnonzero(t.generated)
+                np.testing.assert_allclose(t.behav_logp[gen], ref[i, gen].numpy(), atol=2e-4)
+            assert len(hooks) >= 2  # weight updates get their chance between turns
+        else:
+            assert eps[0].finish_reason == "abort" and eps[0].end_reason.startswith("env_timeout")
+    engine.close()

@@ -298,3 +298,43 @@ def test_in_flight_update_abort_mode_ends_requests(engine, models, ckpts, tmp_pa
     finally:
         aborting.close()
     engine._version = new  # the shared engine's server now holds the version the second client set
+
+
+def test_episodes_progress_independently_on_vllm(at_old, ckpts, models):
+    """On vLLM (``continuous_batching``), ``env.progression: auto`` plays every episode on its own: the
+    others take all their turns while episode 0's first environment step waits for them, each turn its
+    own request in the server's running batch, and every generated token's logprob is the forward pass's."""
+    from rollout.envs.base import Task
+    from rollout.envs.episode import Episode, EpisodeRunner
+    from tests.test_env_episode import WaitForOthers
+
+    assert at_old.continuous_batching
+    tok = AutoTokenizer.from_pretrained(ckpts["old"])
+    order: list[int] = []
+    done = threading.Event()
+    n, turns = 4, 3
+    prompts = ["1+2=", "say a:", "hi", "12+3="]
+    eps = [
+        Episode(Task(p, tuple(tok(p)["input_ids"]), {"id": str(i)}), WaitForOthers(i, order, done, n, turns),
+                list(tok(p)["input_ids"]))
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
+    runner = EpisodeRunner(at_old, tok, sampling, max_turns=turns, max_total_tokens=200, step_timeout_s=30.0,
+                           vocab_size=len(tok))  # fmt: skip
+    assert runner.progression == "auto"
+    runner.run(eps)
+    assert sorted(order[:-1]) == list(range(1, n)) and order[-1] == 0  # the others ended first
+    for e in eps:
+        assert e.end_reason == "max_turns" and e.turns == turns, e.end_reason
+        ids = e.prompt + e.tokens
+        with torch.no_grad():
+            logits = models["old"](torch.tensor([ids])).logits[0].double()
+        logp = torch.log_softmax(logits, -1)
+        for j, generated in enumerate(e.mask):
+            if generated:
+                pos = len(e.prompt) + j
+                assert e.logp[j] == pytest.approx(logp[pos - 1, ids[pos]].item(), abs=ATOL * 10), (
+                    e.task.prompt,
+                    j,
+                )

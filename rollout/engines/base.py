@@ -56,6 +56,11 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 
 class Engine(Protocol):
+    # True when calls running at once share decode steps (vLLM's and SGLang's schedulers add a request to
+    # the running batch); False when each call decodes on its own (hf), so callers that want one batch
+    # must gather their calls first (rollout/agents/batching.py).
+    continuous_batching: bool
+
     @property
     def version(self) -> int: ...
 

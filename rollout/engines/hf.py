@@ -87,6 +87,8 @@ def sample_tokens(
 class HFEngine:
     """transformers inference engine implementing :class:`rollout.engines.base.Engine`."""
 
+    continuous_batching = False  # each generate call decodes its own batch
+
     def __init__(
         self,
         model_path: str,

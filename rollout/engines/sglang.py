@@ -267,6 +267,8 @@ def parse_generate(body: Any, n_prompts: int, n: int, where: str) -> list[list[C
 class SGLangEngine:
     """The Engine Protocol over a managed ``sglang.launch_server`` (or a running one at ``sglang.url``)."""
 
+    continuous_batching = True  # the server's scheduler batches concurrent requests
+
     def __init__(self, cfg: Config, model_path: str, *, server_id: int, device: str | None) -> None:
         s = cfg.rollout.sglang
         check_sampling(cfg.rollout.top_p, cfg.rollout.top_k, s.allow_truncated_sampling, "rollout config")

@@ -321,6 +321,8 @@ def parse_generate(body: Any, n: int, where: str) -> list[Completion]:
 class VLLMEngine:
     """The Engine Protocol over a managed ``vllm serve`` (or an already running one at ``vllm.url``)."""
 
+    continuous_batching = True  # the server's scheduler batches concurrent requests
+
     def __init__(self, cfg: Config, model_path: str, *, server_id: int, device: str | None) -> None:
         v = cfg.rollout.vllm
         self.cfg = cfg

@@ -11,6 +11,13 @@
 4. **between turns**: the caller's hook (the rollout loop applies a pending weight update here, so the next
    turn is generated, and prefilled, by the new weights); back to 2 while any episode lives.
 
+That is ``env.progression: rounds``: a round waits for its slowest environment step, and a finished
+episode idles until its batch is done. With ``independent``, :meth:`EpisodeRunner.run_independent` gives
+every episode a thread of its own that plays it through (reset, then model turn and environment turn
+until it ends); its next turn goes to the engine as soon as its environment step returns, and an engine
+front (:class:`~rollout.agents.batching.BatchingEngine`) gathers the turns that are ready into one
+engine call. The caller's between-turns hook then runs between two engine calls.
+
 An episode ends when its environment says ``done`` (finish ``stop``), at ``env.max_turns`` model turns or
 ``env.max_total_tokens`` tokens (``length``), or when its environment fails: raises, times out, or returns
 a malformed result (``abort``: the learner masks it out, docs/design.md §10.1). ``meta["end_reason"]``
@@ -34,6 +41,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
+from rollout.agents.batching import BatchingEngine
 from rollout.engines.base import BetweenSteps, Engine, SamplingParams, cut_at_stop
 from rollout.envs.base import Action, Env, StepResult, Task
 
@@ -153,18 +161,19 @@ async def _await(aw: Any) -> Any:
     return await aw
 
 
-def parallel(calls: list[Callable[[], None]], timeout_s: float, what: str) -> None:
+def parallel(calls: list[Callable[[], None]], timeout_s: float | None, what: str) -> None:
     """Run the calls on threads of their own and wait for all, ``timeout_s`` at most in total.
 
     Each call bounds its environment's time itself (:func:`call_with_timeout`); this bound is the backstop
-    for the runner's own work around it, so a stage can never wait forever.
+    for the runner's own work around it, so a stage can never wait forever. ``None``: calls that generate
+    are bounded by the engine, as a round's model turn is.
     """
     threads = [threading.Thread(target=c, name=f"episode-{what}", daemon=True) for c in calls]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     if stuck := sum(t.is_alive() for t in threads):
         raise TimeoutError(
             f"episode {what}: {stuck} of {len(threads)} calls still running after {timeout_s:g}s "
@@ -185,10 +194,13 @@ class EpisodeRunner:
         max_total_tokens: int,
         step_timeout_s: float,
         vocab_size: int,
+        progression: str = "auto",
+        gather_s: float = 0.002,
     ) -> None:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.step_timeout_s, self.vocab_size = step_timeout_s, vocab_size
+        self.progression, self.gather_s = progression, gather_s
 
     def run(
         self,
@@ -197,6 +209,10 @@ class EpisodeRunner:
         between_steps: BetweenSteps | None = None,
         between_turns: Callable[[], None] | None = None,
     ) -> list[Episode]:
+        if self.progression == "independent" or (
+            self.progression == "auto" and self.engine.continuous_batching
+        ):
+            return self.run_independent(episodes, between_steps=between_steps, between_turns=between_turns)
         bound = self.step_timeout_s + STAGE_SLACK_S
         try:
             parallel([lambda e=e: self.reset(e) for e in episodes], bound, "reset")
@@ -208,6 +224,60 @@ class EpisodeRunner:
         finally:
             parallel([lambda e=e: self.close(e) for e in episodes], bound, "close")
         return episodes
+
+    def run_independent(
+        self,
+        episodes: list[Episode],
+        *,
+        between_steps: BetweenSteps | None = None,
+        between_turns: Callable[[], None] | None = None,
+    ) -> list[Episode]:
+        """Every episode plays at its own pace; the engine takes whichever turns are ready.
+
+        An engine that batches concurrent calls itself (vLLM, SGLang) gets every episode's turn as its own
+        request; the caller's hooks run after each environment step, one at a time. Otherwise (hf) an
+        engine front gathers the turns that arrive together into one call and runs the hooks itself.
+        """
+        if self.engine.continuous_batching:
+            engine: Engine = self.engine
+            lock = threading.Lock()
+
+            def after_step() -> None:
+                if between_turns is not None:
+                    with lock:
+                        between_turns()
+
+            front = None
+        else:
+            engine = front = BatchingEngine(
+                self.engine,
+                gather_s=self.gather_s,
+                between_steps=between_steps,
+                between_batches=between_turns,
+            )
+            between_steps, after_step = None, lambda: None
+        try:
+            parallel(
+                [lambda e=e: self.play(e, engine, between_steps, after_step) for e in episodes], None, "play"
+            )
+        finally:
+            if front is not None:
+                front.close()
+            parallel(
+                [lambda e=e: self.close(e) for e in episodes], self.step_timeout_s + STAGE_SLACK_S, "close"
+            )
+        return episodes
+
+    def play(
+        self, e: Episode, engine: Engine, between_steps: BetweenSteps | None, after_step: Callable[[], None]
+    ) -> None:
+        """One episode from reset to its end: model turn, environment turn, and again."""
+        self.reset(e)
+        while not e.done:
+            self.model_turn([e], between_steps, engine)
+            if not e.done:
+                self.env_turn(e)
+                after_step()
 
     # ----------------------------------------------------------------------------------------- stages
 
@@ -221,7 +291,9 @@ class EpisodeRunner:
         except EnvFailure as err:
             self.fail(e, str(err))
 
-    def model_turn(self, live: list[Episode], between_steps: BetweenSteps | None) -> None:
+    def model_turn(
+        self, live: list[Episode], between_steps: BetweenSteps | None, engine: Engine | None = None
+    ) -> None:
         """One engine call per distinct token allowance (usually one call for all live episodes)."""
         by_room: dict[int, list[Episode]] = {}
         for e in live:
@@ -232,7 +304,9 @@ class EpisodeRunner:
                 by_room.setdefault(room, []).append(e)
         for room, eps in by_room.items():
             sampling = SamplingParams(**{**vars(self.sampling), "n": 1, "max_new_tokens": room})
-            out = self.engine.generate([e.context for e in eps], sampling, between_steps=between_steps)
+            out = (engine or self.engine).generate(
+                [e.context for e in eps], sampling, between_steps=between_steps
+            )
             for e, (c,) in zip(eps, out, strict=True):
                 e.add(c.token_ids, c.logprobs, c.versions, generated=True)
                 e.turns += 1
