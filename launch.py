@@ -29,11 +29,11 @@ from pathlib import Path
 
 from launcher import driver, prepare
 from launcher.backends import available, get_backend
-from launcher.feeder import PromptFeeder, PromptSet
+from launcher.feeder import PromptSet
 from tandem.config import ConfigError, dump_config, load_config
 from tandem.telemetry import setup_logging
 
-__all__ = ["PromptFeeder", "PromptSet", "main"]
+__all__ = ["main"]
 
 
 COMMANDS = """other commands (each with its own --help):

@@ -20,9 +20,7 @@ from learner.runtime import Runtime, Stats
 from tandem.config import load_config
 from tandem.telemetry import setup_logging
 
-Learner = PPOLearner  # the name launch.py-era code and tests know
-
-__all__ = ["RECIPES", "Learner", "Stats", "main", "recipe_class", "reward_part_means"]
+__all__ = ["RECIPES", "Stats", "main", "recipe_class", "reward_part_means"]
 
 
 def recipe_class(recipe: str) -> type[Runtime]:

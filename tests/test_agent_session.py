@@ -94,7 +94,7 @@ def test_agent_trajectories_train(served, tiny_ckpt, tmp_path) -> None:
     """Two agent sessions as one group (rewards 1 and 0) through the real learner's train step: the
     rewarded session's generated tokens become more likely."""
     from learner.models import load_models
-    from learner.train import Learner
+    from learner.ppo import PPOLearner
     from tandem.config import load_config
     from tests.test_learner import raw_config
 
@@ -113,7 +113,7 @@ def test_agent_trajectories_train(served, tiny_ckpt, tmp_path) -> None:
                      rollout={"n_samples": 2}, algorithm={"batch_size": 2, "minibatch_size": 2},
                      learner={"micro_batch_size": 2, "actor_lr": 1e-2})  # fmt: skip
     cfg = load_config(None, raw=raw)
-    learner = Learner(cfg, tmp_path)
+    learner = PPOLearner(cfg, tmp_path)
     learner.models = load_models(cfg, learner.device)
     model = learner.models.actor.module
     before = learner_logp(model, sunk)

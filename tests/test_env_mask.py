@@ -11,7 +11,7 @@ import torch
 from buffer.schema import Trajectory
 from learner.batch import make_batch
 from learner.models import load_models
-from learner.train import Learner
+from learner.ppo import PPOLearner
 from tandem.config import load_config
 from tests.test_learner import VOCAB, raw_config
 
@@ -69,13 +69,13 @@ def gae_learner(tiny_ckpt, tmp_path_factory):
         learner={"micro_batch_size": 4},
     )  # fmt: skip
     cfg = load_config(None, raw=raw)
-    learner = Learner(cfg, tmp)
+    learner = PPOLearner(cfg, tmp)
     learner.models = load_models(cfg, learner.device)
     return learner
 
 
 @pytest.mark.slow
-def test_learner_sends_no_gradient_into_env_positions(gae_learner: Learner) -> None:
+def test_learner_sends_no_gradient_into_env_positions(gae_learner: PPOLearner) -> None:
     """The gradient of the whole loss (policy + KL + entropy; value for the critic) with respect to every
     position's output is exactly 0 where that position predicts an env token, and not 0 where it predicts
     a generated one."""

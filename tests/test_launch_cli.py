@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import launch
+from launcher.feeder import PromptSet
 from tandem.config import ConfigError, load_config
 from tandem.data import write_prompts
 
@@ -34,14 +35,14 @@ def test_chat_template_prompts_are_token_ids_of_the_templated_text(tiny_ckpt, pr
     cfg = load_config(args[0], args[1:])
     tok = AutoTokenizer.from_pretrained(tiny_ckpt["actor"])
     expected = tok("user: say b:\nassistant: ", add_special_tokens=False).input_ids  # the template by hand
-    got = launch.PromptSet.load(cfg)
+    got = PromptSet.load(cfg)
     assert got.tokens[0] == expected
     assert all(isinstance(t, int) for t in got.tokens[1])
 
 
 def test_plain_prompts_are_tokenised_as_they_are(tiny_ckpt, prompts: Path) -> None:
     args = tiny_args(tiny_ckpt, prompts)
-    got = launch.PromptSet.load(load_config(args[0], args[1:]))
+    got = PromptSet.load(load_config(args[0], args[1:]))
     tok = AutoTokenizer.from_pretrained(tiny_ckpt["actor"])
     assert got.tokens == [tok("say b:").input_ids, tok("say c:").input_ids]
 
@@ -76,7 +77,7 @@ def test_a_chat_template_the_tokenizer_lacks_is_refused(tiny_ckpt, prompts: Path
     (tmp_path / "actor" / "chat_template.jinja").unlink(missing_ok=True)
     args = tiny_args(tiny_ckpt, prompts, f"model.actor={tmp_path / 'actor'}", "data.chat_template=true")
     with pytest.raises(ConfigError, match=r"data\.chat_template: the tokenizer"):
-        launch.PromptSet.load(load_config(args[0], args[1:]))
+        PromptSet.load(load_config(args[0], args[1:]))
 
 
 def test_help_lists_the_pipeline_and_plan_commands(capsys) -> None:
