@@ -144,7 +144,9 @@ def test_a_longer_max_tokens_is_cut_to_the_runs(engine, tiny_ckpt, tmp_path) -> 
 )
 def test_a_misbehaving_agent_ends_only_its_episode(engine, tiny_ckpt, tmp_path, monkeypatch, how, reason):
     monkeypatch.setattr(runner_module, "JOIN_SLACK_S", 1.0)
-    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:misbehaving_agent")
+    # The runaway call must still be running when its agent returns 0.2 s later: batches wait 1 s to start.
+    over = {"agent.gather_ms": 1000} if how == "open" else {}
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:misbehaving_agent", **over)
     runner = make_runner(cfg, engine)
     try:
         records = [{"id": "good", "prompt": "1+2="}, {"id": "bad", "prompt": "3+4=", "bad": how}]
