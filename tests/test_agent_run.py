@@ -279,3 +279,43 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path) 
             == f"\ntool: {sums[e.record['prompt']]}\nassistant: "
         )
         assert set(t.reward_parts) == {"agent", "agent/correct"}
+
+
+def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckpt, tmp_path) -> None:
+    """The runner's between_batches hook (the loop's poll_weights) applies v1 after the first batch: every
+    second call of a session is generated, and prefilled, by v1, and its behaviour logprobs are v1's over
+    the whole session, as the learner computes them."""
+    from tandem.tiny import make_tiny
+    from weightsync.base import Update
+
+    path = make_tiny(tmp_path / "v1", seed=7)["actor"]
+    v1 = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()
+          if k != "lm_head.weight"}  # fmt: skip
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent", **{"agent.timeout_s": 60})
+
+    def between_batches() -> None:
+        if runner.engine.batches >= 1 and engine.version == 0:
+            engine.update_weights(Update(1, [], lambda: iter(v1.items())))
+
+    runner = AgentRunner(cfg, engine, engine.tokenizer, metrics=ServerMetrics(engine),
+                         between_batches=between_batches)  # fmt: skip
+    try:
+        eps = runner.run(episodes(engine, [{"id": "a", "prompt": "12+30="}, {"id": "b", "prompt": "7+5="}]))
+    finally:
+        runner.close()
+        engine.update_weights(Update(0, [], lambda: iter(v0.items())))
+    assert [e.end_reason for e in eps] == ["done"] * 2 * N
+    trajs = [e.trajectory("p", "g", "s") for e in eps]
+    firsts, seconds = [], []
+    for t in trajs:
+        (_, a, b), _, (_, c, d) = t.segments()
+        firsts.append(set(t.token_versions[a:b].tolist()))
+        seconds.append(set(t.token_versions[c:d].tolist()))
+    assert {0} in firsts and all(s == {1} for s in seconds), (firsts, seconds)
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"]).eval()
+    model.load_state_dict(v1, strict=False)
+    ref = learner_logp(model, trajs)
+    for t, r in zip(trajs, ref, strict=True):
+        _, _, (_, c, d) = t.segments()
+        np.testing.assert_allclose(t.behav_logp[c:d], r[c:d].numpy(), atol=2e-4)
