@@ -130,7 +130,46 @@ class DataConfig(Section):
     )
 
 
-class SGLangConfig(Section):
+class ServerConfig(Section):
+    """What a managed engine server (vLLM, SGLang) needs, whichever it is: where it listens, how it is
+    reached, and how long each kind of call may take."""
+
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra command-line arguments for the engine server (`vllm serve`, `sglang.launch_server`).",
+    )
+    url: str | None = Field(
+        None,
+        description="URL of an already running engine server to use instead of starting one (server_id is then ignored).",
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="Bind address of the managed engine server; 0.0.0.0 when a learner on another host drives its weight updates.",
+    )
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="HTTP port of server 0 (server i uses port+i); 0 picks a free port.",
+    )
+    api_key: str | None = Field(
+        None,
+        description="Bearer token of the engine server's routes (passed as --api-key and sent by every client).",
+    )
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long to wait for the engine server to load the model and answer /health.",
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for one generate call or control route of the engine server."
+    )
+    update_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for a weight reload or for a pushed weight version to appear."
+    )
+
+
+class SGLangConfig(ServerConfig):
     mem_fraction_static: float = Field(
         0.7, gt=0, le=1, description="Fraction of GPU memory SGLang reserves for weights and KV cache."
     )
@@ -139,79 +178,17 @@ class SGLangConfig(Section):
         "retract",
         description="How generation pauses for a weight update (retract recomputes in-flight KV with the new weights).",
     )
-    extra_args: list[str] = Field(
-        default_factory=list, description="Extra command-line arguments for `sglang.launch_server`."
-    )
-    url: str | None = Field(
-        None,
-        description="URL of an already running SGLang server to use instead of starting one (server_id is then ignored).",
-    )
-    host: str = Field(
-        "127.0.0.1",
-        description="Bind address of the managed SGLang server; 0.0.0.0 when a learner on another host drives its weight updates.",
-    )
-    port: int = Field(
-        0,
-        ge=0,
-        le=65535,
-        description="SGLang HTTP port of server 0 (server i uses port+i); 0 picks a free port.",
-    )
-    api_key: str | None = Field(
-        None,
-        description="Bearer token of the SGLang server's routes (passed as --api-key and sent by every client).",
-    )
-    startup_timeout_s: float = Field(
-        900.0,
-        gt=0,
-        description="How long to wait for the SGLang server to load the model and answer /health.",
-    )
-    request_timeout_s: float = Field(
-        600.0, gt=0, description="Longest wait for one generate call or control route of the SGLang server."
-    )
-    update_timeout_s: float = Field(
-        600.0, gt=0, description="Longest wait for a weight reload or for a pushed weight version to appear."
-    )
     allow_truncated_sampling: bool = Field(
         False,
         description="Allow top_p<1 / top_k>0 although SGLang's logprobs then ignore the truncation (biased behav_logp).",
     )
 
 
-class VLLMConfig(Section):
+class VLLMConfig(ServerConfig):
     gpu_memory_utilization: float = Field(0.7, gt=0, le=1, description="Fraction of GPU memory vLLM may use.")
     tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel degree of each vLLM server.")
     pause_mode: Literal["keep", "abort", "wait"] = Field(
         "keep", description="How generation pauses for a weight update (keep resumes in-flight requests)."
-    )
-    extra_args: list[str] = Field(
-        default_factory=list, description="Extra command-line arguments for `vllm serve`."
-    )
-    url: str | None = Field(
-        None,
-        description="URL of an already running vLLM server to use instead of starting one (server_id is then ignored).",
-    )
-    host: str = Field(
-        "127.0.0.1",
-        description="Bind address of the managed vLLM server; 0.0.0.0 when a learner on another host drives its weight updates.",
-    )
-    port: int = Field(
-        0,
-        ge=0,
-        le=65535,
-        description="vLLM HTTP port of server 0 (server i uses port+i); 0 picks a free port.",
-    )
-    api_key: str | None = Field(
-        None,
-        description="Bearer token of the vLLM server's routes (passed as --api-key and sent by every client).",
-    )
-    startup_timeout_s: float = Field(
-        900.0, gt=0, description="How long to wait for the vLLM server to load the model and answer /health."
-    )
-    request_timeout_s: float = Field(
-        600.0, gt=0, description="Longest wait for one generate call or control route of the vLLM server."
-    )
-    update_timeout_s: float = Field(
-        600.0, gt=0, description="Longest wait for a weight reload or for a pushed weight version to appear."
     )
 
 
