@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 import rollout.agents.runner as runner_module
 from buffer.schema import decode_trajectory, encode_trajectory
 from rollout.agents.runner import AgentEpisode, AgentRunner, check_reward
+from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
 from rollout.metrics import ServerMetrics
 from tandem.config import Config, load_config
@@ -115,6 +116,33 @@ def test_agents_run_n_per_prompt_batched_and_token_exact(engine, tiny_ckpt, tmp_
         assert t.reward == pytest.approx(sum(e.parts.values())) and e.parts["bonus"] == 0.5
         assert t.finish_reason == "stop" and t.meta["calls"] == 2
     assert eps[0].metrics()["agent/calls"] == 2.0 and eps[0].metrics()["agent/aborted"] == 0.0
+
+
+def test_an_engine_that_batches_concurrent_calls_gets_each_call_at_once(tiny_ckpt, tmp_path) -> None:
+    """On vLLM or SGLang the front hands every call straight to the engine (whose scheduler adds it to the
+    running batch) with the run's sampling, instead of queueing it behind the batch in flight. Here the hf
+    engine stands in for one, told that it batches concurrent calls: it serves them interleaved."""
+    engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=3)
+    engine.continuous_batching = True
+    seen: list[SamplingParams] = []
+    real = engine.generate
+
+    def spy(prompts, sampling, **kw):
+        seen.append(sampling)
+        return real(prompts, sampling, **kw)
+
+    engine.generate = spy
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent", **{"agent.timeout_s": 60})
+    runner = make_runner(cfg, engine)
+    try:
+        eps = runner.run(episodes(engine, [{"id": "a", "prompt": "12+30="}], n=3))
+        batches, calls = runner.engine.batches, runner.engine.calls
+    finally:
+        runner.close()
+    assert [e.end_reason for e in eps] == ["done"] * 3
+    assert batches == calls == len(seen) == 2 * 3  # one engine call per agent call: nothing queued
+    assert {s.temperature for s in seen} == {cfg.rollout.temperature}
+    assert max(s.max_new_tokens for s in seen) <= cfg.rollout.max_new_tokens
 
 
 def test_a_longer_max_tokens_is_cut_to_the_runs(engine, tiny_ckpt, tmp_path) -> None:

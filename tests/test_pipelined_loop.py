@@ -32,6 +32,8 @@ class SlowEngine:
     """The hf engine, every call at least ``DELAY_S`` long; ``peak`` is the most calls ever running at once.
     ``fail_on``: that call (1-based) raises instead."""
 
+    continuous_batching = False
+
     def __init__(self, inner: HFEngine, fail_on: int | None = None) -> None:
         self.inner, self.tokenizer, self.fail_on = inner, inner.tokenizer, fail_on
         self.lock = threading.Lock()

@@ -153,6 +153,7 @@ class ScriptedEngine:
     then EOS, with a distinct logprob per token; it keeps every prompt and completion it served."""
 
     version = 0
+    continuous_batching = False  # serves one call at a time, as hf does
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
         self.tokenizer = tokenizer

@@ -12,6 +12,11 @@ batch; one that raises drops that caller only (it gets the hook's exception), an
 any caller still waits. The run's own hooks apply weight updates between decode steps (in flight) and
 between batches. Sampling is the run's where it says so (``sampling``: the learner scores the tokens at
 the run's temperature, whatever an agent asks), and ``max_new_tokens`` caps a call's length. A streamed call (``on_token``) goes to the engine directly.
+
+An engine whose scheduler already batches concurrent calls (``Engine.continuous_batching``: vLLM, SGLang)
+gets each call at once, with the run's sampling applied: queueing it would hold a call that is ready
+until the running batch is done. The run's between-batches hook then runs before each call, one caller
+at a time.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class _Call:
 class BatchingEngine:
     """An :class:`~rollout.engines.base.Engine` front that gathers concurrent calls into batches."""
 
+    continuous_batching = True  # concurrent calls through the front share engine calls
+
     def __init__(
         self,
         engine: Engine,
@@ -76,6 +83,8 @@ class BatchingEngine:
         self._queue: list[_Call] = []
         self._cv = threading.Condition()
         self._closed = False
+        self._direct = engine.continuous_batching
+        self._hook_lock = threading.Lock()
         self._worker = threading.Thread(target=self._run, name="agent-batcher", daemon=True)
         self._worker.start()
 
@@ -96,6 +105,8 @@ class BatchingEngine:
         sampling = replace(sampling, **self.override)
         if self.max_new_tokens is not None and sampling.max_new_tokens > self.max_new_tokens:
             sampling = replace(sampling, max_new_tokens=self.max_new_tokens)
+        if self._direct:
+            return self._generate_now(prompts, sampling, between_steps)
         call = _Call([list(p) for p in prompts], sampling, between_steps)
         with self._cv:
             if self._closed:
@@ -126,6 +137,27 @@ class BatchingEngine:
         for call in pending:
             call.finish(error=RuntimeError("the agents' engine front is closed"))
         self._worker.join(timeout=30)
+
+    def _generate_now(
+        self, prompts: list[list[int]], sampling: SamplingParams, between_steps: BetweenSteps | None
+    ) -> list[list[Completion]]:
+        """One call straight into an engine that batches concurrent calls itself."""
+        if self._closed:
+            raise RuntimeError("the agents' engine front is closed")
+        if self.between_batches is not None:
+            with self._hook_lock:
+                self.between_batches()
+
+        def hooks() -> None:
+            if self.hook is not None:
+                self.hook()
+            if between_steps is not None:
+                between_steps()
+
+        with self._hook_lock:
+            self.batches += 1
+            self.calls += 1
+        return self.engine.generate([list(p) for p in prompts], sampling, between_steps=hooks)
 
     # ------------------------------------------------------------------------------------------- worker
 
