@@ -93,10 +93,9 @@ def main() -> None:
         }
         for step in range(1, args.steps + 1):
             variant = "folded" if step % 2 else "separate"
-            pub.announce_hooks = [adm.queue_version] if variant == "folded" else []
             time.sleep(args.train_ms / 1000)  # the server is blocked in wait_admission meanwhile
             t0 = time.perf_counter()
-            pub.publish(tensors, step)
+            pub.publish(tensors, step, announce=adm.queue_version if variant == "folded" else None)
             if variant == "separate":
                 adm.set_version(step)
             t1 = time.perf_counter()

@@ -33,7 +33,7 @@ from launcher.console import Console, status_line, summarize
 from launcher.feeder import PromptFeeder, PromptSet
 from launcher.plan import RunPlan, plan_run
 from launcher.prepare import how_to_make
-from launcher.supervision import RestartPolicy, Restarts, forget_dead_publisher
+from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config
 from tandem.procs import alive
 from tandem.telemetry import ready_key, stop_key
@@ -357,6 +357,8 @@ def _run(
         client.ping()
         keeper = RedisKeeper(cfg, embedded)
         client.delete(stop_key(cfg.run.name))
+        from weightsync.dist import forget_dead_publisher  # torch: not at the launcher's import
+
         forget_dead_publisher(client, cfg.run.name)
         config_path = write_process_config(cfg, run_dir)
 

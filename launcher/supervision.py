@@ -138,13 +138,3 @@ def learner_progress(client: redis.Redis, run: str, ckpt_dir: Path) -> Progress:
         return max(seen) if seen else None
 
     return read
-
-
-def forget_dead_publisher(client: redis.Redis, run: str) -> None:
-    """A restarted learner's servers must not join the crashed learner's last ``dist`` offer: its store is
-    gone (a connect would wait out ``weightsync.timeout_s``) and its ``go`` names versions past the
-    checkpoint (joiners of the resumed versions would think they came too late). The new learner offers
-    afresh."""
-    from weightsync.base import weights_key
-
-    client.delete(weights_key(run, "offer"), weights_key(run, "go"))

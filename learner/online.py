@@ -10,10 +10,11 @@ What PPO (``learner/ppo.py``) and any future online recipe share, around their o
   (``learner/checkpoint.py``).
 - **Order after the optimizer step** (synchronous equivalence, docs/design.md §3.5, §3.6): version ``v += 1``;
   publish version-``v`` weights if ``v % sync_interval == 0``; *then* ``admission.set_version(v)``, which opens
-  admission, so no server starts a group for ``v`` before its weights exist. The ``shm`` publisher queues
-  the version in the transaction that announces the weights (after them, one round trip fewer per step). At start-up (and on resume)
-  the current weights are published before anything waits for them, so a broken weight path fails at
-  step 0.
+  admission, so no server starts a group for ``v`` before its weights exist. The publisher runs
+  ``admission.queue_version`` in its own transaction that announces the weights (``publish(announce=)``);
+  the learner sets the version itself only when no version was published or its publish failed. At start-up
+  (and on resume) the current weights are published before anything waits for them, so a broken weight path
+  fails at step 0.
 - **Sync mode is the same code**: ``run.mode == "sync"`` only makes ``Config.max_staleness`` 0; with servers
   honouring admission the learner then trains only on data of its current version.
 - **Stopping**: after ``learner.total_steps``, on ``Telemetry.stop_requested()``, or on SIGTERM/SIGINT: the
@@ -59,7 +60,6 @@ from learner.runtime import Runtime
 from tandem import fleet
 from tandem.config import Config, redact
 from tandem.telemetry import Telemetry
-from weightsync.shm import ShmPublisher
 from weightsync.source import is_zero3, unwrap
 
 log = logging.getLogger("learner")
@@ -126,8 +126,6 @@ class OnlineRuntime(Runtime):
             self.buffer = ReplayBuffer.from_config(self.client, self.cfg, CONSUMER)
             self.admission = Admission.from_config(self.client, self.cfg, CONSUMER)
             self.publisher = weightsync.make_publisher(self.cfg, self.client, run_dir=str(self.run_dir))
-            if isinstance(self.publisher, ShmPublisher):  # weights and version in one Redis transaction
-                self.publisher.announce_hooks.append(self.admission.queue_version)
             self.telemetry = Telemetry(self.cfg, "learner", self.client, run_dir=str(self.run_dir))
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.trained_log = open(self.run_dir / "trained.jsonl", "a")  # noqa: SIM115 (closed in close())
@@ -232,13 +230,14 @@ class OnlineRuntime(Runtime):
     def sync_weights(self, *, force: bool = False) -> None:
         """Publish version ``v`` (when due), *then* announce it: admission opens only once weights exist."""
         self.sync_bytes = 0
-        announced = False  # the shm publisher sets the version in its own announce transaction
+        announced = False  # the publisher sets the version in its own announce transaction
         if force or self.version % self.cfg.algorithm.sync_interval == 0:
             # A collective under ZeRO-3: every rank gathers; ranks other than 0 hold a draining publisher.
             counted = Counted(self.published_tensors())
+            announce = self.admission.queue_version if self.lead else None
             try:
-                self.publisher.publish(counted, self.version)
-                announced = isinstance(self.publisher, ShmPublisher)
+                self.publisher.publish(counted, self.version, announce=announce)
+                announced = True
             except weightsync.WeightSyncError as e:
                 if force:  # at start-up a broken weight path fails at step 0
                     raise
@@ -255,8 +254,7 @@ class OnlineRuntime(Runtime):
 
         Rank 0 alone, between steps and while waiting for data; not under ZeRO-3 with several ranks, where
         gathering the weights is a collective (such a joiner receives the next publish)."""
-        waiting = getattr(self.publisher, "joiners_waiting", None)
-        if waiting is None or not waiting():
+        if not self.publisher.joiners_waiting():
             return
         if self.world > 1 and is_zero3(unwrap(self.models.actor)):
             return

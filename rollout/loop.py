@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, nullcontext
 
@@ -60,7 +61,7 @@ from tandem.config import Config
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
 from tandem.timing import Timers
-from weightsync.base import Subscriber, Update, WeightSyncError, weights_key
+from weightsync.base import Subscriber, Update, WeightSyncError, wait_for, weights_key
 
 log = logging.getLogger(__name__)
 
@@ -173,16 +174,14 @@ class RolloutLoop:
         docs/design.md §5.7): ``shm`` maps the latest files, a ``dist`` joiner asks the learner to publish
         again. Engines the learner drives itself (vLLM/SGLang over ``dist``) receive the next publish."""
         c = self.cfg
-        if c.weightsync.transport == "dist" and c.rollout.engine in ("vllm", "sglang"):
+        if c.weight_path == "engine":
             return
-        deadline = time.perf_counter() + min(c.weightsync.timeout_s, JOIN_WAIT_S)
-        # latest may drop meanwhile: a resumed learner re-publishes its checkpoint's (older) version.
-        while self.engine.version < (target := self.subscriber.latest_version()) and not self.should_stop():
-            if time.perf_counter() > deadline:  # the freshness rule (ensure_fresh_weights) still holds
-                log.warning("server-%d: joined at weights v%d; v%d has not arrived yet, generating anyway "
-                            "where admission allows", self.server_id, self.engine.version, target)  # fmt: skip
-                return
-            self.apply(self.subscriber.poll(min(POLL_S, max(0.0, deadline - time.perf_counter()))))
+        try:  # latest may drop meanwhile: a resumed learner re-publishes its checkpoint's (older) version
+            self.wait_for_weights(self.subscriber.latest_version, min(c.weightsync.timeout_s, JOIN_WAIT_S))
+        except WeightSyncError:  # the freshness rule (ensure_fresh_weights) still holds
+            target = self.subscriber.latest_version()
+            log.warning("server-%d: joined at weights v%d; v%d has not arrived yet, generating anyway "
+                        "where admission allows", self.server_id, self.engine.version, target)  # fmt: skip
 
     def step(self) -> int:
         """One admitted batch of prompt groups, generated, scored and appended: within this call when one
@@ -283,18 +282,9 @@ class RolloutLoop:
         start = time.perf_counter()
         with self._weights_lock:
             self.apply(self.subscriber.poll(0.0))
-            timeout = self.cfg.weightsync.timeout_s
-            deadline = start + timeout
-            while self.engine.version < (need := self.admission.freshness_floor()):
-                if self.should_stop():
-                    return False
-                if time.perf_counter() > deadline:
-                    raise WeightSyncError(
-                        f"server-{self.server_id}: holds weights v{self.engine.version} but needs >= v{need} "
-                        f"(learner version - max_staleness); no new version arrived within "
-                        f"weightsync.timeout_s={timeout:g}s. Is the learner publishing?"
-                    )
-                self.apply(self.subscriber.poll(min(POLL_S, max(0.0, deadline - time.perf_counter()))))
+            self.wait_for_weights(self.admission.freshness_floor, self.cfg.weightsync.timeout_s)
+            if self.should_stop() and self.engine.version < self.admission.freshness_floor():
+                return False
         self.spent("time/weight_sync", start)
         return True
 
@@ -472,6 +462,14 @@ class RolloutLoop:
         if self.evaluator is not None and self.evaluator.claim(self.engine.version):
             with self._weights_lock:  # no generation thread applies an update mid-evaluation
                 self.evaluator.run()
+
+    def wait_for_weights(self, version: Callable[[], int], timeout_s: float) -> None:
+        """Apply every version the subscriber hands out until the engine holds ``version()`` (re-read at
+        each poll); returns early on a stop, raises WeightSyncError after ``timeout_s``."""
+        wait_for(
+            self.subscriber, version, timeout_s, run=self.cfg.run.name, apply=self.apply,
+            held=lambda: self.engine.version, should_stop=self.should_stop,
+        )  # fmt: skip
 
     def apply(self, update: Update | None) -> None:
         """The one path every weight update takes (between batches and in flight): apply, time, count."""

@@ -78,7 +78,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     buffer = ReplayBuffer.from_config(client, cfg, consumer=name)
     subscriber = make_subscriber(cfg, client, name, run_dir=args.run_dir)
     engine = make_engine(cfg, cfg.model.actor, server_id=sid)
-    if cfg.weightsync.transport == "dist" and cfg.rollout.engine in ("vllm", "sglang"):
+    if cfg.weight_path == "engine":
         from weightsync.engines import EngineEndpoint, register_engine
 
         register_engine(
@@ -136,7 +136,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         if http is not None:
             http.stop()
         subscriber.close()
-        if cfg.weightsync.transport == "dist" and cfg.rollout.engine in ("vllm", "sglang"):
+        if cfg.weight_path == "engine":
             from weightsync.engines import unregister_engine
 
             unregister_engine(client, cfg.run.name, sid)

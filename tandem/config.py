@@ -928,6 +928,15 @@ class Config(Section):
             return 0
         return self.algorithm.max_staleness
 
+    @property
+    def weight_path(self) -> Literal["shm", "dist", "engine"]:
+        """How weights reach the engines (docs/design.md §5): ``shm`` files a server maps, a ``dist``
+        broadcast a server receives, or ``engine``: the learner pushes straight into vLLM/SGLang over their
+        own NCCL groups (``weightsync.transport: dist`` with such an engine)."""
+        if self.weightsync.transport == "dist" and self.rollout.engine in ("vllm", "sglang"):
+            return "engine"
+        return self.weightsync.transport
+
     def resolve_paths(self, base: Path) -> Config:
         """Make relative file paths (checkpoints, prompts) absolute against ``base`` (the YAML's folder's parent project)."""
 

@@ -309,6 +309,24 @@ def test_shm_wait_for_names_the_missing_learner(redis_client, run_id):
     assert time.monotonic() - start < 2.0
 
 
+def test_wait_for_applying_follows_a_moving_target_and_stops(redis_client, run_id, tmp_path):
+    """A rollout server's wait: every version handed out is applied at once; the target is re-read at
+    each poll; a stop ends the wait early; a target never reached names what the engine holds."""
+    pub, sub = ShmPublisher(redis_client, run_id, tmp_path), ShmSubscriber(redis_client, run_id, "server-0")
+    applied: list[int] = []
+    pub.publish(weights(0).items(), 0)
+    targets = iter([0, 1, 1, 1])
+    threading.Timer(0.2, lambda: pub.publish(weights(1).items(), 1)).start()
+    wait_for(sub, lambda: next(targets), 10.0, run=run_id, apply=lambda u: applied.append(u.version))
+    assert applied == [0, 1]
+    start = time.monotonic()
+    wait_for(sub, 5, 30.0, run=run_id, apply=applied.append, should_stop=lambda: True)
+    assert time.monotonic() - start < 2.0 and applied == [0, 1]
+    with pytest.raises(WeightSyncError, match=r"server-0: holds weights v1 but needs >= v5"):
+        wait_for(sub, 5, 0.3, run=run_id, apply=applied.append)
+    pub.close()
+
+
 def test_shm_waiting_subscriber_verifies_while_the_publisher_writes(
     redis_server, run_id, tmp_path, monkeypatch
 ):
@@ -348,7 +366,7 @@ def test_shm_waiting_subscriber_verifies_while_the_publisher_writes(
 
 
 def test_shm_announce_carries_the_learner_version_in_one_transaction(redis_client, run_id, tmp_path):
-    """With ``admission.queue_version`` hooked in (the learner's set-up), one publish is one MULTI/EXEC that
+    """With ``announce=admission.queue_version`` (the learner's call), one publish is one MULTI/EXEC that
     announces the weights and then the version opening admission, in that order; without, none is set."""
     from buffer.admission import Admission
 
@@ -361,10 +379,9 @@ def test_shm_announce_carries_the_learner_version_in_one_transaction(redis_clien
         return redis_client.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
 
     pub.publish(weights(0).items(), 0)
-    assert redis_client.get(f"{run_id}:version") is None  # no hook: the version is the caller's to set
-    pub.announce_hooks.append(buf.queue_version)
+    assert redis_client.get(f"{run_id}:version") is None  # no announce: the version is the caller's to set
     before = execs()
-    pub.publish(weights(1).items(), 1)
+    pub.publish(weights(1).items(), 1, announce=buf.queue_version)
     assert execs() - before == 1
     assert buf.version() == 1 and shm.latest_version(redis_client, run_id) == 1
     seen = []
@@ -451,13 +468,17 @@ def test_dist_publisher_names_a_registered_peer_that_never_joins(redis_client, r
     pub = DistPublisher(redis_client, run_id, backend="gloo", timeout_s=1.0)
     consumed = []
     start = time.monotonic()
+    announced: list[int] = []
+    announce = lambda pipe, v: announced.append(v)  # noqa: E731
     with pytest.raises(PeersMissing, match=r"dist v3: subscriber\(s\) \['ghost'\]") as err:
-        pub.publish(((n, consumed.append(n) or t) for n, t in weights(3).items()), 3)
+        pub.publish(((n, consumed.append(n) or t) for n, t in weights(3).items()), 3, announce=announce)
     assert 1.0 <= time.monotonic() - start < 3.0
     assert err.value.peers == ["ghost"] and err.value.version == 3
     assert consumed == list(weights(3))  # drained: a ZeRO-3 gather stays matched
     assert "ghost" not in Registry(redis_client, run_id, live_s=30).live()
-    pub.publish(weights(4).items(), 4)  # nobody to wait for now
+    assert announced == []  # a failed publish announces nothing of the caller's
+    pub.publish(weights(4).items(), 4, announce=announce)  # nobody to wait for now
+    assert announced == [4]
 
 
 def test_dist_subscriber_names_a_publisher_that_never_starts(redis_client, run_id):
@@ -499,9 +520,11 @@ def test_dist_buckets_pack_aligned_and_send_large_tensors_alone(redis_client, ru
 
 def test_factories_choose_by_config(redis_client, run_id, tiny_ckpt, tmp_path):
     shm = make_cfg(run_id, tiny_ckpt["actor"], transport="shm", shm_dir=str(tmp_path))
+    assert shm.weight_path == "shm" and not make_publisher(shm, redis_client).joiners_waiting()
     assert isinstance(make_publisher(shm, redis_client), ShmPublisher)
     assert isinstance(make_subscriber(shm, redis_client, "s"), ShmSubscriber)
     dist_cfg = make_cfg(run_id, tiny_ckpt["actor"], transport="dist", backend="gloo")
+    assert dist_cfg.weight_path == "dist"
     assert isinstance(make_publisher(dist_cfg, redis_client), DistPublisher)
     assert isinstance(make_subscriber(dist_cfg, redis_client, "s"), DistSubscriber)
     # vLLM/SGLang servers over dist: the learner drives the engines' own groups, servers only track versions
@@ -510,11 +533,13 @@ def test_factories_choose_by_config(redis_client, run_id, tiny_ckpt, tmp_path):
     engine_cfg = dist_cfg.model_copy(
         update={"rollout": dist_cfg.rollout.model_copy(update={"engine": "sglang"})}
     )
-    assert isinstance(make_publisher(engine_cfg, redis_client), EnginePublisher)
+    assert engine_cfg.weight_path == "engine"
+    assert isinstance(engine_publisher := make_publisher(engine_cfg, redis_client), EnginePublisher)
+    assert not engine_publisher.joiners_waiting()
     assert isinstance(make_subscriber(engine_cfg, redis_client, "s"), EngineVersionSubscriber)
     seen = []
     DrainPublisher().publish(((n, seen.append(n) or t) for n, t in weights(0).items()), 0)
-    assert seen == list(weights(0))
+    assert seen == list(weights(0)) and not DrainPublisher().joiners_waiting()
 
 
 # ----------------------------------------------------------------------------------------- ZeRO-3

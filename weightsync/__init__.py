@@ -3,7 +3,7 @@
 Learner (every rank; only rank 0 sends, the others drain the ZeRO-3 gather)::
 
     pub = make_publisher(cfg, client, run_dir=run_dir)
-    pub.publish(named_full_parameters(actor_engine), version)
+    pub.publish(named_full_parameters(actor_engine), version, announce=admission.queue_version)
 
 Rollout server::
 
@@ -23,6 +23,7 @@ import torch.distributed as torch_dist  # not `dist`: the weightsync.dist submod
 
 from tandem.config import Config
 from weightsync.base import (
+    Announce,
     PeersMissing,
     Publisher,
     Subscriber,
@@ -35,6 +36,7 @@ from weightsync.base import (
 from weightsync.source import named_full_parameters
 
 __all__ = [
+    "Announce",
     "DrainPublisher",
     "PeersMissing",
     "Publisher",
@@ -53,9 +55,18 @@ __all__ = [
 class DrainPublisher:
     """The publisher of learner ranks other than 0: consumes the (collective) iterator and sends nothing."""
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def publish(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        announce: Announce | None = None,
+    ) -> None:
         for _ in named_tensors:
             pass
+
+    def joiners_waiting(self) -> bool:
+        return False
 
     def close(self) -> None:
         pass
@@ -64,16 +75,16 @@ class DrainPublisher:
 def make_publisher(
     cfg: Config, client: redis.Redis, *, run_dir: str | os.PathLike[str] | None = None
 ) -> Publisher:
-    """The configured transport's publisher on rank 0 of the default group (or without one); else a drain."""
+    """The weight path's publisher on rank 0 of the default group (or without one); else a drain."""
     if torch_dist.is_initialized() and torch_dist.get_rank() != 0:
         return DrainPublisher()
     ws, run = cfg.weightsync, cfg.run.name
-    if ws.transport == "dist" and cfg.rollout.engine in ("vllm", "sglang"):
+    if cfg.weight_path == "engine":
         # The engines receive over their own NCCL groups, driven from here (weightsync/engines.py).
         from weightsync.engines import EnginePublisher
 
         return EnginePublisher(cfg, client, run, backend="nccl" if ws.backend == "auto" else ws.backend)
-    if ws.transport == "shm":
+    if cfg.weight_path == "shm":
         from weightsync.shm import ShmPublisher, default_root
 
         return ShmPublisher(
@@ -100,17 +111,17 @@ def make_publisher(
 def make_subscriber(
     cfg: Config, client: redis.Redis, server_id: str, *, run_dir: str | os.PathLike[str] | None = None
 ) -> Subscriber:
-    """The configured transport's subscriber; it registers ``server_id`` in Redis at once.
+    """The weight path's subscriber; it registers ``server_id`` in Redis at once.
 
     ``run_dir`` is accepted for symmetry: shm subscribers find the files through the manifest's path.
     """
     ws, run = cfg.weightsync, cfg.run.name
-    if ws.transport == "dist" and cfg.rollout.engine in ("vllm", "sglang"):
+    if cfg.weight_path == "engine":
         # The learner pushes straight into the engine; the server only learns which version it holds.
         from weightsync.engines import EngineVersionSubscriber
 
         return EngineVersionSubscriber(client, run, server_id)
-    if ws.transport == "shm":
+    if cfg.weight_path == "shm":
         from weightsync.shm import ShmSubscriber
 
         return ShmSubscriber(

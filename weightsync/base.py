@@ -1,7 +1,7 @@
 """The weight-sync boundary: a Publisher on learner rank 0, a Subscriber on each rollout server (docs/design.md §5).
 
-Transports (``shm``, ``dist``) implement these two Protocols and pass the same tests; the config chooses
-one. An :class:`Update` is what a subscriber hands to an engine's ``update_weights``: the version, the
+Transports implement these two Protocols and pass the same tests; ``Config.weight_path`` chooses one:
+``shm``, ``dist``, or ``engine`` (the learner pushes into vLLM/SGLang, ``weightsync/engines.py``). An :class:`Update` is what a subscriber hands to an engine's ``update_weights``: the version, the
 manifest and an iterator of ``(name, tensor)`` in manifest order.
 
 This module also owns the control plane both transports share, all under ``{run}:weights:``:
@@ -75,13 +75,31 @@ class Update:
         return self._iter()
 
 
+# Queues writes on the publisher's own announce transaction, given the version: the learner's
+# ``Admission.queue_version``, so the version that opens admission is set with the weights' announcement.
+Announce = Callable[[redis.client.Pipeline, int], None]
+
+
 class Publisher(Protocol):
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def publish(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        announce: Announce | None = None,
+    ) -> None:
         """Send one version. Returns when every live subscriber can read it (shm) or has received it (dist).
 
         ``named_tensors`` is always consumed to the end, even on error, so a ZeRO-3 gather that every rank
         iterates stays matched. A publisher may keep a yielded tensor until its shard or bucket is written.
+        ``announce`` runs inside the transaction that announces the version once it has reached every
+        subscriber; not when publish raises.
         """
+        ...
+
+    def joiners_waiting(self) -> bool:
+        """Whether a subscriber that holds no version waits for one: the learner then publishes its current
+        weights again (docs/design.md §5.7). Only ``dist`` subscribers ask; the others answer False."""
         ...
 
     def close(self) -> None: ...
@@ -194,12 +212,33 @@ class Heartbeat:
             self._last = now
 
 
-def wait_for(sub: Subscriber, min_version: int, timeout: float, *, run: str) -> Update | None:
+WAIT_POLL_S = 1.0  # longest single poll of an applying wait, so a stop and a moving target are re-checked
+
+
+def wait_for(
+    sub: Subscriber,
+    min_version: int | Callable[[], int],
+    timeout: float,
+    *,
+    run: str,
+    apply: Callable[[Update], None] | None = None,
+    held: Callable[[], int] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Update | None:
     """Block until ``sub`` hands out a version ≥ ``min_version``: a rollout server's "weights first".
 
     Returns None at once if the subscriber already holds such a version. Raises WeightSyncError naming
     the run's learner (the only publisher) and the version if none arrives within ``timeout`` s.
+
+    With ``apply`` (a rollout server's engine), every version handed out meanwhile is applied at once,
+    newer weights sooner, until ``held()`` (the engine's version; ``sub.version`` by default) reaches
+    ``min_version``, which may be a callable re-read at each poll (a target that moves: the learner's
+    version). Returns None, also when ``should_stop()`` turns true first (the caller checks which).
     """
+    if apply is not None:
+        _wait_applying(sub, min_version, timeout, run, apply, held or (lambda: sub.version), should_stop)
+        return None
+    assert isinstance(min_version, int), "a moving target needs apply"
     deadline = time.monotonic() + timeout
     while sub.version < min_version and (left := deadline - time.monotonic()) > 0:
         if sub.latest_version() < min_version:
@@ -214,3 +253,26 @@ def wait_for(sub: Subscriber, min_version: int, timeout: float, *, run: str) -> 
         f"{sub.server_id}: no weights version >= {min_version} from the learner of run {run!r} "
         f"within {timeout:.1f}s (latest available: {sub.latest_version()})"
     )
+
+
+def _wait_applying(
+    sub: Subscriber,
+    target: int | Callable[[], int],
+    timeout: float,
+    run: str,
+    apply: Callable[[Update], None],
+    held: Callable[[], int],
+    should_stop: Callable[[], bool] | None,
+) -> None:
+    need_now = target if callable(target) else lambda: target
+    deadline = time.monotonic() + timeout
+    while held() < (need := need_now()):
+        if should_stop is not None and should_stop():
+            return
+        if (left := deadline - time.monotonic()) <= 0:
+            raise WeightSyncError(
+                f"{sub.server_id}: holds weights v{held()} but needs >= v{need}; no new version arrived "
+                f"from the learner of run {run!r} within {timeout:g}s. Is the learner publishing?"
+            )
+        if (upd := sub.poll(min(WAIT_POLL_S, left))) is not None:
+            apply(upd)

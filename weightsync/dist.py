@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.base import (
+    Announce,
     Announcements,
     Heartbeat,
     PeersMissing,
@@ -62,10 +63,10 @@ from weightsync.base import (
     TensorMeta,
     Update,
     WeightSyncError,
-    announce,
     latest_version,
     weights_key,
 )
+from weightsync.base import announce as announce_latest
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,14 @@ def _device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+def forget_dead_publisher(client: redis.Redis, run: str) -> None:
+    """Before a learner (re)starts: its servers must not join a crashed learner's last offer. Its store is
+    gone (a connect would wait out ``weightsync.timeout_s``) and its ``go`` names versions past the
+    checkpoint (joiners of the resumed versions would think they came too late). The new learner offers
+    afresh."""
+    client.delete(weights_key(run, "offer"), weights_key(run, "go"))
+
+
 # ---------------------------------------------------------------------------------------------- publisher
 
 
@@ -179,13 +188,23 @@ class DistPublisher:
         """Whether a subscriber holding no version waits for one (publish the current weights again)."""
         return self._last_version is not None and bool(self.client.scard(weights_key(self.run, "want")))
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def publish(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        announce: Announce | None = None,
+    ) -> None:
         it = iter(named_tensors)
         try:
             self._publish(it, version)
         finally:
             for _ in it:  # keep a ZeRO-3 gather matched on the other ranks, whatever happened here
                 pass
+        if announce is not None:  # every live subscriber holds the version now: its own transaction
+            pipe = self.client.pipeline()
+            announce(pipe, version)
+            pipe.execute()
 
     def close(self) -> None:
         self._bucket = None
@@ -210,7 +229,7 @@ class DistPublisher:
         self.client.delete(weights_key(self.run, "join", *rnd))
         pipe = self.client.pipeline()
         pipe.set(weights_key(self.run, "offer"), msgpack.packb(offer))
-        announce(pipe, self.run, version)
+        announce_latest(pipe, self.run, version)
         pipe.execute()
 
         joined = self._await_joiners(rnd, expected)

@@ -59,7 +59,8 @@ import torch
 
 from tandem.config import Config
 from tandem.net import EngineClient, EngineHTTPError, free_port, to_json
-from weightsync.base import TensorMeta, Update, WeightSyncError, announce, latest_version
+from weightsync.base import Announce, TensorMeta, Update, WeightSyncError, latest_version
+from weightsync.base import announce as announce_latest
 
 EngineKind = Literal["vllm", "sglang"]
 
@@ -372,8 +373,15 @@ class EnginePublisher:
         self._n_groups = 0
 
     # ------------------------------------------------------------------ Publisher
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send one version to every registered engine; returns when each reports it and generates again."""
+    def publish(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        announce: Announce | None = None,
+    ) -> None:
+        """Send one version to every registered engine; returns when each reports it and generates again.
+        Then ``latest`` and the caller's ``announce`` in one transaction."""
         self._join_new_servers()
         if not self.groups:
             raise WeightSyncError(
@@ -399,8 +407,13 @@ class EnginePublisher:
                 f"({', '.join(m.endpoint.url for m in group.members)}) failed: {e}"
             ) from e
         pipe = self.redis.pipeline()
-        announce(pipe, self.run, version)
+        announce_latest(pipe, self.run, version)
+        if announce is not None:
+            announce(pipe, version)
         pipe.execute()
+
+    def joiners_waiting(self) -> bool:
+        return False  # a new engine joins the next publish (_join_new_servers)
 
     def close(self) -> None:
         for group in list(self.groups):

@@ -48,7 +48,7 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,16 +58,17 @@ import redis
 import torch
 
 from weightsync.base import (
+    Announce,
     Announcements,
     Heartbeat,
     Registry,
     TensorMeta,
     Update,
     WeightSyncError,
-    announce,
     latest_version,
     weights_key,
 )
+from weightsync.base import announce as announce_latest
 
 try:
     import xxhash
@@ -277,9 +278,6 @@ class ShmPublisher:
         self._notes: list[Future[None]] = []
         self._writing: bytes | None = None  # ``[version, token]``, sent with the version's first note
         self._config_files: list[Path] | None = None  # under ``.config``, linked into every version
-        # Run inside the announce transaction after ``latest``: the learner's admission.queue_version, so
-        # admission for a version opens in the same round trip that announces its weights.
-        self.announce_hooks: list[Callable[[redis.client.Pipeline, int], None]] = []
         for stale in self.root.glob(".tmp-*"):  # a crashed publisher's half-written version
             shutil.rmtree(stale, ignore_errors=True)
         # What is on disk, kept in memory from here on: rescanning the root on every publish cost a tiny
@@ -289,7 +287,18 @@ class ShmPublisher:
         self._shards = 0
         self._dropped = False
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def joiners_waiting(self) -> bool:
+        return False  # a joiner maps the latest files itself
+
+    def publish(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        announce: Announce | None = None,
+    ) -> None:
+        """Write the version's files, then announce them in one transaction with the caller's ``announce``
+        (the learner's version, so admission opens in the round trip that announces its weights)."""
         tmp = self.root / f".tmp-v{version:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -329,9 +338,9 @@ class ShmPublisher:
         pipe = self.client.pipeline()
         pipe.set(weights_key(self.run, "manifest", version), msgpack.packb(manifest))
         pipe.delete(weights_key(self.run, "writing"), self._progress_key)
-        announce(pipe, self.run, version)
-        for hook in self.announce_hooks:
-            hook(pipe, version)
+        announce_latest(pipe, self.run, version)
+        if announce is not None:
+            announce(pipe, version)
         pipe.execute()
         self._collect()
         if self._dropped:

@@ -28,7 +28,6 @@ from launcher.supervision import (
     RestartPolicy,
     Restarts,
     Step,
-    forget_dead_publisher,
     learner_progress,
 )
 from tandem.config import Config, ConfigError
@@ -188,6 +187,8 @@ class LocalBackend:
         with contextlib.suppress(redis.ConnectionError):  # Redis is down: the child waits for it anyway
             self.client.delete(ready_key(self.cfg.run.name, c.name))
             if c.role.is_learner:
+                from weightsync.dist import forget_dead_publisher  # torch: not at the launcher's import
+
                 forget_dead_publisher(self.client, self.cfg.run.name)
         c.start(again=True)
         print(f"[launch] restarted {c.name} (restart {c.restarts.total})", flush=True)
