@@ -320,14 +320,18 @@ def test_publisher_failure_names_server_and_regroups(urls, tmp_path, redis_clien
     register_engine(redis_client, run_id, EngineEndpoint(3, "sglang", urls["sglang"], 1))
     pub = EnginePublisher(cfg, redis_client, run_id, master_address="127.0.0.1", backend="gloo")
     fault(urls["sglang"], "/begin_weight_update", status=500)
+    announced: list[int] = []  # the learner's version, queued in the publisher's announce transaction
+    announce = lambda pipe, v: (announced.append(v), pipe.set(f"{run_id}:version", v))  # noqa: E731
     with pytest.raises(
         WeightSyncError, match=rf"version 1 .*{urls['sglang']}.*/begin_weight_update.*HTTP 500"
     ):
-        pub.publish(iter({"w": torch.ones(2)}.items()), 1)
+        pub.publish(iter({"w": torch.ones(2)}.items()), 1, announce=announce)
     assert pub.groups == []  # dropped; the still-registered server is re-grouped on the next publish
-    pub.publish(iter({"w": torch.ones(2)}.items()), 2)
+    assert announced == [] and redis_client.get(f"{run_id}:version") is None
+    pub.publish(iter({"w": torch.ones(2)}.items()), 2, announce=announce)
     assert [e["route"] for e in log(urls["sglang"])].count("/init_weights_update_group") == 2
     assert latest_version(redis_client, run_id) == 2
+    assert announced == [2] and int(redis_client.get(f"{run_id}:version")) == 2
     pub.close()
 
 
