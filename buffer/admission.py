@@ -213,14 +213,25 @@ class Admission:
         finally:
             pubsub.close()
 
-    def top_up(self, want: int, **wait_kw: object) -> int:
-        """Hold credits for ``want`` groups if the window allows: waits (``wait``'s keywords) only when
-        none are held, else takes what is free at once. Returns the credits held."""
+    def top_up(
+        self,
+        want: int,
+        *,
+        timeout_s: float,
+        should_stop: Callable[[], bool] | None = None,
+        while_waiting: Callable[[], None] | None = None,
+        wake_channels: Sequence[str] = (),
+    ) -> int:
+        """Hold credits for ``want`` groups if the window allows: waits (as ``wait``) only when none are
+        held, else takes what is free at once. Returns the credits held."""
         if (missing := want - self.credits) > 0:
             if self.credits:
                 self.try_admit(missing)
             else:
-                self.wait(missing, **wait_kw)  # type: ignore[arg-type]
+                self.wait(
+                    missing, timeout_s=timeout_s, should_stop=should_stop, while_waiting=while_waiting,
+                    wake_channels=wake_channels,
+                )  # fmt: skip
         return self.credits
 
     # ---------------------------------------------------------------------------------------- credits
