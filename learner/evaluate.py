@@ -4,17 +4,89 @@ The pipeline (``learner/pipeline.py``) measures every policy it produces this wa
 model, the PPO model, the same prompts, the same sampling (the rollout servers' temperature and length),
 the same seed. The rule (e.g. ``tandem.tasks.echo:reward``) is one PPO never trains on when its reward is
 the reward model: it is the held-out judge of whether RLHF helped (docs/stages.md §4).
+
+:func:`sample` is the sampling every such measurement shares (and the preference data of
+``learner/preferences.py``); :func:`rule_value` reads a rule's result (a dict's parts summed).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.data import load_prompts, prompt_token_ids
 from tandem.rewards import load_callable
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt: its record, the prompt and completion token ids and text."""
+
+    record: dict[str, Any]
+    prompt_ids: list[int]
+    ids: list[int]
+    text: str
+
+
+def rule_value(value: float | dict[str, float]) -> float:
+    return sum(value.values()) if isinstance(value, dict) else float(value)
+
+
+def load_policy(model_dir: str | Path) -> tuple[Any, Any]:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), tok
+
+
+@torch.no_grad()
+def sample(
+    model: Any,
+    tok: Any,
+    records: list[dict[str, Any]],
+    *,
+    samples: int = 4,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    chat_template: bool = False,
+    seed: int = 0,
+    batch_rows: int = 256,
+) -> list[list[Sample]]:
+    """``samples`` completions of every record's prompt (one list per record, in order), at
+    ``temperature`` (0: greedy), up to ``max_new_tokens``; the text has special tokens removed. Prompts of
+    one token length are generated together, up to ``batch_rows`` sequences at a time (no padding)."""
+    torch.manual_seed(seed)
+    prompts = [prompt_token_ids(tok, rec["prompt"], chat_template=chat_template) for rec in records]
+    by_len: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_len.setdefault(len(ids), []).append(i)
+    out: list[list[Sample]] = [[] for _ in records]
+    per_call = max(1, batch_rows // samples)
+    for length in sorted(by_len):
+        members = by_len[length]
+        for start in range(0, len(members), per_call):
+            chunk = members[start : start + per_call]
+            ids = torch.tensor([prompts[i] for i in chunk]).repeat_interleave(samples, 0)
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            for r, row in enumerate(gen[:, length:].tolist()):
+                i = chunk[r // samples]
+                # generate pads a finished row: keep up to and including its end-of-sequence token
+                if tok.eos_token_id in row:
+                    row = row[: row.index(tok.eos_token_id) + 1]
+                out[i].append(Sample(records[i], prompts[i], row, tok.decode(row, skip_special_tokens=True)))
+    return out
 
 
 @torch.no_grad()
@@ -33,26 +105,11 @@ def task_score(
     """Mean of ``rule(prompt, completion, record)`` (dict results summed) over ``samples`` completions of
     each of the first ``n_prompts`` prompts, sampled at ``temperature`` (0: greedy)."""
     fn = load_callable(rule)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model, tok = load_policy(model_dir)
     records = load_prompts(prompts_file)[:n_prompts]
-    torch.manual_seed(seed)
-    total, count = 0.0, 0
-    for rec in records:
-        ids = torch.tensor([prompt_token_ids(tok, rec["prompt"], chat_template=chat_template)])
-        out = model.generate(
-            ids.repeat(samples, 1),
-            attention_mask=torch.ones(samples, ids.shape[1], dtype=torch.long),
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-        for row in out[:, ids.shape[1] :]:
-            value = fn(rec["prompt"], tok.decode(row, skip_special_tokens=True), rec)
-            total += sum(value.values()) if isinstance(value, dict) else float(value)
-            count += 1
-    return total / count
+    groups = sample(
+        model, tok, records, samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+        chat_template=chat_template, seed=seed,
+    )  # fmt: skip
+    values = [rule_value(fn(s.record["prompt"], s.text, s.record)) for g in groups for s in g]
+    return sum(values) / len(values)

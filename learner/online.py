@@ -289,6 +289,12 @@ class OnlineRuntime(Runtime):
         ) * 2 > self.cfg.redis.stream_maxlen
         if (interval and self.version % interval == 0) or crowded:
             self.save_checkpoint()
+        snapshot = self.cfg.learner.save_hf_interval
+        if snapshot and self.version % snapshot == 0:  # written aside, then renamed: a reader sees it whole
+            out = self.run_dir / "snapshots" / f"v{self.version:08d}"
+            self.save_hf(self.models.actor, out.with_suffix(".tmp"), self.models.tokenizer)
+            if self.lead and not out.exists():  # exists: this version was trained before a resume
+                out.with_suffix(".tmp").rename(out)
 
     def reack_lineage(self) -> int:
         """Ack every id trained into the checkpoint lineage: Redis may have lost acks of *any* checkpoint

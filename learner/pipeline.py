@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -71,6 +72,59 @@ class Scoring(Section):
     )
 
 
+class Pairs(Section):
+    """The reward model's preference pairs (learner/preferences.py, docs/stages.md §4.2)."""
+
+    source: Literal["policy", "task"] = Field(
+        "policy",
+        description="policy: pairs of the SFT model's own samples labelled by the judge; task: the task's"
+        " (ideal answer, near miss) pairs from data.",
+    )
+    judge: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="module:function(prompt, completion, record) -> float | dict that labels a pair (the"
+        " higher is chosen); null: score.rule.",
+    )
+    prompts: int = Field(400, ge=1, description="Prompts sampled (from data's PPO prompt generator).")
+    samples: int = Field(8, ge=2, description="Completions sampled per prompt.")
+    budget: int = Field(2000, ge=1, description="Pairs labelled for training (at most).")
+    held_out: int = Field(200, ge=1, description="Held-out pairs (other prompts, random selection).")
+    task_pairs: int = Field(
+        0,
+        ge=0,
+        description="Also train on this many of the task's (ideal answer, near miss) pairs (data.pairs of"
+        " them are made): they show the reward model wrong letters the SFT model seldom samples.",
+    )
+    selection: Literal["random", "margin"] = Field(
+        "random",
+        description="Which candidate pairs are labelled: random, or margin (the smallest |margin| under a"
+        " probe reward model trained first on a random half of the budget).",
+    )
+
+
+class Monitor(Section):
+    """Gold against proxy during PPO, and the stop (learner/overoptimization.py, docs/stages.md §4.3)."""
+
+    interval: int = Field(
+        5, ge=1, description="PPO versions between evaluations (the actor is snapshotted at each)."
+    )
+    prompts: int = Field(64, ge=1, description="Held-out prompts of each evaluation (not score.prompts').")
+    samples: int = Field(4, ge=1, description="Completions per prompt.")
+    patience: int = Field(
+        3, ge=0, description="Stop PPO after this many evaluations without a better gold score; 0 never."
+    )
+    max_drop: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="Stop PPO at once when gold falls below (1 - max_drop) x its best; 1 never.",
+    )
+    keep_best: bool = Field(
+        True, description="The PPO stage's policy is the best-gold snapshot (SFT's own when none beat it)."
+    )
+
+
 class PipelineConfig(Section):
     name: str = Field(
         ..., pattern=r"^[A-Za-z0-9_.-]+$", description="Pipeline directory name under output_dir."
@@ -81,6 +135,14 @@ class PipelineConfig(Section):
     )
     score: Scoring | None = Field(
         None, description="Score every policy with a rule-based reward on held-out prompts."
+    )
+    pairs: Pairs = Field(
+        default_factory=Pairs, description="Where the reward model's preference pairs come from."
+    )
+    monitor: Monitor | None = Field(
+        default_factory=Monitor,
+        description="With score.rule as the gold scorer: gold vs proxy vs KL every monitor.interval PPO"
+        " versions, early stop, best-gold policy; null disables.",
     )
     base: dict[str, Any] = Field(..., description="Config sections every stage starts from.")
     sft: dict[str, Any] = Field(
@@ -120,6 +182,14 @@ class Pipeline:
         self.dir = (Path(pc.output_dir) / pc.name).resolve()
         self.data = self.dir / "data"
 
+    @property
+    def monitored(self) -> bool:
+        return self.pc.monitor is not None and self.pc.score is not None
+
+    @property
+    def policy_pairs(self) -> bool:
+        return self.pc.pairs.source == "policy" and self.pc.data is not None
+
     # ---------------------------------------------------------------------------------------- the plan
 
     def stage_configs(self) -> dict[str, Config]:
@@ -137,6 +207,11 @@ class Pipeline:
                     "eval_file": str(self.data / "prefs-eval.jsonl"),
                 },
             }
+        if self.policy_pairs:
+            files["rm"] = {
+                "train_file": str(self.dir / "rm" / "pairs.jsonl"),
+                "eval_file": str(self.dir / "rm" / "pairs-eval.jsonl"),
+            }
         wiring: dict[str, dict[str, Any]] = {
             "sft": {"algorithm": {"recipe": "sft", **files.get("sft", {})}},
             "rm": {"model": {"actor": sft_out}, "algorithm": {"recipe": "rm", **files.get("rm", {})}},
@@ -145,6 +220,8 @@ class Pipeline:
                 "run": {"output_dir": str(self.dir / "ppo")},
             },
         }  # fmt: skip
+        if self.monitored:
+            wiring["ppo"]["learner"] = {"save_hf_interval": self.pc.monitor.interval}
         base = self.pc.base
         if self.pc.data is not None:
             base = _merge({"data": {"prompts": str(self.data / "prompts.jsonl")}}, base)
@@ -167,8 +244,13 @@ class Pipeline:
             "sft-eval.jsonl": lambda p: write_demonstrations(d.task, p, d.held_out, seed=2),
             "prefs.jsonl": lambda p: write_preferences(d.task, p, d.pairs, seed=3),
             "prefs-eval.jsonl": lambda p: write_preferences(d.task, p, d.held_out, seed=4),
+            "pair-prompts.jsonl": lambda p: write_prompts(
+                p, make_records(d.task, self.pc.pairs.prompts, seed=7)
+            ),
+            "pair-prompts-eval.jsonl": lambda p: write_prompts(p, make_records(d.task, 200, seed=8)),
             "prompts.jsonl": lambda p: write_prompts(p, make_records(d.task, d.prompts, seed=5)),
             "score-prompts.jsonl": lambda p: write_prompts(p, make_records(d.task, 1000, seed=6)),
+            "monitor-prompts.jsonl": lambda p: write_prompts(p, make_records(d.task, 1000, seed=9)),
         }
         for name, write in jobs.items():
             if not (self.data / name).exists():
@@ -183,10 +265,23 @@ class Pipeline:
         for stage in STAGES:
             stage_dir = self.dir / stage
             if (stage_dir / DONE).exists():
+                before = stage_dir / "config.yaml"
+                seed = (
+                    (yaml.safe_load(before.read_text()) or {}).get("run", {}).get("seed")
+                    if before.exists()
+                    else None
+                )
+                if seed is not None and seed != cfgs[stage].run.seed:
+                    raise ConfigError(
+                        f"{stage}: finished in {stage_dir} with run.seed {seed}, not {cfgs[stage].run.seed}; give"
+                        " this seed its own directory (run.output_dir= or run.name=) or remove that one"
+                    )
                 print(f"[pipeline] {stage}: done before, skipped ({stage_dir})", flush=True)
                 continue
             stage_dir.mkdir(parents=True, exist_ok=True)
             t0 = time.time()
+            if stage == "rm" and self.policy_pairs:
+                self.make_policy_pairs(cfgs)
             print(f"[pipeline] {stage}: starting in {stage_dir}", flush=True)
             result = self.run_offline(stage, cfgs[stage]) if stage != "ppo" else self.run_ppo(cfgs[stage])
             result["wall_s"] = time.time() - t0 + result.get("wall_s_before", 0.0)
@@ -194,6 +289,67 @@ class Pipeline:
             (stage_dir / DONE).write_text(json.dumps(result, indent=2))
             print(f"[pipeline] {stage}: {headline(stage, result)}", flush=True)
         return self.summarize()
+
+    def make_policy_pairs(self, cfgs: dict[str, Config]) -> None:
+        """The rm stage's pairs from the SFT model's samples (learner/preferences.py); once."""
+        from learner.preferences import policy_preferences, write_pairs
+        from tandem.data import load_prompts
+
+        p, ppo, stage_dir = self.pc.pairs, cfgs["ppo"], self.dir / "rm"
+        train, held_out = stage_dir / "pairs.jsonl", stage_dir / "pairs-eval.jsonl"
+        if train.exists() and held_out.exists():
+            return
+        judge = p.judge or (self.pc.score.rule if self.pc.score is not None else None)
+        if judge is None:
+            raise ConfigError("pairs.source: policy needs a judge (pairs.judge or score.rule)")
+        kwargs = dict(
+            judge=judge, samples=p.samples, max_new_tokens=ppo.rollout.max_new_tokens,
+            temperature=ppo.rollout.temperature, chat_template=ppo.data.chat_template, seed=ppo.run.seed,
+        )  # fmt: skip
+        sft = self.dir / "sft" / "final"
+        eval_records = load_prompts(self.data / "pair-prompts-eval.jsonl")
+        eval_pairs, eval_stats = policy_preferences(sft, eval_records, budget=p.held_out, **kwargs)
+        write_pairs(held_out, eval_pairs)
+        records = load_prompts(self.data / "pair-prompts.jsonl")
+        rm = self.probe_rm(cfgs["rm"], sft, records, kwargs) if p.selection == "margin" else None
+        pairs, stats = policy_preferences(
+            sft, records, budget=p.budget, selection=p.selection, rm=rm, **kwargs
+        )
+        if not pairs or not eval_pairs:
+            raise RuntimeError(
+                f"rm: the SFT model's samples gave no pairs with different judge scores ({stats}, {eval_stats})"
+            )
+        if p.task_pairs:
+            import random
+
+            task = [json.loads(line) for line in (self.data / "prefs.jsonl").read_text().splitlines()]
+            pairs = pairs + task[: p.task_pairs]
+            random.Random(ppo.run.seed).shuffle(pairs)
+            stats["task_pairs"] = min(p.task_pairs, len(task))
+        write_pairs(train, pairs)
+        (stage_dir / "pairs.json").write_text(json.dumps({"train": stats, "held_out": eval_stats}, indent=2))
+        print(
+            f"[pipeline] rm: {stats['pairs']} pairs ({p.selection}) of {stats['candidates']} candidates from"
+            f" {stats['samples']} SFT samples, judge mean {stats['judge_mean']:.3f}",
+            flush=True,
+        )
+
+    def probe_rm(
+        self, rm_cfg: Config, sft: Path, records: list[dict[str, Any]], kwargs: dict[str, Any]
+    ) -> Path:
+        """For ``pairs.selection: margin``: a reward model trained (the rm stage's recipe) on a random half
+        of the budget, which then scores every candidate pair."""
+        from learner.preferences import policy_preferences, write_pairs
+
+        probe_dir = self.dir / "rm-probe"
+        if not (probe_dir / DONE).exists():
+            probe_dir.mkdir(parents=True, exist_ok=True)
+            half, _ = policy_preferences(sft, records, budget=max(1, self.pc.pairs.budget // 2), **kwargs)
+            write_pairs(probe_dir / "pairs.jsonl", half)
+            algo = rm_cfg.algorithm.model_copy(update={"train_file": str(probe_dir / "pairs.jsonl")})
+            result = self.run_offline("rm-probe", rm_cfg.model_copy(update={"algorithm": algo}))
+            (probe_dir / DONE).write_text(json.dumps(result, indent=2))
+        return probe_dir / "final"
 
     def run_offline(self, stage: str, cfg: Config) -> dict[str, Any]:
         stage_dir = self.dir / stage
@@ -221,7 +377,8 @@ class Pipeline:
             path = stage_dir / "config.yaml"
             path.write_text(dump_config(cfg))
             cmd = [sys.executable, str(REPO / "launch.py"), str(path), "--no-console"]
-        self.child(cmd, stage_dir / "launch.log", "ppo")
+        watch = self.watch_ppo(cfg) if self.monitored else None
+        self.child(cmd, stage_dir / "launch.log", "ppo", watch=watch)
         run_dir = sorted(
             p for p in stage_dir.glob(f"{cfg.run.name}-*") if (p / "config.public.yaml").exists()
         )[-1]
@@ -245,15 +402,46 @@ class Pipeline:
                 "first": sum(values[:k]) / len(values[:k]),
                 "last": sum(values[-k:]) / len(values[-k:]),
             }
+        if watch is not None:
+            watch.poll(run_dir)  # the snapshots written after the last look
+            result.update(watch.result(run_dir))
         return result
 
-    def child(self, cmd: list[str], log_path: Path, stage: str) -> None:
+    def watch_ppo(self, cfg: Config) -> PPOWatch:
+        from learner.overoptimization import GoldMonitor
+        from tandem.data import load_prompts
+
+        m, s = self.pc.monitor, self.pc.score
+        prompts = self.data / "monitor-prompts.jsonl" if self.pc.data is not None else Path(cfg.data.prompts)
+        gold = GoldMonitor(
+            cfg.model.reference or cfg.model.actor, load_prompts(prompts)[: m.prompts], s.rule,
+            reward_model=cfg.model.reward_model, reward=cfg.reward, model_weight=cfg.reward.model_weight,
+            samples=m.samples, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+            chat_template=cfg.data.chat_template, seed=cfg.run.seed,
+        )  # fmt: skip
+        return PPOWatch(gold, m, self.dir / "ppo", cfg)
+
+    def child(self, cmd: list[str], log_path: Path, stage: str, watch: PPOWatch | None = None) -> None:
+        """Run a stage's command; with ``watch``, look at its new snapshots while it runs, and stop it
+        (SIGINT: launch.py's clean stop, the learner's final checkpoint and actor) when the watch says so."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             env.pop(var, None)  # a child learner makes its own rendezvous
+        stopped = False
         with open(log_path, "ab") as out:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
-        if rc != 0:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                while proc.poll() is None:
+                    if watch is not None and not stopped and watch.poll(watch.run_dir()):
+                        print(f"[pipeline] {stage}: early stop: {watch.stop}", flush=True)
+                        proc.send_signal(signal.SIGINT)
+                        stopped = watch.signalled = True
+                    time.sleep(0.5)
+            finally:
+                if proc.poll() is None:  # the pipeline itself was interrupted
+                    proc.send_signal(signal.SIGINT)
+                rc = proc.wait()
+        if rc != 0 and not stopped:
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{stage}: {' '.join(cmd[:4])} ... exited with {rc}; log {log_path}:\n{tail}")
 
@@ -287,6 +475,82 @@ class Pipeline:
         return summary
 
 
+class PPOWatch:
+    """The gold monitor over one PPO run: evaluates each new snapshot in version order, once (a re-run
+    reads ``curve.jsonl`` back), decides the stop, and at the end picks the best-gold policy and draws
+    the curve (``curve.png``)."""
+
+    def __init__(self, gold: Any, m: Monitor, stage_dir: Path, cfg: Config) -> None:
+        from learner.overoptimization import diverging, stop_reason
+
+        self.gold, self.m, self.stage_dir, self.cfg = gold, m, stage_dir, cfg
+        self.stop_reason, self.diverging = stop_reason, diverging
+        self.curve_path = stage_dir / "curve.jsonl"
+        self.points: list[dict[str, Any]] = []
+        if self.curve_path.exists():
+            self.points = [json.loads(line) for line in self.curve_path.read_text().splitlines() if line]
+        self.stop: str | None = None  # why to stop, once decided
+        self.signalled = False  # whether PPO was still running then, and was stopped
+        self.warnings: list[str] = []
+        if not self.points:  # version 0: the reference (SFT) policy itself
+            self.add(Path(cfg.model.actor), 0)
+
+    def run_dir(self) -> Path | None:
+        runs = sorted(self.stage_dir.glob(f"{self.cfg.run.name}-*"))
+        return runs[-1] if runs else None
+
+    def add(self, policy: Path, version: int) -> None:
+        point = {**self.gold.evaluate(policy, version), "path": str(policy)}
+        self.points.append(point)
+        with open(self.curve_path, "a") as f:
+            f.write(json.dumps(point) + "\n")
+        log.info(
+            "ppo v%d: gold %.3f, proxy %.3f, KL %.3f", version, point["gold"], point["proxy"], point["kl"]
+        )
+        if self.diverging(self.points):
+            prev = self.points[-2]
+            w = (
+                f"v{version}: proxy rose {prev['proxy']:.3f} -> {point['proxy']:.3f} while gold fell"
+                f" {prev['gold']:.3f} -> {point['gold']:.3f} (over-optimisation)"
+            )
+            self.warnings.append(w)
+            print(f"[pipeline] ppo: warning: {w}", flush=True)
+
+    def poll(self, run_dir: Path | None) -> bool:
+        """Evaluate the snapshots not yet seen; True when the run should stop (first time only)."""
+        if run_dir is None or self.stop is not None:  # stopped: what came after is not looked at
+            return False
+        seen = {int(p["version"]) for p in self.points}
+        snaps = sorted((run_dir / "snapshots").glob("v[0-9]*[0-9]"))
+        for snap in snaps:
+            version = int(snap.name[1:])
+            if version in seen:
+                continue
+            self.add(snap, version)
+            self.stop = self.stop_reason([p["gold"] for p in self.points], self.m.patience, self.m.max_drop)
+            if self.stop is not None:
+                return True
+        return False
+
+    def result(self, run_dir: Path) -> dict[str, Any]:
+        from learner.overoptimization import best_index, plot
+
+        out: dict[str, Any] = {"curve": self.points, "stopped_early": self.signalled}
+        if self.stop is not None:
+            out["stop_reason"] = self.stop
+        if self.warnings:
+            out["warnings"] = self.warnings
+        best = self.points[best_index(self.points)]
+        out["best_version"] = int(best["version"])
+        if self.m.keep_best:
+            out["final_trained"] = str(run_dir / "final")
+            out["final"] = best["path"]
+        png = plot(self.points, self.stage_dir / "curve.png", f"{self.cfg.run.name}: gold vs proxy")
+        if png is not None:
+            out["curve_png"] = str(png)
+        return out
+
+
 def headline(stage: str, r: dict[str, Any]) -> str:
     if stage == "ppo":
         parts = [f"{r['steps']} steps"]
@@ -296,6 +560,16 @@ def headline(stage: str, r: dict[str, Any]) -> str:
         rule = [k for k in r if k.startswith("reward/") and k not in ("reward/mean", "reward/reward_model")]
         for key in rule:
             parts.append(f"{key} (never trained on) {r[key]['first']:.3f} -> {r[key]['last']:.3f}")
+        if "curve" in r:
+            c, best = r["curve"], r["best_version"]
+            parts.append(
+                f"gold {c[0]['gold']:.3f} -> {c[-1]['gold']:.3f} at sqrt(KL) {c[-1]['sqrt_kl']:.2f}, best v{best}"
+                + (
+                    f" ({'early stop' if r['stopped_early'] else 'stop'}: {r['stop_reason']})"
+                    if "stop_reason" in r
+                    else ""
+                )
+            )
         if "task_score" in r:
             parts.append(f"task score {r['task_score']:.3f}")
         return "; ".join(parts)
@@ -373,7 +647,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m learner.pipeline"
     except prepare.StepFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    pipeline.run()
+    try:
+        pipeline.run()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

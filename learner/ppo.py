@@ -37,6 +37,7 @@ from learner.batch import (
     response_view,
     split_to,
 )
+from learner.kl_control import make_kl_controller
 from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
 from learner.online import OnlineRuntime, peak_memory_gb
@@ -79,6 +80,7 @@ class PPOLearner(OnlineRuntime):
         self.estimate = ADVANTAGE_ESTIMATORS[a.advantage]
         self.timers = Timers()
         self.kl_estimator = KL_ESTIMATORS[a.kl_estimator]
+        self.kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)  # learner/kl_control.py
         self.require_multiple_of_ranks(
             **{"algorithm.batch_size": a.batch_size, "algorithm.minibatch_size": a.minibatch_size}
         )
@@ -117,6 +119,9 @@ class PPOLearner(OnlineRuntime):
         t1 = time.perf_counter()
         self.timers.clear()  # per-role phases of this step (the placement planner's profile)
         stats = self.train(batch)  # no-grad passes, advantages, PPO epochs, optimizer steps
+        if "policy/kl" in stats:  # every rank: the same reduced value, the same coefficient
+            stats["policy/kl_coef"] = self.kl_ctl.value
+            self.kl_ctl.update(stats["policy/kl"], len(batch))
         self.version += 1
         t2 = time.perf_counter()
         self.sync_weights()  # publish version v, then open admission for it
@@ -156,7 +161,9 @@ class PPOLearner(OnlineRuntime):
         kl_reward = None
         if a.kl_in_reward and ref_logp is not None:
             kl_reward = self.kl_estimator(prox_logp, ref_logp)  # (B, R)
-        rewards = token_rewards(batch.rewards, batch.mask, kl_reward, a.kl_coef, placed=batch.turn_rewards)
+        rewards = token_rewards(
+            batch.rewards, batch.mask, kl_reward, self.kl_ctl.value, placed=batch.turn_rewards
+        )  # (B, R)
         adv, returns = self.estimate(
             AdvantageInputs(
                 rewards,
@@ -326,7 +333,7 @@ class PPOLearner(OnlineRuntime):
         if ref_logp is not None and not a.kl_in_reward:
             kl_loss = masked_mean(self.kl_estimator(logp, ref_logp[rows]), mask, num_tokens)
             stats.add("loss/kl", kl_loss * num_tokens, n)
-            loss = loss + a.kl_coef * kl_loss
+            loss = loss + self.kl_ctl.value * kl_loss
         # DeepSpeed averages gradients over ranks; the loss is already a mean over the whole minibatch.
         self.models.actor.backward(loss * self.world)
 

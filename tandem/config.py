@@ -369,6 +369,17 @@ class AlgorithmConfig(Section):
         5.0, gt=0, description="Truncation c of the importance weight exp(prox_logp - behav_logp)."
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy.")
+    kl_target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive KL (Ziegler et al. 2019, learner/kl_control.py): steer kl_coef (its start) so"
+        " that policy/kl stays near this; null keeps kl_coef fixed.",
+    )
+    kl_horizon: float = Field(
+        10000.0,
+        gt=0,
+        description="Adaptive KL horizon: kl_coef moves by at most 20% per this many trajectories.",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
     kl_in_reward: bool = Field(
         False, description="Fold the KL into the per-token reward (true) or add it as a loss term (false)."
@@ -548,6 +559,12 @@ class LearnerConfig(Section):
         0,
         ge=0,
         description="CPU threads per learner rank (0: the cores the servers leave; in sync mode, all).",
+    )
+    save_hf_interval: int = Field(
+        0,
+        ge=0,
+        description="ppo: also write the actor as a Hugging Face directory every this many versions, in"
+        " <run>/snapshots/v<version> (the pipeline's gold-vs-proxy monitor reads them); 0 never.",
     )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of actor and critic.")
     offload_optimizer: bool = Field(

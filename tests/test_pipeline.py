@@ -49,7 +49,7 @@ def test_a_bad_stage_override_names_the_field(tmp_path: Path) -> None:
 def test_shorter_pipeline_runs_end_to_end_and_skips_finished_stages(tmp_path: Path) -> None:
     overrides = [
         f"output_dir={tmp_path}", "data.demonstrations=640", "data.pairs=640", "data.held_out=64",
-        "data.prompts=256", "score.prompts=24", "rm.learner.total_steps=30", "ppo.learner.total_steps=20",
+        "data.prompts=256", "score.prompts=24", "pairs.prompts=160", "pairs.budget=640", "rm.learner.total_steps=30", "ppo.learner.total_steps=20",
     ]  # fmt: skip
     env = {
         k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -61,9 +61,9 @@ def test_shorter_pipeline_runs_end_to_end_and_skips_finished_stages(tmp_path: Pa
     sft, rm, ppo = summary["sft"], summary["rm"], summary["ppo"]
     assert sft["after"]["eval/loss"] < sft["before"]["eval/loss"] - 1.0, sft
     assert sft["task_score"] > sft["task_score_base"] + 0.2, sft
-    assert rm["after"]["eval/accuracy"] >= 0.9, rm
-    assert ppo["steps"] == 20
-    assert ppo["reward/reward_model"]["last"] > ppo["reward/reward_model"]["first"], ppo
+    assert rm["after"]["eval/accuracy"] >= 0.8, rm  # pairs of the SFT model's samples: some are close
+    assert 0 < ppo["steps"] <= 20  # the gold monitor may stop it early
+    assert (tmp_path / "pipeline-tiny" / "ppo" / "curve.png").exists() and ppo["curve"][0]["version"] == 0
     assert ppo["task_score"] > sft["task_score"] + 0.1, (
         sft["task_score"],
         ppo["task_score"],
@@ -74,3 +74,188 @@ def test_shorter_pipeline_runs_end_to_end_and_skips_finished_stages(tmp_path: Pa
     assert again.returncode == 0, again.stderr[-3000:]
     for stage in ("sft", "rm", "ppo"):
         assert f"[pipeline] {stage}: done before, skipped" in again.stdout
+
+
+# ------------------------------------------------------------------------- preference data, monitor, control
+
+
+def _samples(record: dict, texts: list[str]) -> list:
+    from learner.evaluate import Sample
+
+    return [Sample(record, [1], [2], t) for t in texts]
+
+
+def test_candidate_pairs_drop_ties_and_duplicates_and_put_the_higher_first() -> None:
+    from learner.preferences import candidate_pairs
+
+    rec = {"id": "p0", "prompt": "say a:"}
+    groups = [_samples(rec, ["aaaa", "ab", "aaaa", "bb", " "])]
+    scores = [[1.0, 0.5, 1.0, 0.5, 0.0]]  # "aaaa" twice, "ab" ties "bb", " " is blank
+    got = [(c, r, gap) for _, c, r, gap in candidate_pairs(groups, scores)]
+    assert got == [("aaaa", "ab", 0.5), ("aaaa", "bb", 0.5)]
+
+
+def test_select_pairs_spreads_over_prompts_and_margin_takes_the_least_sure() -> None:
+    from learner.preferences import select_pairs
+
+    a, b = {"id": "a", "prompt": "say a:"}, {"id": "b", "prompt": "say b:"}
+    cands = [(a, "x1", "y", 1.0), (a, "x2", "y", 1.0), (a, "x3", "y", 1.0), (b, "z1", "w", 1.0)]
+    # random: b's only candidate is in any 2 picked (one per prompt before any second)
+    for seed in range(5):
+        picked = select_pairs(cands, 2, "random", seed=seed)
+        assert sorted(r["id"] for r, *_ in picked) == ["a", "b"]
+    margins = {"x1": 3.0, "x2": -0.1, "x3": 0.5, "z1": 2.0}
+    fn = lambda cs: [margins[c] for _, c, _r, _g in cs]  # noqa: E731
+    assert [c for _, c, *_ in select_pairs(cands, 2, "margin", margin_fn=fn)] == ["x2", "z1"]
+    assert [c for _, c, *_ in select_pairs(cands, 3, "margin", margin_fn=fn)] == ["x2", "z1", "x3"]
+    with pytest.raises(ValueError, match="needs a reward model"):
+        select_pairs(cands, 2, "margin")
+
+
+def test_adaptive_kl_controller_hand_values() -> None:
+    from learner.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
+
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    # KL 9: error 9/6 - 1 = 0.5, clipped to 0.2; 256 trajectories: β *= 1 + 0.2·256/10000 = 1.00512
+    assert ctl.update(9.0, 256) == pytest.approx(0.100512, abs=1e-9)
+    # KL 6.6: error 0.1 (unclipped); β *= 1 + 0.1·1000/10000 = 1.01
+    assert ctl.update(6.6, 1000) == pytest.approx(0.100512 * 1.01, abs=1e-9)
+    # KL 0: error -1 clipped to -0.2; β *= 1 - 0.2·5000/10000 = 0.9
+    assert ctl.update(0.0, 5000) == pytest.approx(0.100512 * 1.01 * 0.9, abs=1e-9)
+    assert ctl.update(6.0, 10**6) == pytest.approx(0.100512 * 1.01 * 0.9)  # on target: unchanged
+    fixed = make_kl_controller(0.05, None, 10000)
+    assert isinstance(fixed, FixedKLController) and fixed.update(100.0, 10**6) == 0.05
+    with pytest.raises(ValueError, match="> 0"):
+        make_kl_controller(0.0, 6.0, 10000)
+
+
+def test_stop_reason_patience_and_drop() -> None:
+    from learner.overoptimization import best_index, diverging, stop_reason
+
+    assert stop_reason([0.5, 0.6, 0.7], patience=2, max_drop=0.3) is None  # still improving
+    assert stop_reason([0.5, 0.7, 0.69, 0.68], patience=2, max_drop=0.3) == (
+        "gold has not improved for 2 evaluations (best 0.700)"
+    )
+    assert stop_reason([0.5, 0.7, 0.69], patience=2, max_drop=0.3) is None
+    # a collapse stops at once, whatever the patience: 0.45 < 0.7 x 0.7
+    assert "below 0.70 x its best 0.700" in stop_reason([0.5, 0.7, 0.45], patience=0, max_drop=0.3)
+    assert stop_reason([0.5, 0.7, 0.45], patience=0, max_drop=1.0) is None
+    assert best_index([{"gold": 0.5}, {"gold": 0.7}, {"gold": 0.7}]) == 1
+    pts = [{"gold": 0.6, "proxy": 1.0}, {"gold": 0.4, "proxy": 2.0}]
+    assert diverging(pts) and not diverging(pts[::-1]) and not diverging(pts[:1])
+
+
+def test_the_watch_stops_a_collapse_and_keeps_the_best_gold_snapshot(tmp_path: Path) -> None:
+    """Snapshots v5..v30 of a run whose gold rises, then collapses while the proxy keeps rising."""
+    from learner.pipeline import Monitor, PPOWatch
+
+    golds = {0: 0.50, 5: 0.60, 10: 0.66, 15: 0.55, 20: 0.40, 25: 0.10, 30: 0.0}
+
+    class FakeGold:
+        def evaluate(self, policy: Path, version: int) -> dict:
+            return {
+                "version": version,
+                "gold": golds[version],
+                "proxy": version / 5,
+                "kl": version / 10,
+                "sqrt_kl": 0.0,
+            }
+
+    cfg = Pipeline(
+        load_pipeline(REPO / "configs/pipeline-tiny.yaml", [f"output_dir={tmp_path}"])
+    ).stage_configs()["ppo"]
+    run_dir = tmp_path / "ppo" / f"{cfg.run.name}-1"
+    for v in golds:
+        if v:
+            (run_dir / "snapshots" / f"v{v:08d}").mkdir(parents=True)
+    watch = PPOWatch(FakeGold(), Monitor(patience=3, max_drop=0.3), tmp_path / "ppo", cfg)
+    assert watch.run_dir() == run_dir and watch.poll(run_dir)
+    # 0.40 < 0.7 x 0.66: stopped at v20, before the gold fell by half; v25 and v30 never looked at
+    assert [p["version"] for p in watch.points] == [0, 5, 10, 15, 20]
+    assert watch.stop == "gold fell to 0.400, below 0.70 x its best 0.660"
+    assert [w.split(":")[0] for w in watch.warnings] == ["v15", "v20"]  # proxy up, gold down
+    assert (
+        watch.warnings[0]
+        == "v15: proxy rose 2.000 -> 3.000 while gold fell 0.660 -> 0.550 (over-optimisation)"
+    )
+    out = watch.result(run_dir)
+    assert (
+        out["best_version"] == 10 and out["final"].endswith("v00000010") and out["stop_reason"] == watch.stop
+    )
+    assert (tmp_path / "ppo" / "curve.png").exists() and len(
+        (tmp_path / "ppo" / "curve.jsonl").read_text().splitlines()
+    ) == 5
+    again = PPOWatch(FakeGold(), Monitor(), tmp_path / "ppo", cfg)  # a re-run reads the curve back
+    assert len(again.points) == 5
+
+
+def test_a_finished_stage_of_another_seed_is_not_reused(tmp_path: Path) -> None:
+    """``base.run.seed=1`` over a directory where seed 0 ran must not print seed 0's results as its own."""
+    from tandem.config import dump_config
+
+    path = REPO / "configs/pipeline-tiny.yaml"
+    first = Pipeline(load_pipeline(path, [f"output_dir={tmp_path}"]))
+    sft = first.dir / "sft"
+    sft.mkdir(parents=True)
+    (sft / "config.yaml").write_text(dump_config(first.stage_configs()["sft"]))
+    (sft / "done.json").write_text("{}")
+    other = Pipeline(load_pipeline(path, [f"output_dir={tmp_path}", "base.run.seed=1"]))
+    with pytest.raises(ConfigError, match=r"sft: finished in .* with run.seed 0, not 1"):
+        other.run()
+
+
+def test_adaptive_kl_and_snapshots_validate(tmp_path: Path) -> None:
+    pc = load_pipeline(
+        REPO / "configs/pipeline-tiny.yaml", ["ppo.algorithm.kl_target=0.05", "monitor.interval=4"]
+    )
+    cfgs = Pipeline(pc).stage_configs()
+    assert cfgs["ppo"].algorithm.kl_target == 0.05 and cfgs["ppo"].learner.save_hf_interval == 4
+    assert cfgs["sft"].learner.save_hf_interval == 0
+    none = Pipeline(load_pipeline(REPO / "configs/pipeline-tiny.yaml", ["monitor=null"])).stage_configs()
+    assert none["ppo"].learner.save_hf_interval == 0
+
+
+def run_pipeline(tmp_path: Path, *overrides: str, timeout: int = 900) -> dict:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    }
+    cmd = [
+        sys.executable,
+        "launch.py",
+        "pipeline",
+        "configs/pipeline-tiny.yaml",
+        f"run.output_dir={tmp_path}",
+        *overrides,
+    ]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((tmp_path / "pipeline-tiny" / "summary.json").read_text())
+
+
+@pytest.mark.stages
+@pytest.mark.timeout(2000)
+@pytest.mark.parametrize("seed", [1, 2])  # the seeds on which near-miss pairs made PPO lower the gold score
+def test_the_shipped_pipeline_raises_the_held_out_rule_score(tmp_path: Path, seed: int) -> None:
+    """configs/pipeline-tiny.yaml as a user runs it (docs/stages.md §4.4 has all five seeds)."""
+    summary = run_pipeline(tmp_path, f"base.run.seed={seed}")
+    sft, ppo = summary["sft"], summary["ppo"]
+    assert ppo["task_score"] >= sft["task_score"] + 0.1, (sft["task_score"], ppo["task_score"])
+    assert Path(ppo["curve_png"]).exists() and len(ppo["curve"]) >= 2
+
+
+@pytest.mark.stages
+@pytest.mark.timeout(2000)
+def test_a_reward_model_that_rewards_one_letter_is_stopped_before_gold_halves(tmp_path: Path) -> None:
+    """The judge labels pairs by their count of ``a`` (tandem.tasks.echo:letter_a), whatever the prompt:
+    the reward model learns to reward one letter, and PPO against it lowers the echo score. The monitor
+    must stop PPO (or warn) while the gold is still above half of the SFT model's, and keep a policy whose
+    held-out rule score is not below half the SFT model's either. The collapse is fast (seed 0: gold 0.52
+    at v0, 0.27 at v5), so the monitor looks every 2 versions."""
+    summary = run_pipeline(
+        tmp_path, "pairs.judge=tandem.tasks.echo:letter_a", "ppo.learner.total_steps=80", "monitor.interval=2"
+    )
+    sft, ppo = summary["sft"], summary["ppo"]
+    curve = ppo["curve"]
+    assert "stop_reason" in ppo or ppo.get("warnings"), ppo
+    assert all(p["gold"] >= 0.5 * curve[0]["gold"] for p in curve), curve
+    assert ppo["task_score"] >= 0.5 * sft["task_score"], (sft["task_score"], ppo["task_score"])
