@@ -32,6 +32,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from tandem.config import Config, ConfigError, PrepareStep, _format_validation_error
+from tandem.procs import alive
 
 ENV = "TANDEM_PREPARE"  # "reduced": every step at its reduced size
 PARTIAL = ".partial-"
@@ -155,16 +156,6 @@ def how_to_make(cfg: Config, path: str | Path) -> str:
     return "no prepare step of this config makes it: point the field at an existing path"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -176,7 +167,7 @@ def _clear_stale_partials(dest: Path) -> None:
     """Temporary outputs of a prepare that was killed (its process is gone)."""
     for old in dest.parent.glob(f"{PARTIAL}*-{dest.name}"):
         pid = old.name[len(PARTIAL) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             _remove(old)
 
 
