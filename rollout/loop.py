@@ -334,7 +334,9 @@ class RolloutLoop:
 
         assert self.agents is not None
         start, n = time.perf_counter(), self.sampling.n
-        episodes = [AgentEpisode(t.prompt.record, t.prompt.tokens.tolist()) for t in prompts for _ in range(n)]
+        episodes = [
+            AgentEpisode(t.prompt.record, t.prompt.tokens.tolist()) for t in prompts for _ in range(n)
+        ]
         with self.busy:
             self.agents.run(episodes)
         self.spent("time/generate", start)
