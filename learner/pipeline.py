@@ -383,18 +383,19 @@ class Pipeline:
             p for p in stage_dir.glob(f"{cfg.run.name}-*") if (p / "config.public.yaml").exists()
         )[-1]
         final = run_dir / "final"
-        if not (final / "config.json").exists():
+        if not (final / "config.json").exists() and not (watch is not None and watch.signalled):
             raise RuntimeError(
                 f"ppo: launch.py finished without a final actor in {final}: see {stage_dir / 'launch.log'}"
             )
-        rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+        history = run_dir / "learner_history.jsonl"  # absent when stopped before its first log line
+        rows = [json.loads(line) for line in history.read_text().splitlines()] if history.exists() else []
         rows = [r for r in rows if "reward/mean" in r]
         k = max(1, len(rows) // 10)
         result: dict[str, Any] = {
             "recipe": "ppo",
             "run_dir": str(run_dir),
             "final": str(final),
-            "steps": int(rows[-1]["learner/version"]) if rows else 0,
+            "steps": int(rows[-1]["learner/version"]) if rows else len(trained_versions(run_dir)),
         }
         for key in sorted({key for r in rows for key in r if key.startswith("reward/")}):
             values = [r[key] for r in rows if key in r]
@@ -549,6 +550,13 @@ class PPOWatch:
         if png is not None:
             out["curve_png"] = str(png)
         return out
+
+
+def trained_versions(run_dir: Path) -> list[int]:
+    """The versions the learner recorded as trained (``trained.jsonl``, one line per step)."""
+    path = run_dir / "trained.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [int(json.loads(line)["version"]) for line in lines if line.strip()]
 
 
 def headline(stage: str, r: dict[str, Any]) -> str:
