@@ -98,8 +98,8 @@ class Pairs(Section):
     )
     selection: Literal["random", "margin"] = Field(
         "random",
-        description="Which candidate pairs are labelled: random, or margin (the smallest |margin| under a"
-        " probe reward model trained first on a random half of the budget).",
+        description="Which candidate pairs are labelled: random, or margin (a probe reward model trained on a"
+        " random half of the budget; the other half, the candidates with the smallest |margin| under it).",
     )
 
 
@@ -312,9 +312,18 @@ class Pipeline:
         write_pairs(held_out, eval_pairs)
         records = load_prompts(self.data / "pair-prompts.jsonl")
         rm = self.probe_rm(cfgs["rm"], sft, records, kwargs) if p.selection == "margin" else None
+        half = []  # margin: the probe's random half stays, the margin picks fill the rest of the budget
+        if rm is not None:
+            half = [
+                json.loads(line) for line in (self.dir / "rm-probe" / "pairs.jsonl").read_text().splitlines()
+            ]
         pairs, stats = policy_preferences(
-            sft, records, budget=p.budget, selection=p.selection, rm=rm, **kwargs
+            sft, records, budget=p.budget - len(half), selection=p.selection, rm=rm, **kwargs
         )
+        if half:
+            seen = {(q["prompt"], q["chosen"], q["rejected"]) for q in half}
+            pairs = half + [q for q in pairs if (q["prompt"], q["chosen"], q["rejected"]) not in seen]
+            stats["pairs"] = len(pairs)
         if not pairs or not eval_pairs:
             raise RuntimeError(
                 f"rm: the SFT model's samples gave no pairs with different judge scores ({stats}, {eval_stats})"
