@@ -5,7 +5,7 @@
     python launch.py configs/tiny.yaml run.dir=runs/exp1 [--fresh]   # again: resumes runs/exp1/
     python launch.py --attach runs/tiny-20261122-101500 --servers +2   # grow a running run's fleet
     python launch.py configs/tiny.yaml --ray [auto|local|ADDRESS]     # on a Ray cluster
-    python launch.py pipeline configs/pipeline-tiny.yaml               # SFT -> RM -> PPO (learner/pipeline.py)
+    python launch.py pipeline configs/pipeline-tiny.yaml               # SFT -> RM -> PPO (stages/pipeline.py)
     python launch.py plan configs/tiny-ppo.yaml --devices 8            # candidate placements, ranked
 
 A thin command line over the ``launcher`` package (docs/design.md §1.5): make what the config's prepare
@@ -38,7 +38,7 @@ __all__ = ["main"]
 
 COMMANDS = """other commands (each with its own --help):
   launch.py pipeline CONFIG [key=value ...] [--dry-run] [--no-console]
-      SFT -> reward model -> PPO in one command (learner/pipeline.py, docs/stages.md §4); run.output_dir=
+      SFT -> reward model -> PPO in one command (stages/pipeline.py, docs/stages.md §4); run.output_dir=
       and run.name= place it, other run.* keys go to every stage
   launch.py plan CONFIG [--devices N ...]
       every candidate placement of a run, ranked by predicted step time (placement/report.py)"""
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan(argv[1:])
     if argv[:1] == ["pipeline"]:  # the training stages in one command (docs/stages.md §4)
-        from learner.pipeline import main as pipeline
+        from stages.pipeline import main as pipeline
 
         return pipeline(argv[1:], prog="launch.py pipeline")
     args = parse_args(argv)

@@ -1,12 +1,12 @@
 """The task score of a policy checkpoint: sample completions of held-out prompts, score them with a rule.
 
-The pipeline (``learner/pipeline.py``) measures every policy it produces this way: the base model, the SFT
+The pipeline (``stages/pipeline.py``) measures every policy it produces this way: the base model, the SFT
 model, the PPO model, the same prompts, the same sampling (the rollout servers' temperature and length),
 the same seed. The rule (e.g. ``tandem.tasks.echo:reward``) is one PPO never trains on when its reward is
 the reward model: it is the held-out judge of whether RLHF helped (docs/stages.md §4).
 
 :func:`sample` is the sampling every such measurement shares (and the preference data of
-``learner/preferences.py``); :func:`rule_value` reads a rule's result (a dict's parts summed).
+``stages/preferences.py``); :func:`rule_value` reads a rule's result (a dict's parts summed).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import pytest
 from tandem.config import Config, ConfigError, describe_fields, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-# Pipeline configs (pipeline-*.yaml) have their own schema: learner/pipeline.py, tests/test_pipeline.py.
+# Pipeline configs (pipeline-*.yaml) have their own schema: stages/pipeline.py, tests/test_pipeline.py.
 SHIPPED = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("pipeline-"))
 
 

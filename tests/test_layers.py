@@ -1,6 +1,7 @@
 """Every import runs downward: a package may import only from the layers below it.
 
     launch.py
+    stages                   (the SFT -> RM -> PPO pipeline: runs of the launcher, one after another)
     launcher
     rollout | learner        (neither imports the other)
     buffer | weightsync | placement
@@ -24,7 +25,8 @@ LAYER = {
     "rollout": 2,
     "learner": 2,
     "launcher": 3,
-    "launch": 4,
+    "stages": 4,
+    "launch": 5,
 }
 # Known upward imports, each to be removed by moving the demo kit out of ``tandem`` into a package of
 # its own: the toy tasks registry names the calculator environment, and ``python -m tandem warmstart``

@@ -1,6 +1,6 @@
 """The SFT → RM → PPO pipeline: configs validate up front, and a shorter configs/pipeline-tiny.yaml runs end to end.
 
-The end-to-end test runs ``python -m learner.pipeline`` as a user would (real children: ``learner.train``
+The end-to-end test runs ``python -m stages.pipeline`` as a user would (real children: ``learner.train``
 for sft and rm, ``launch.py`` with a rollout server, Redis and the learner for ppo) and checks each stage's
 headline: held-out SFT loss falls, the reward model ranks held-out pairs, and PPO against the reward model
 raises the rule-based echo score it never trains on. A re-run skips every finished stage.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.pipeline import Pipeline, load_pipeline
+from stages.pipeline import Pipeline, load_pipeline
 from tandem.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_shorter_pipeline_runs_end_to_end_and_skips_finished_stages(tmp_path: Pa
     env = {
         k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
     }
-    cmd = [sys.executable, "-m", "learner.pipeline", "configs/pipeline-tiny.yaml", *overrides]
+    cmd = [sys.executable, "-m", "stages.pipeline", "configs/pipeline-tiny.yaml", *overrides]
     first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1100)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     summary = json.loads((tmp_path / "pipeline-tiny" / "summary.json").read_text())
@@ -86,7 +86,7 @@ def _samples(record: dict, texts: list[str]) -> list:
 
 
 def test_candidate_pairs_drop_ties_and_duplicates_and_put_the_higher_first() -> None:
-    from learner.preferences import candidate_pairs
+    from stages.preferences import candidate_pairs
 
     rec = {"id": "p0", "prompt": "say a:"}
     groups = [_samples(rec, ["aaaa", "ab", "aaaa", "bb", " "])]
@@ -96,7 +96,7 @@ def test_candidate_pairs_drop_ties_and_duplicates_and_put_the_higher_first() -> 
 
 
 def test_select_pairs_spreads_over_prompts_and_margin_takes_the_least_sure() -> None:
-    from learner.preferences import select_pairs
+    from stages.preferences import select_pairs
 
     a, b = {"id": "a", "prompt": "say a:"}, {"id": "b", "prompt": "say b:"}
     cands = [(a, "x1", "y", 1.0), (a, "x2", "y", 1.0), (a, "x3", "y", 1.0), (b, "z1", "w", 1.0)]
@@ -130,7 +130,7 @@ def test_adaptive_kl_controller_hand_values() -> None:
 
 
 def test_stop_reason_patience_and_drop() -> None:
-    from learner.overoptimization import best_index, diverging, stop_reason
+    from stages.overoptimization import best_index, diverging, stop_reason
 
     assert stop_reason([0.5, 0.6, 0.7], patience=2, max_drop=0.3) is None  # still improving
     assert stop_reason([0.5, 0.7, 0.69, 0.68], patience=2, max_drop=0.3) == (
@@ -147,7 +147,7 @@ def test_stop_reason_patience_and_drop() -> None:
 
 def test_the_watch_stops_a_collapse_and_keeps_the_best_gold_snapshot(tmp_path: Path) -> None:
     """Snapshots v5..v30 of a run whose gold rises, then collapses while the proxy keeps rising."""
-    from learner.pipeline import Monitor, PPOWatch
+    from stages.pipeline import Monitor, PPOWatch
 
     golds = {0: 0.50, 5: 0.60, 10: 0.66, 15: 0.55, 20: 0.40, 25: 0.10, 30: 0.0}
 

@@ -1,4 +1,4 @@
-"""SFT → reward model → PPO in one command: ``python -m learner.pipeline CONFIG [stage.key=value ...]``.
+"""SFT → reward model → PPO in one command: ``python -m stages.pipeline CONFIG [stage.key=value ...]``.
 
 The InstructGPT recipe (docs/stages.md §4). Each stage is an ordinary run of its recipe, started as a child
 process, in ``<output_dir>/<name>/<stage>/``; its output, a Hugging Face directory, feeds the next:
@@ -73,7 +73,7 @@ class Scoring(Section):
 
 
 class Pairs(Section):
-    """The reward model's preference pairs (learner/preferences.py, docs/stages.md §4.2)."""
+    """The reward model's preference pairs (stages/preferences.py, docs/stages.md §4.2)."""
 
     source: Literal["policy", "task"] = Field(
         "policy",
@@ -104,7 +104,7 @@ class Pairs(Section):
 
 
 class Monitor(Section):
-    """Gold against proxy during PPO, and the stop (learner/overoptimization.py, docs/stages.md §4.3)."""
+    """Gold against proxy during PPO, and the stop (stages/overoptimization.py, docs/stages.md §4.3)."""
 
     interval: int = Field(
         5, ge=1, description="PPO versions between evaluations (the actor is snapshotted at each)."
@@ -291,8 +291,8 @@ class Pipeline:
         return self.summarize()
 
     def make_policy_pairs(self, cfgs: dict[str, Config]) -> None:
-        """The rm stage's pairs from the SFT model's samples (learner/preferences.py); once."""
-        from learner.preferences import policy_preferences, write_pairs
+        """The rm stage's pairs from the SFT model's samples (stages/preferences.py); once."""
+        from stages.preferences import policy_preferences, write_pairs
         from tandem.data import load_prompts
 
         p, ppo, stage_dir = self.pc.pairs, cfgs["ppo"], self.dir / "rm"
@@ -348,7 +348,7 @@ class Pipeline:
     ) -> Path:
         """For ``pairs.selection: margin``: a reward model trained (the rm stage's recipe) on a random half
         of the budget, which then scores every candidate pair."""
-        from learner.preferences import policy_preferences, write_pairs
+        from stages.preferences import policy_preferences, write_pairs
 
         probe_dir = self.dir / "rm-probe"
         if not (probe_dir / DONE).exists():
@@ -418,7 +418,7 @@ class Pipeline:
         return result
 
     def watch_ppo(self, cfg: Config) -> PPOWatch:
-        from learner.overoptimization import GoldMonitor
+        from stages.overoptimization import GoldMonitor
         from tandem.data import load_prompts
 
         m, s = self.pc.monitor, self.pc.score
@@ -491,7 +491,7 @@ class PPOWatch:
     the curve (``curve.png``)."""
 
     def __init__(self, gold: Any, m: Monitor, stage_dir: Path, cfg: Config) -> None:
-        from learner.overoptimization import diverging, stop_reason
+        from stages.overoptimization import diverging, stop_reason
 
         self.gold, self.m, self.stage_dir, self.cfg = gold, m, stage_dir, cfg
         self.stop_reason, self.diverging = stop_reason, diverging
@@ -543,7 +543,7 @@ class PPOWatch:
         return False
 
     def result(self, run_dir: Path) -> dict[str, Any]:
-        from learner.overoptimization import best_index, plot
+        from stages.overoptimization import best_index, plot
 
         out: dict[str, Any] = {"curve": self.points, "stopped_early": self.signalled}
         if self.stop is not None:
@@ -618,7 +618,7 @@ def pipeline_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m learner.pipeline") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m stages.pipeline") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("config", help="pipeline YAML (configs/pipeline-tiny.yaml)")
     ap.add_argument(
