@@ -327,12 +327,14 @@ def test_the_two_node_preset_runs_on_its_node_labels(
     weights cross nodes over ``dist``. Only what cannot run here is overridden (tests/test_presets.py)."""
     import yaml
 
-    from tests.test_presets import STEPS, tiny_overrides
+    from tests.test_presets import STEPS, online_overrides
 
     preset = ROOT / "configs/ray-2node-vllm.yaml"
     raw = yaml.safe_load(preset.read_text())
     cmd = [sys.executable, str(ROOT / "launch.py"), str(preset), "--no-console", "--ray", cluster.address]
-    cmd += tiny_overrides(raw, tiny_ckpt, prompts, tmp_path / "runs")
+    stand_in = {"actor": tiny_ckpt["actor"], "reference": tiny_ckpt["actor"], "critic": tiny_ckpt["critic"]}
+    cmd += [f"model.{k}={p}" for k, p in stand_in.items() if raw["model"].get(k) is not None]
+    cmd += [*online_overrides(raw, tmp_path / "runs"), f"data.prompts={prompts}"]
     # This cluster's nodes have one CPU each: the preset's 4 CPUs per rank/server become a share of one.
     cmd += ["cluster.learner_cpus=0.5", "cluster.server_cpus=1", "rollout.threads=1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
