@@ -313,7 +313,7 @@ def test_independent_progression_lets_episodes_finish_while_one_waits_on_its_env
     finishes the others meanwhile (their turns go to the engine without waiting for episode 0's step);
     turn-synchronous rounds cannot, so there episode 0's step times out. ``direct``: the engine is treated
     as one that batches concurrent calls itself (the hf engine serves them interleaved), so each episode's
-    turn is its own call and the between-turns hook runs after each step, one at a time."""
+    turn is its own call and the between-turns hook runs before each call, one at a time."""
     tok = models["tok"]
     engine = HFEngine(str(models["path"]), device="cpu", seed=11)
     engine.continuous_batching = direct

@@ -274,50 +274,29 @@ class EpisodeRunner:
     ) -> list[Episode]:
         """Every episode plays at its own pace; the engine takes whichever turns are ready.
 
-        An engine that batches concurrent calls itself (vLLM, SGLang) gets every episode's turn as its own
-        request; the caller's hooks run after each environment step, one at a time. Otherwise (hf) an
-        engine front gathers the turns that arrive together into one call and runs the hooks itself.
+        Turns go through the engine front (:class:`BatchingEngine`), which runs the caller's hooks: on hf it
+        gathers the turns that arrive together into one call; on an engine that batches concurrent calls
+        itself (vLLM, SGLang) it hands each turn straight to the engine as its own request.
         """
-        if self.engine.continuous_batching:
-            engine: Engine = self.engine
-            lock = threading.Lock()
-
-            def after_step() -> None:
-                if between_turns is not None:
-                    with lock:
-                        between_turns()
-
-            front = None
-        else:
-            engine = front = BatchingEngine(
-                self.engine,
-                gather_s=self.gather_s,
-                between_steps=between_steps,
-                between_batches=between_turns,
-            )
-            between_steps, after_step = None, lambda: None
+        front = BatchingEngine(
+            self.engine, gather_s=self.gather_s, between_steps=between_steps, between_batches=between_turns
+        )
         try:
-            parallel(
-                [lambda e=e: self.play(e, engine, between_steps, after_step) for e in episodes], None, "play"
-            )
+            parallel([lambda e=e: self.play(e, front) for e in episodes], None, "play")
         finally:
-            if front is not None:
-                front.close()
+            front.close()
             parallel(
                 [lambda e=e: self.close(e) for e in episodes], self.step_timeout_s + STAGE_SLACK_S, "close"
             )
         return episodes
 
-    def play(
-        self, e: Episode, engine: Engine, between_steps: BetweenSteps | None, after_step: Callable[[], None]
-    ) -> None:
+    def play(self, e: Episode, engine: Engine) -> None:
         """One episode from reset to its end: model turn, environment turn, and again."""
         self.reset(e)
         while not e.done:
-            self.model_turn([e], between_steps, engine)
+            self.model_turn([e], None, engine)
             if not e.done:
                 self.env_turn(e)
-                after_step()
 
     # ----------------------------------------------------------------------------------------- stages
 
