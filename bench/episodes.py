@@ -46,7 +46,7 @@ from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HFEngine
 from rollout.envs.base import Action, Env, StepResult, Task
 from rollout.envs.episode import Episode, EpisodeRunner
-from tandem.tiny import make_tiny
+from toy.tiny import make_tiny
 
 
 class FixedReply(Env):
@@ -103,7 +103,7 @@ def make_engine(args: argparse.Namespace, path: str, tmp: str) -> Engine:
         "model": {"actor": path, "dtype": "float32"},
         "data": {"prompts": "unused.jsonl"},
         "rollout": {"engine": "vllm", "vllm": {"extra_args": vllm_args, "startup_timeout_s": 600}},
-        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},  # unused: the config needs one
+        "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},  # unused: the config needs one
         "logging": {"wandb_mode": "disabled"},
     })  # fmt: skip
     return VLLMEngine(cfg, path, server_id=0, device="cpu")

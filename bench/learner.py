@@ -41,7 +41,7 @@ from learner.batch import make_batch
 from learner.models import load_models
 from learner.ppo import PPOLearner as Learner
 from tandem.config import load_config
-from tandem.tiny import make_tiny
+from toy.tiny import make_tiny
 
 
 def trajectories(batch: int, n: int, seed: int = 0) -> list[Trajectory]:
@@ -131,7 +131,7 @@ def main() -> None:
             "run": {"name": "bench", "device": "cpu"},
             "model": {"actor": str(paths["actor"])},
             "data": {"prompts": __file__},
-            "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+            "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
             "rollout": {"n_samples": 4},
             "algorithm": {"advantage": "grpo", "batch_size": args.batch, "minibatch_size": args.batch},
             "learner": {"micro_batch_size": args.micro, "actor_lr": 1e-5},

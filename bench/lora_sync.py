@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--root", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(os.path.join(tmp, "redis")) as server:
         base_dir = make_tiny(os.path.join(tmp, "tiny"), hidden=args.hidden, layers=args.layers)["actor"]

@@ -138,7 +138,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from tandem.config import load_config
-    from tandem.tiny import ensure_demo_assets
+    from toy.tiny import ensure_demo_assets
 
     ensure_demo_assets(ROOT)  # a fresh checkout has no assets/ until `make assets`
 

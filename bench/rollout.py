@@ -51,9 +51,9 @@ from rollout.engines.hf import HFEngine
 from rollout.loop import RolloutLoop
 from tandem.config import load_config
 from tandem.rewards import RewardFunctions
-from tandem.tasks import make_records
 from tandem.telemetry import Telemetry
-from tandem.tiny import make_tiny
+from toy.tasks import make_records
+from toy.tiny import make_tiny
 from weightsync import make_publisher, make_subscriber
 
 
@@ -97,7 +97,7 @@ def main() -> None:
                     "engine": args.engine,
                     "vllm": {"extra_args": VLLM_ARGS, "startup_timeout_s": 600},
                 },
-                "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+                "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
                 # Admission never binds here: this measures generation, not the learner.
                 "algorithm": {"batch_size": rows, "minibatch_size": rows, "max_staleness": 10_000},
                 "learner": {"micro_batch_size": rows},

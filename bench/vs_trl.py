@@ -16,10 +16,10 @@ far more than single-threaded ones: an OpenMP region waits at its barrier for ev
 scheduled. ``--threads N`` pins every run to N torch threads per process (TRL's one process, and each of
 tandem's) for a like-for-like comparison under load; say which load a figure was measured under.
 
-Workloads (both the echo task, ``tandem.tasks.echo:reward``, 4 prompts × 8 completions per step,
+Workloads (both the echo task, ``toy.tasks.echo:reward``, 4 prompts × 8 completions per step,
 temperature 1, one optimizer step per batch):
   tiny   assets/tiny/actor (the demo's ~80k-parameter model), 8 new tokens, lr 1e-3, 200 steps;
-  heavy  a ~3.6M-parameter model from ``python -m tandem make-tiny DIR --hidden 256 --layers 6``
+  heavy  a ~3.6M-parameter model from ``python -m toy make-tiny DIR --hidden 256 --layers 6``
          (built under assets/heavy when missing), 64 new tokens, lr 3e-4, 30 steps: generation dominates.
 
 TRL is installed on first use with ``pip install --no-deps --target DIR`` (default ``.venv-trl``, git-ignored)
@@ -117,7 +117,7 @@ def ensure_heavy_model(path: Path) -> None:
     if not (path / "config.json").exists():
         out = path.parent
         print(f"[vs_trl] building the heavy model in {out}", flush=True)
-        cmd = [sys.executable, "-m", "tandem", "make-tiny", str(out), "--hidden", "256", "--layers", "6"]
+        cmd = [sys.executable, "-m", "toy", "make-tiny", str(out), "--hidden", "256", "--layers", "6"]
         subprocess.run(cmd, check=True, cwd=ROOT)
 
 
@@ -132,7 +132,7 @@ def trl_child(args: argparse.Namespace) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from tandem.data import load_prompts
-    from tandem.tasks.echo import reward as echo_reward
+    from toy.tasks.echo import reward as echo_reward
 
     records = load_prompts(ROOT / "assets/echo.jsonl")
     dataset = Dataset.from_list(records)
@@ -393,7 +393,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from tandem.tiny import ensure_demo_assets
+    from toy.tiny import ensure_demo_assets
 
     ensure_demo_assets(ROOT)
     env = ensure_trl(args.trl_env)

@@ -2,7 +2,7 @@
 
 The pipeline (``stages/pipeline.py``) measures every policy it produces this way: the base model, the SFT
 model, the PPO model, the same prompts, the same sampling (the rollout servers' temperature and length),
-the same seed. The rule (e.g. ``tandem.tasks.echo:reward``) is one PPO never trains on when its reward is
+the same seed. The rule (e.g. ``toy.tasks.echo:reward``) is one PPO never trains on when its reward is
 the reward model: it is the held-out judge of whether RLHF helped (docs/stages.md §4).
 
 :func:`sample` is the sampling every such measurement shares (and the preference data of

@@ -6,13 +6,12 @@ prompt/response pairs or chat messages through the tokenizer's chat template (``
 ``algorithm.packing`` concatenates each micro-batch into one row with restarting position ids
 (``learner/batch.py``): no padding, which pays only with a varlen attention kernel (GPU), not on CPU.
 
-This replaces the old ``tandem/warmstart.py``: :func:`warmstart` is the same supervised warm-start on a toy
-task's demonstrations, now a one-rank run of this recipe (docs/stages.md §3.1).
+The demo kit's supervised warm-start (``toy/warmstart.py``, ``python -m toy warmstart``) is a one-rank run of
+this recipe (docs/stages.md §3.1).
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from learner.losses import logprobs_from_logits
 from learner.models import load_policy, make_engine, policy_logits, resolve_dtype
 from learner.offline import OfflineRuntime
 from learner.runtime import Stats
-from tandem.config import Config, load_config
+from tandem.config import Config
 
 
 class SFTTrainer(OfflineRuntime):
@@ -87,49 +86,3 @@ class SFTTrainer(OfflineRuntime):
     def save_final(self, out: Path) -> None:
         self.save_hf(self.actor, out, self.tokenizer)
 
-
-def warmstart(
-    task: str,
-    model_path: str,
-    out: str,
-    *,
-    steps: int = 300,
-    batch_size: int = 32,
-    lr: float = 3e-3,
-    seed: int = 0,
-    demos: str | Path | None = None,
-) -> Path:
-    """Supervised warm-start of ``model_path`` on ``steps × batch_size`` demonstrations of a toy task, or on
-    the ``{"prompt", "response"}`` records of ``demos`` (cycled through) when given."""
-    from tandem.tasks import write_demonstrations
-
-    with tempfile.TemporaryDirectory() as tmp:
-        if demos is not None:
-            data = Path(demos)
-        else:
-            data = write_demonstrations(task, Path(tmp) / "demos.jsonl", steps * batch_size, seed=seed + 1)
-        raw = {
-            "run": {"name": f"warmstart-{task}", "seed": seed, "device": "cpu"},
-            "model": {"actor": model_path},
-            "data": {"prompts": str(data)},
-            "algorithm": {
-                "recipe": "sft",
-                "train_file": str(data),
-                "batch_size": batch_size,
-                # as many passes over a given file as ``steps`` needs
-                "epochs": max(1, -(-steps * batch_size // sum(1 for _ in data.open()))),
-            },
-            "learner": {
-                "total_steps": steps,
-                "actor_lr": lr,
-                "micro_batch_size": batch_size,
-                "checkpoint_interval": 0,
-            },
-            "logging": {"wandb_mode": "disabled", "log_interval": 50},
-        }
-        SFTTrainer(load_config(None, raw=raw), Path(tmp) / "run").run()
-        path = Path(out)
-        import shutil
-
-        shutil.copytree(Path(tmp) / "run" / "final", path, dirs_exist_ok=True)
-    return path

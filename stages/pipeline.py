@@ -54,7 +54,7 @@ DONE = "done.json"
 
 class TaskData(Section):
     task: Literal["echo", "reverse"] = Field(
-        ..., description="Toy task whose data sets are generated (tandem/tasks)."
+        ..., description="Toy task whose data sets are generated (toy/tasks)."
     )
     demonstrations: int = Field(2000, ge=16, description="SFT training demonstrations.")
     pairs: int = Field(2000, ge=16, description="Preference pairs for the reward model.")
@@ -237,7 +237,7 @@ class Pipeline:
         if d is None:
             return
         from tandem.data import write_prompts
-        from tandem.tasks import make_records, write_demonstrations, write_preferences
+        from toy.tasks import make_records, write_demonstrations, write_preferences
 
         jobs = {
             "sft.jsonl": lambda p: write_demonstrations(d.task, p, d.demonstrations, seed=1),

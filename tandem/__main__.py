@@ -1,4 +1,4 @@
-"""``python -m tandem <command>``: build tiny checkpoints and toy datasets, warm-start, check configs."""
+"""``python -m tandem <command>``: check a config, print the config reference."""
 
 from tandem.cli import main
 

@@ -33,7 +33,7 @@ def load_callable(path: str, what: str = "reward function") -> Callable[..., Any
 
 
 def part_name(path: str) -> str:
-    """The default name of a plug-in's reward part: its module's last component (``tandem.tasks.echo:reward``
+    """The default name of a plug-in's reward part: its module's last component (``toy.tasks.echo:reward``
     is ``echo``); a dict-returning plug-in's parts are ``<name>/<key>``."""
     return path.partition(":")[0].rsplit(".", 1)[-1]
 

@@ -292,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="where the run goes (default: a temporary directory)")
     args = ap.parse_args(argv)
     from tandem.data import write_prompts
-    from tandem.tasks import make_records
-    from tandem.tiny import make_tiny
+    from toy.tasks import make_records
+    from toy.tiny import make_tiny
 
     out = Path(args.out or tempfile.mkdtemp(prefix="tandem-chaos-"))
     ckpt = make_tiny(out / "tiny")

@@ -40,6 +40,6 @@ def run_id() -> str:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``{"actor": path, "critic": path}``: a tiny Qwen2 causal LM and a scalar-head model, saved by path."""
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny"))

@@ -221,7 +221,7 @@ def test_agent_and_env_are_exclusive(tiny_ckpt, tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="exclusive"):
         agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent",
-                  **{"env.path": "rollout.envs.calculator:CalculatorEnv"})  # fmt: skip
+                  **{"env.path": "toy.calculator:CalculatorEnv"})  # fmt: skip
 
 
 def test_agent_groups_go_through_admission_and_the_append(
@@ -255,21 +255,21 @@ def test_agent_groups_go_through_admission_and_the_append(
 
 @pytest.fixture(scope="module")
 def tools_ckpt(tmp_path_factory) -> Path:
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny-tools"), tokenizer="bytes")["actor"]
 
 
 def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path) -> None:
-    """configs/tiny-agent.yaml's agent (tandem/tasks/calc_agent.py, plain openai SDK) inside the runner: a
+    """configs/tiny-agent.yaml's agent (toy/tasks/calc_agent.py, plain openai SDK) inside the runner: a
     tool call, its result, the final answer, one session each, token-exact. The engine is the labelled test
     double of tests/test_tool_calls.py (a random model writes no calls): it writes the call a warm-started
     model would, and answers with the tool's result once the prompt holds it."""
     import re
 
-    from tandem.tasks.calc_tools import chat_prompt
-    from tandem.tiny import build_byte_tokenizer
     from tests.test_tool_calls import ScriptedEngine
+    from toy.tasks.calc_tools import chat_prompt
+    from toy.tiny import build_byte_tokenizer
 
     def reply(prompt: str) -> str:
         if m := re.search(r"tool: (\S+)\nassistant: $", prompt):
@@ -279,7 +279,7 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path) 
 
     engine = ScriptedEngine(build_byte_tokenizer())
     engine.reply = reply
-    cfg = agent_cfg({"actor": tools_ckpt}, tmp_path, "tandem.tasks.calc_agent:agent",
+    cfg = agent_cfg({"actor": tools_ckpt}, tmp_path, "toy.tasks.calc_agent:agent",
                     **{"agent.timeout_s": 60, "rollout.max_new_tokens": 80})  # fmt: skip
     runner = make_runner(cfg, engine)
     try:
@@ -313,7 +313,7 @@ def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckp
     """The runner's between_batches hook (the loop's poll_weights) applies v1 after the first batch: every
     second call of a session is generated, and prefilled, by v1, and its behaviour logprobs are v1's over
     the whole session, as the learner computes them."""
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
     from weightsync.base import Update
 
     path = make_tiny(tmp_path / "v1", seed=7)["actor"]

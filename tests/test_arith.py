@@ -88,7 +88,7 @@ def test_sft_then_grpo_raises_held_out_accuracy(tmp_path: Path) -> None:
     A policy that collapses (lr 1e-3 here) or farms reasoning-gym's partial credit (reward ``reward``
     instead of ``solved``) ends below where it started and fails this."""
     from tandem.data import write_prompts
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     model = make_tiny(tmp_path / "tiny", hidden=128)["actor"]
     cfg = SMALL

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tandem.data import write_prompts
-from tandem.tasks import make_records
 from tests.chaos import ROLES, chaos_run
+from toy.tasks import make_records
 
 pytestmark = pytest.mark.slow
 

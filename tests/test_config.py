@@ -62,7 +62,7 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
 
 def test_missing_required_section_is_named(tmp_path: Path) -> None:
     p = tmp_path / "c.yaml"
-    p.write_text("data: {prompts: x.jsonl}\nreward: {functions: [{path: 'tandem.tasks.echo:reward'}]}\n")
+    p.write_text("data: {prompts: x.jsonl}\nreward: {functions: [{path: 'toy.tasks.echo:reward'}]}\n")
     with pytest.raises(ConfigError, match=r"model: Field required"):
         load_config(p)
 

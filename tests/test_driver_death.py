@@ -16,9 +16,9 @@ import redis
 import yaml
 
 from tandem.data import write_prompts
-from tandem.tasks import make_records
 from tests.chaos import Tally, audit
 from tests.test_launch import attach, launch_cmd, leftover_processes
+from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

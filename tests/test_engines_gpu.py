@@ -39,7 +39,7 @@ def make_cfg(tmp_path: Path, engine: str, actor: Path) -> Config:
         "run": {"output_dir": str(tmp_path), "device": "cuda"},
         "model": {"actor": str(actor), "dtype": "float32"},
         "data": {"prompts": "/unused.jsonl"},
-        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+        "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
         "rollout": {
             "engine": engine,
             "vllm": {"gpu_memory_utilization": 0.2, "startup_timeout_s": 600},

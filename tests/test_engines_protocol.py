@@ -79,7 +79,7 @@ def make_cfg(tmp_path: Path, **rollout: object) -> Config:
         "run": {"output_dir": str(tmp_path)},
         "model": {"actor": "/models/none"},
         "data": {"prompts": "/data/none.jsonl"},
-        "reward": {"functions": [{"path": "tandem.tasks.reverse:reward"}]},
+        "reward": {"functions": [{"path": "toy.tasks.reverse:reward"}]},
         "rollout": rollout,
         "weightsync": {"timeout_s": 20, "bucket_mb": 1},
     }

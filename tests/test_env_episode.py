@@ -23,7 +23,7 @@ from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
 from rollout.envs.base import Action, Env, StepResult, Task
 from rollout.envs.episode import Episode, EpisodeRunner
-from tandem.tiny import make_tiny
+from toy.tiny import make_tiny
 from weightsync.base import Update
 
 

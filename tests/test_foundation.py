@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from tandem.config import RewardConfig, RewardFunction
 from tandem.data import DatasetError, load_prompts, write_prompts
 from tandem.rewards import RewardFunctions, load_callable
-from tandem.tasks import echo, make_records, reverse
+from toy.tasks import echo, make_records, reverse
 
 
 def test_tiny_checkpoint_reloads_by_path_offline(tiny_ckpt: dict[str, Path]) -> None:
@@ -38,7 +38,7 @@ def test_tiny_critic_has_scalar_head(tiny_ckpt: dict[str, Path]) -> None:
 
 
 def test_tiny_is_deterministic_in_seed(tmp_path: Path) -> None:
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     a = AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / "a", seed=3)["actor"])
     b = AutoModelForCausalLM.from_pretrained(make_tiny(tmp_path / "b", seed=3)["actor"])
@@ -96,10 +96,10 @@ def test_random_policy_scores_near_the_floor_on_echo(tiny_ckpt: dict[str, Path])
 def test_reward_functions_weight_name_and_isolate_failures() -> None:
     cfg = RewardConfig(
         functions=[
-            RewardFunction(path="tandem.tasks.echo:reward", weight=2.0),
-            RewardFunction(path="tandem.tasks.reverse:reward", weight=1.0),
+            RewardFunction(path="toy.tasks.echo:reward", weight=2.0),
+            RewardFunction(path="toy.tasks.reverse:reward", weight=1.0),
             RewardFunction(path="json:loads", weight=1.0),  # raises TypeError on these args: scored 0
-            RewardFunction(path="tandem.tasks.echo:reward", weight=0.0, name="echo_again"),
+            RewardFunction(path="toy.tasks.echo:reward", weight=0.0, name="echo_again"),
         ]
     )
     rf = RewardFunctions(cfg)
@@ -116,7 +116,7 @@ def test_load_callable_errors_name_the_path() -> None:
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
         load_callable("no_such_mod:f")
     with pytest.raises(ValueError, match="has no callable 'nope'"):
-        load_callable("tandem.tasks.echo:nope")
+        load_callable("toy.tasks.echo:nope")
 
 
 def test_prompt_dataset_round_trip_and_errors(tmp_path: Path) -> None:
@@ -136,7 +136,7 @@ def test_prompt_dataset_round_trip_and_errors(tmp_path: Path) -> None:
 
 def test_warmstart_teaches_the_reverse_format(tiny_ckpt: dict[str, Path], tmp_path: Path) -> None:
     """A short supervised warm-start moves the tiny model from noise toward well-formed digit answers."""
-    from learner.sft import warmstart
+    from toy.warmstart import warmstart
 
     def mean_nll(path: Path) -> float:
         tok = AutoTokenizer.from_pretrained(path)
@@ -157,7 +157,7 @@ def test_warmstart_teaches_the_reverse_format(tiny_ckpt: dict[str, Path], tmp_pa
 
 
 def test_demo_assets_are_built_when_missing(tmp_path: Path) -> None:
-    from tandem.tiny import ensure_demo_assets
+    from toy.tiny import ensure_demo_assets
 
     ensure_demo_assets(tmp_path)
     assert (tmp_path / "assets/tiny/actor/config.json").is_file()

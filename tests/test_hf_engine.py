@@ -24,7 +24,7 @@ def engine(tiny_ckpt: dict[str, Path]) -> HFEngine:
 @pytest.fixture(scope="module")
 def other_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture, different weights: the 'new version' a learner would publish."""
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny-v1"), seed=7)["actor"]
 

@@ -22,7 +22,7 @@ from buffer.redis_server import EmbeddedRedis
 from launcher.plan import thread_split
 from tandem.config import load_config
 from tandem.data import write_prompts
-from tandem.tasks import make_records
+from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -41,7 +41,7 @@ def raw_config(tiny_ckpt, redis_url: str, run_id: str, tmp_path: Path, **section
         "redis": {"url": redis_url, "claim_idle_ms": 60_000},
         "model": {"actor": str(tiny_ckpt["actor"])},
         "data": {"prompts": str(REPO / "pyproject.toml")},  # required by the schema, unused by the learner
-        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+        "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
         "rollout": {"n_samples": 4, "temperature": 1.0},
         "algorithm": {"advantage": "grpo", "batch_size": 8, "minibatch_size": 8, "max_staleness": 100},
         "learner": {"micro_batch_size": 4, "actor_lr": 1e-2, "critic_lr": 1e-2, "take_timeout_s": 60},

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tandem.data import write_prompts
-from tandem.tasks import make_records
+from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.stages]  # a learning run of minutes: make test-stages

@@ -22,8 +22,8 @@ from learner.models import load_models, output_head, policy_logits, policy_logpr
 from learner.online import peak_memory_gb
 from learner.ppo import PPOLearner
 from tandem.config import LoRAConfig, load_config
-from tandem.tiny import make_tiny
 from tests.test_learner import group, raw_config
+from toy.tiny import make_tiny
 from weightsync import named_full_parameters
 
 RTOL = 1e-5

@@ -19,8 +19,8 @@ from learner.ppo import PPOLearner
 from learner.sft import SFTTrainer
 from rollout.engines.hf import HFEngine
 from tandem.config import ConfigError, LoRAConfig, load_config
-from tandem.tasks import write_demonstrations
 from tests.test_learner import group, history, raw_config
+from toy.tasks import write_demonstrations
 from weightsync.base import Update, WeightSyncError
 
 

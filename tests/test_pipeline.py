@@ -246,13 +246,13 @@ def test_the_shipped_pipeline_raises_the_held_out_rule_score(tmp_path: Path, see
 @pytest.mark.stages
 @pytest.mark.timeout(2000)
 def test_a_reward_model_that_rewards_one_letter_is_stopped_before_gold_halves(tmp_path: Path) -> None:
-    """The judge labels pairs by their count of ``a`` (tandem.tasks.echo:letter_a), whatever the prompt:
+    """The judge labels pairs by their count of ``a`` (toy.tasks.echo:letter_a), whatever the prompt:
     the reward model learns to reward one letter, and PPO against it lowers the echo score. The monitor
     must stop PPO (or warn) while the gold is still above half of the SFT model's, and keep a policy whose
     held-out rule score is not below half the SFT model's either. The collapse is fast (seed 0: gold 0.52
     at v0, 0.27 at v5), so the monitor looks every 2 versions."""
     summary = run_pipeline(
-        tmp_path, "pairs.judge=tandem.tasks.echo:letter_a", "ppo.learner.total_steps=80", "monitor.interval=2"
+        tmp_path, "pairs.judge=toy.tasks.echo:letter_a", "ppo.learner.total_steps=80", "monitor.interval=2"
     )
     sft, ppo = summary["sft"], summary["ppo"]
     curve = ppo["curve"]

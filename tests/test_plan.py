@@ -18,7 +18,7 @@ def config(mode: str, learner_threads: int = 0, **rollout: int):
         "run": {"name": "plan", "mode": mode},
         "model": {"actor": "assets/tiny/actor"},
         "data": {"prompts": str(ROOT / "pyproject.toml")},
-        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+        "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
         "rollout": rollout,
         "learner": {"threads": learner_threads},
     }

@@ -146,7 +146,7 @@ def test_a_missing_input_names_the_command_that_makes_it(tmp_path: Path, monkeyp
         driver.check_inputs(cfg)
     assert "model.actor: " in str(e.value) and "not a checkpoint directory" in str(e.value)
     assert (
-        "`python -m tandem warmstart calc assets/tiny/actor assets/calc-warm --steps 1000` makes it"
+        "`python -m toy warmstart calc assets/tiny/actor assets/calc-warm --steps 1000` makes it"
         in str(e.value)
     )
     assert "make-tiny" not in str(e.value)  # the old advice, wrong for this config
@@ -167,7 +167,7 @@ def test_launch_runs_the_steps_first_and_dry_run_lists_them(tmp_path: Path, monk
     args = ["tiny.yaml", f"run.output_dir={tmp_path / 'runs'}", "--no-console"]
     assert launch.main([*args, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "# prepare 1/3 tiny model: would run python -m tandem make-tiny assets/tiny" in out
+    assert "# prepare 1/3 tiny model: would run python -m toy make-tiny assets/tiny" in out
     assert "# prepare 2/3 echo prompts: not needed, the run reads none of assets/echo.jsonl" in out
     assert "# prepare 3/3 broken: would run python -c" in out and not (tmp_path / "assets").exists()
     assert launch.main(args) == 1  # the model was made, then the broken step stopped the run

@@ -49,7 +49,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tandem.data import write_prompts
-    from tandem.tasks import make_records
+    from toy.tasks import make_records
 
     return write_prompts(tmp_path_factory.mktemp("data") / "echo.jsonl", make_records("echo", 200))
 

@@ -30,8 +30,8 @@ from rollout.engines.hf import HFEngine
 from rollout.loop import ClaimHeartbeat, RolloutLoop
 from tandem.config import Config, load_config
 from tandem.rewards import RewardFunctions
-from tandem.tasks import make_records
 from tandem.telemetry import Telemetry, ready_key, stop_key
+from toy.tasks import make_records
 from weightsync import make_publisher, make_subscriber
 from weightsync.base import Subscriber, Update, WeightSyncError
 
@@ -41,7 +41,7 @@ TIMEOUT = 60.0
 @pytest.fixture(scope="module")
 def new_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The 'trained' actor a fake learner publishes: same architecture, other weights."""
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     path = make_tiny(tmp_path_factory.mktemp("tiny-v1"), seed=7)["actor"]
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -60,7 +60,7 @@ def make_cfg(run_id: str, redis_url: str, tiny_ckpt: dict[str, Path], tmp: Path,
         "model": {"actor": str(tiny_ckpt["actor"])},
         "data": {"prompts": str(tmp / "prompts.jsonl")},
         "rollout": {"n_samples": 2, "prompts_per_batch": 2, "max_new_tokens": 6, "http": {"enabled": False}},
-        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+        "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
         "algorithm": {"batch_size": 4, "minibatch_size": 4, "max_staleness": 0},
         "learner": {"micro_batch_size": 4},
         "weightsync": {"shm_dir": str(tmp / "shm"), "timeout_s": 30},

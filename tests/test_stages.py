@@ -21,7 +21,7 @@ from learner.examples import ExampleError, load_demonstrations, load_pairs
 from learner.rm import RewardModelTrainer, bradley_terry_loss
 from learner.sft import SFTTrainer
 from tandem.config import ConfigError, load_config
-from tandem.tasks import write_demonstrations, write_preferences
+from toy.tasks import write_demonstrations, write_preferences
 
 REPO = Path(__file__).resolve().parents[1]
 

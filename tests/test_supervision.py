@@ -22,8 +22,8 @@ from buffer.schema import PromptRecord
 from buffer.streams import ReplayBuffer
 from launcher.supervision import RestartPolicy, Restarts
 from tandem.data import write_prompts
-from tandem.tasks import make_records
 from tests.test_buffer import traj
+from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,7 +171,7 @@ def test_the_feeder_emits_each_pass_in_its_seeded_order(redis_client, run_id, tm
         "run": {"name": run_id, "seed": 3},
         "model": {"actor": "unused"},
         "data": {"prompts": str(data), "epochs": 3, "shuffle": True},
-        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+        "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
     }
     cfg = load_config(None, raw=raw)
     buf = ReplayBuffer(redis_client, cfg.run.name, consumer="launch")

@@ -27,7 +27,7 @@ from rollout.http.serve import HTTPServer
 from rollout.http.tools import ParsedCall, hermes_messages, parse_hermes
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
-from tandem.tiny import CHAT_TEMPLATE
+from toy.tiny import CHAT_TEMPLATE
 
 MODEL = "tiny"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -35,7 +35,7 @@ pytestmark = [
 ]
 
 ATOL = 1e-4
-EOS = 2  # tandem.tiny: <pad>, <bos>, <eos>, <unk>
+EOS = 2  # toy.tiny: <pad>, <bos>, <eos>, <unk>
 SERVER_ARGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20)]
 
 
@@ -44,7 +44,7 @@ def make_cfg(tmp: Path, actor: Path, **vllm: object) -> Config:
         "run": {"output_dir": str(tmp), "device": "cpu"},
         "model": {"actor": str(actor), "dtype": "float32"},
         "data": {"prompts": "/unused.jsonl"},
-        "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+        "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
         "rollout": {"engine": "vllm", "vllm": {"extra_args": SERVER_ARGS, "startup_timeout_s": 300, **vllm}},
         "weightsync": {"shm_dir": str(tmp / "shm")},
     }
@@ -54,7 +54,7 @@ def make_cfg(tmp: Path, actor: Path, **vllm: object) -> Config:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two tiny checkpoints vLLM's CPU attention accepts (head_dim 32): the initial weights and other ones."""
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("tiny32")
     return {

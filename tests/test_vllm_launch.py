@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tandem.data import write_prompts
-from tandem.tasks import make_records
 from tests.test_launch import attach, inspect_redis, leftover_processes, run_dir_of
+from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [
@@ -36,7 +36,7 @@ N_PROMPTS = 2000
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tandem.tiny import make_tiny
+    from toy.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("vllm-assets")
     paths = make_tiny(root / "tiny32", head_dim=32)  # what `make demo-vllm` builds into assets/tiny32

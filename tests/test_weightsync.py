@@ -38,7 +38,7 @@ def make_cfg(run: str, actor: str | Path, **weightsync: object) -> Config:
             "run": {"name": run},
             "model": {"actor": str(actor)},
             "data": {"prompts": "unused.jsonl"},
-            "reward": {"functions": [{"path": "tandem.tasks.echo:reward"}]},
+            "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
             "weightsync": {"timeout_s": 3.0, "bucket_mb": 1, **weightsync},
         }
     )

@@ -170,7 +170,7 @@ def ensure_demo_assets(root: str | Path) -> None:
     """Build what ``configs/tiny.yaml`` loads (``assets/tiny`` and ``assets/echo.jsonl`` under ``root``)
     when missing, as ``make assets`` does: so a benchmark runs on a fresh checkout."""
     from tandem.data import write_prompts
-    from tandem.tasks import make_records
+    from toy.tasks import make_records
 
     assets = Path(root) / "assets"
     if not (assets / "tiny" / "actor" / "config.json").is_file():

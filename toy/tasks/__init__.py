@@ -3,7 +3,7 @@
 A task is a prompt generator (records for the JSONL dataset) plus reward functions
 ``fn(prompt, completion, record) -> float | dict[str, float]`` that return 0 for malformed output and never
 raise. ``echo`` is learned from scratch under RL; ``reverse`` (digit reversal) comes with a supervised
-warm-start on synthetic demonstrations (``python -m tandem warmstart``).
+warm-start on synthetic demonstrations (``python -m toy warmstart``).
 
 Each task also makes offline data for the training stages (docs/stages.md §2): demonstrations (prompt,
 ideal completion) for ``sft``, and preference pairs for ``rm`` and ``dpo`` whose ``chosen`` is the ideal
@@ -19,11 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollout.envs import calculator
-from tandem.tasks import calc_tools, echo, reverse
+from toy import calculator
+from toy.tasks import calc_tools, echo, reverse
 
-# calc is multi-turn: its reward is the environment's (rollout/envs/calculator.py), not a function here;
-# calc-agent's is the agent's (tandem/tasks/calc_agent.py).
+# calc is multi-turn: its reward is the environment's (toy/calculator.py), not a function here;
+# calc-agent's is the agent's (toy/tasks/calc_agent.py).
 TASKS: dict[str, Any] = {"echo": echo, "reverse": reverse, "calc": calculator, "calc-agent": calc_tools}
 
 

@@ -1,8 +1,8 @@
 """The calculator task for a function-calling agent (configs/tiny-agent.yaml, docs/design.md §10.9).
 
-Prompts are two-digit additions, ``"37+48="``, answered by :mod:`tandem.tasks.calc_agent` with its ``add``
+Prompts are two-digit additions, ``"37+48="``, answered by :mod:`toy.tasks.calc_agent` with its ``add``
 tool. The records carry the sum (``result``). The warm-start's demonstrations are whole sessions as the
-byte-level tiny model's chat template renders them (``tandem.tiny.TOOLS_CHAT_TEMPLATE``): the prompt with
+byte-level tiny model's chat template renders them (``toy.tiny.TOOLS_CHAT_TEMPLATE``): the prompt with
 the tools line, then either a Hermes tool call, its result and the copied answer, or (half of them) a
 direct guess, usually wrong, so the warm policy calls the tool only sometimes and RL has a rate to raise.
 """
@@ -13,7 +13,7 @@ import json
 import random
 from typing import Any
 
-from tandem.tasks.calc_agent import TOOLS
+from toy.tasks.calc_agent import TOOLS
 
 
 def chat_prompt(question: str) -> str:
