@@ -145,10 +145,8 @@ def test_a_missing_input_names_the_command_that_makes_it(tmp_path: Path, monkeyp
     with pytest.raises(ConfigError) as e:
         driver.check_inputs(cfg)
     assert "model.actor: " in str(e.value) and "not a checkpoint directory" in str(e.value)
-    assert (
-        "`python -m toy warmstart calc assets/tiny/actor assets/calc-warm --steps 1000` makes it"
-        in str(e.value)
-    )
+    advice = "`python -m toy warmstart calc assets/tiny/actor assets/calc-warm --steps 1000` makes it"
+    assert advice in str(e.value)
     assert "make-tiny" not in str(e.value)  # the old advice, wrong for this config
     cfg = load_config(ROOT / "configs/tiny-calc.yaml", [f"model.actor={tmp_path / 'elsewhere'}"])
     with pytest.raises(ConfigError, match="no prepare step of this config makes it"):
