@@ -106,7 +106,7 @@ def make_engine(args: argparse.Namespace, path: str, tmp: str) -> Engine:
         "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},  # unused: the config needs one
         "logging": {"wandb_mode": "disabled"},
     })  # fmt: skip
-    return VLLMEngine(cfg, path, server_id=0, device="cpu")
+    return VLLMEngine(cfg, path, server_index=0, device="cpu")
 
 
 def run_single(engine: HFEngine, prompts: list[list[int]], args) -> tuple[float, int]:

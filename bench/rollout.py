@@ -111,7 +111,7 @@ def main() -> None:
         else:
             from rollout.engines.vllm import VLLMEngine
 
-            engine = VLLMEngine(cfg, str(ckpt), server_id=0, device="cpu")
+            engine = VLLMEngine(cfg, str(ckpt), server_index=0, device="cpu")
         tok = AutoTokenizer.from_pretrained(ckpt)
         records = make_records("echo", args.prompts_per_batch * (args.steps + 2), seed=0)
         prompts = [PromptRecord(r["id"], r["prompt"], tok(r["prompt"]).input_ids, r) for r in records]
@@ -129,7 +129,7 @@ def main() -> None:
             buffer,
             subscriber,
             Telemetry(cfg, "server-0", client),
-            server_id=0,
+            server_index=0,
             rewards=RewardFunctions(cfg.reward),
         )
 

@@ -96,7 +96,7 @@ class RolloutLoop:
         subscriber: Subscriber,
         telemetry: Telemetry,
         *,
-        server_id: int,
+        server_index: int,
         rewards: RewardFunctions,
         reward_model: RewardModel | None = None,
         metrics: ServerMetrics | None = None,
@@ -105,7 +105,7 @@ class RolloutLoop:
     ) -> None:
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.buffer, self.subscriber, self.telemetry = buffer, subscriber, telemetry
-        self.server_id, self.rewards, self.reward_model = server_id, rewards, reward_model
+        self.server_index, self.rewards, self.reward_model = server_index, rewards, reward_model
         self.evaluator = evaluator
         self.metrics = metrics or ServerMetrics(engine)
         self.stop_event = stop_event or threading.Event()
@@ -147,15 +147,17 @@ class RolloutLoop:
         self._last_poll = 0.0
         self.window = inflight_window(cfg)
         self.inflight: list[Future[list[list[Trajectory]]]] = []  # batches handed to generation threads
-        self.generators = ThreadPoolExecutor(self.window, thread_name_prefix=f"rollout{server_id}-generate")
-        self.scorer = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_id}-score")
+        self.generators = ThreadPoolExecutor(
+            self.window, thread_name_prefix=f"rollout{server_index}-generate"
+        )
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_index}-score")
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
         try:
             self.adopt_credits()
             self.join_current()
-            log.info("server-%d: rollout loop started at weights v%d", self.server_id, self.engine.version)
+            log.info("server-%d: rollout loop started at weights v%d", self.server_index, self.engine.version)
             while not self.should_stop():
                 self.step()
         finally:
@@ -166,7 +168,7 @@ class RolloutLoop:
         was killed (docs/design.md §3.3); without this, a few such kills could close the window for good."""
         if held := self.admission.adopt():
             log.warning(
-                "server-%d: adopted %d unspent admission credits of an earlier life", self.server_id, held
+                "server-%d: adopted %d unspent admission credits of an earlier life", self.server_index, held
             )
 
     def join_current(self) -> None:
@@ -181,7 +183,7 @@ class RolloutLoop:
         except WeightSyncError:  # the freshness rule (ensure_fresh_weights) still holds
             target = self.subscriber.latest_version()
             log.warning("server-%d: joined at weights v%d; v%d has not arrived yet, generating anyway "
-                        "where admission allows", self.server_id, self.engine.version, target)  # fmt: skip
+                        "where admission allows", self.server_index, self.engine.version, target)  # fmt: skip
 
     def step(self) -> int:
         """One admitted batch of prompt groups, generated, scored and appended: within this call when one
@@ -317,7 +319,7 @@ class RolloutLoop:
             group_id = uuid.uuid4().hex
             groups.append(
                 [
-                    e.trajectory(taken.prompt.prompt_id, group_id, f"server-{self.server_id}", self.clip)
+                    e.trajectory(taken.prompt.prompt_id, group_id, f"server-{self.server_index}", self.clip)
                     for e in episodes[k * n : (k + 1) * n]
                 ]
             )
@@ -340,7 +342,7 @@ class RolloutLoop:
         with self.busy:
             self.agents.run(episodes)
         self.spent("time/generate", start)
-        server = f"server-{self.server_id}"
+        server = f"server-{self.server_index}"
         groups = []
         for k, taken in enumerate(prompts):
             group_id = uuid.uuid4().hex
@@ -412,7 +414,7 @@ class RolloutLoop:
             else:
                 self.duplicates += 1
                 log.warning("server-%d: prompt %s was answered by another server; group dropped",
-                            self.server_id, taken.prompt.prompt_id)  # fmt: skip
+                            self.server_index, taken.prompt.prompt_id)  # fmt: skip
         self.spent("time/put", start)
         self.groups += len(appended)
         return appended
@@ -481,7 +483,7 @@ class RolloutLoop:
         self.engine.update_weights(update)
         seconds = time.perf_counter() - start
         self.metrics.weight_update_seconds.observe(seconds)
-        log.info("server-%d: weights v%d applied in %.3fs", self.server_id, update.version, seconds)
+        log.info("server-%d: weights v%d applied in %.3fs", self.server_index, update.version, seconds)
 
     def poll_weights(self, *, block: bool = True) -> None:
         """Apply a new version if one is on offer, without waiting for one. ``block=False``: not at all
@@ -544,7 +546,7 @@ class RolloutLoop:
             reward=reward,
             reward_parts=parts,
             finish_reason=c.finish_reason,
-            server_id=f"server-{self.server_id}",
+            server_id=f"server-{self.server_index}",
             meta={"version": c.versions[0]},
         )
 
@@ -559,7 +561,7 @@ class RolloutLoop:
             try:
                 self.log(done.result())
             except Exception as e:  # its prompts are handed back below
-                log.warning("server-%d: a batch in flight failed: %r", self.server_id, e)
+                log.warning("server-%d: a batch in flight failed: %r", self.server_index, e)
         self.inflight.clear()
         if self.agents is not None:
             self.agents.close()
@@ -569,11 +571,11 @@ class RolloutLoop:
         try:
             returned = self.buffer.return_prompts()
         except redis.RedisError as e:  # they stay pending: another server claims them after claim_idle_ms
-            log.warning("server-%d: could not hand back held prompts: %s", self.server_id, e)
+            log.warning("server-%d: could not hand back held prompts: %s", self.server_index, e)
         else:
             if returned:
-                log.info("server-%d: handed back %d held prompt(s)", self.server_id, returned)
-        log.info("server-%d: rollout loop stopped after %d groups", self.server_id, self.groups)
+                log.info("server-%d: handed back %d held prompt(s)", self.server_index, returned)
+        log.info("server-%d: rollout loop stopped after %d groups", self.server_index, self.groups)
 
 
 class BusyClock:

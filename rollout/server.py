@@ -68,7 +68,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     from weightsync import make_subscriber
 
     cfg = load_config(args.config, args.overrides)
-    sid, name = args.server_id, f"server-{args.server_id}"
+    sid, name = args.server_index, f"server-{args.server_index}"
     setup_logging(cfg.logging.level)
     seed_everything(cfg.run.seed + sid)
     if "OMP_NUM_THREADS" not in os.environ:  # a launcher planned our threads (and torch read them); else:
@@ -77,7 +77,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     client = connect_redis(cfg)
     buffer = ReplayBuffer.from_config(client, cfg, consumer=name)
     subscriber = make_subscriber(cfg, client, name, run_dir=args.run_dir)
-    engine = make_engine(cfg, cfg.model.actor, server_id=sid)
+    engine = make_engine(cfg, cfg.model.actor, server_index=sid)
     if cfg.weight_path == "engine":
         from weightsync.engines import EngineEndpoint, register_engine
 
@@ -116,7 +116,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         buffer,
         subscriber,
         telemetry,
-        server_id=sid,
+        server_index=sid,
         rewards=rewards,
         reward_model=reward_model,
         metrics=metrics,
@@ -238,7 +238,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m rollout.server", description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
     ap.add_argument("--config", help="run config (YAML) with redis.url set; connected mode")
-    ap.add_argument("--server-id", type=int, default=0)
+    ap.add_argument(
+        "--server-id",
+        dest="server_index",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this server's index I among the run's servers: its id is server-I, its ports are base + I",
+    )
     ap.add_argument("--run-dir", help="the run directory (weights fall back there when /dev/shm is absent)")
     ap.add_argument("--standalone", action="store_true", help="serve the HTTP API only: no Redis, no learner")
     ap.add_argument("--model", help="standalone: checkpoint directory")

@@ -54,10 +54,10 @@ def start(engine: str, cfg: Config, actor: Path):
     if engine == "vllm":
         from rollout.engines.vllm import VLLMEngine
 
-        return VLLMEngine(cfg, str(actor), server_id=0, device="cuda:0")
+        return VLLMEngine(cfg, str(actor), server_index=0, device="cuda:0")
     from rollout.engines.sglang import SGLangEngine
 
-    return SGLangEngine(cfg, str(actor), server_id=0, device="cuda:0")
+    return SGLangEngine(cfg, str(actor), server_index=0, device="cuda:0")
 
 
 def perturbed(actor: Path, out: Path, scale: float) -> dict[str, torch.Tensor]:

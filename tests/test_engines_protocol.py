@@ -107,7 +107,7 @@ def disk_update(version: int, path: str) -> Update:
 
 def test_vllm_generate_payload_and_parse(urls, tmp_path):
     cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"]})
-    engine = VLLMEngine(cfg, "/models/none", server_id=0, device=None)
+    engine = VLLMEngine(cfg, "/models/none", server_index=0, device=None)
     calls, streamed = [], []
     out = engine.generate(
         [[1, 2, 3], [9]],
@@ -143,7 +143,7 @@ def test_vllm_generate_payload_and_parse(urls, tmp_path):
 
 def test_vllm_reload_from_disk_sequence(urls, tmp_path):
     cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"], "pause_mode": "keep"})
-    engine = VLLMEngine(cfg, "/models/none", server_id=0, device=None)
+    engine = VLLMEngine(cfg, "/models/none", server_index=0, device=None)
     engine.update_weights(disk_update(3, "/dev/shm/run/v3"))
     entries = log(urls["vllm"])[2:]
     assert [e["route"] for e in entries] == [
@@ -165,7 +165,7 @@ def test_vllm_reload_from_disk_sequence(urls, tmp_path):
 
 def test_vllm_errors_name_server_route_and_version(urls, tmp_path):
     cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"], "request_timeout_s": 1.0})
-    engine = VLLMEngine(cfg, "/models/none", server_id=0, device=None)
+    engine = VLLMEngine(cfg, "/models/none", server_index=0, device=None)
     fault(urls["vllm"], "/collective_rpc", status=500)
     with pytest.raises(EngineHTTPError) as err:
         engine.update_weights(disk_update(4, "/x"))
@@ -187,7 +187,7 @@ def test_vllm_errors_name_server_route_and_version(urls, tmp_path):
 
 def test_sglang_generate_payload_and_parse(urls, tmp_path):
     cfg = make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"]})
-    engine = SGLangEngine(cfg, "/models/none", server_id=0, device=None)
+    engine = SGLangEngine(cfg, "/models/none", server_index=0, device=None)
     out = engine.generate([[4, 5], [6]], SamplingParams(n=2, max_new_tokens=3, seed=10))
     body = log(urls["sglang"])[-1]["body"]
     assert body["input_ids"] == [[4, 5], [4, 5], [6], [6]]
@@ -204,11 +204,11 @@ def test_sglang_refuses_truncated_sampling(urls, tmp_path):
         SGLangEngine(
             make_cfg(tmp_path, engine="sglang", top_p=0.9, sglang={"url": urls["sglang"]}),
             "m",
-            server_id=0,
+            server_index=0,
             device=None,
         )
     engine = SGLangEngine(
-        make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"]}), "m", server_id=0, device=None
+        make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"]}), "m", server_index=0, device=None
     )
     with pytest.raises(ValueError, match="top_k=5"):
         engine.generate([[1]], SamplingParams(top_k=5))
@@ -218,7 +218,7 @@ def test_sglang_refuses_truncated_sampling(urls, tmp_path):
 
 def test_sglang_reload_from_disk_sequence(urls, tmp_path):
     cfg = make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"], "pause_mode": "retract"})
-    engine = SGLangEngine(cfg, "/models/none", server_id=0, device=None)
+    engine = SGLangEngine(cfg, "/models/none", server_index=0, device=None)
     engine.update_weights(disk_update(2, "/dev/shm/run/v2"))
     entries = log(urls["sglang"])[1:]
     assert [e["route"] for e in entries] == [
@@ -250,8 +250,8 @@ def gloo_for_vllm(kind, address, port, world, name):
 
 def test_publisher_feeds_a_mix_of_vllm_and_sglang(urls, tmp_path, redis_client, run_id):
     cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"]}, sglang={"url": urls["sglang"]})
-    vllm = VLLMEngine(cfg, "m", server_id=0, device=None)
-    sgl = SGLangEngine(cfg, "m", server_id=1, device=None)
+    vllm = VLLMEngine(cfg, "m", server_index=0, device=None)
+    sgl = SGLangEngine(cfg, "m", server_index=1, device=None)
     register_engine(redis_client, run_id, EngineEndpoint(0, "vllm", vllm.url, vllm.world_size()))
     register_engine(redis_client, run_id, EngineEndpoint(1, "sglang", sgl.url, sgl.world_size()))
     pub = EnginePublisher(

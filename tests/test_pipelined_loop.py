@@ -179,7 +179,7 @@ def test_a_batch_that_fails_in_flight_ends_the_loop_and_its_prompts_are_handed_b
     buffer = ReplayBuffer.from_config(redis_client, cfg, consumer="server-0")
     loop = RolloutLoop(
         cfg, engine, hf.tokenizer, buffer, make_subscriber(cfg, redis_client, "server-0"),
-        Telemetry(cfg, "server-0", redis_client), server_id=0, rewards=RewardFunctions(cfg.reward),
+        Telemetry(cfg, "server-0", redis_client), server_index=0, rewards=RewardFunctions(cfg.reward),
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="engine died"):
         loop.run()

@@ -115,7 +115,7 @@ class Harness:
             self.buffer,
             subscriber,
             self.telemetry,
-            server_id=0,
+            server_index=0,
             rewards=RewardFunctions(cfg.reward),
             evaluator=evaluator,
         )
@@ -345,9 +345,9 @@ def test_make_engine_builds_the_configured_engine(redis_server, run_id, tiny_ckp
     from rollout.engines import make_engine
 
     cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{"run.seed": 5})
-    engine = make_engine(cfg, str(tiny_ckpt["actor"]), server_id=2)
+    engine = make_engine(cfg, str(tiny_ckpt["actor"]), server_index=2)
     assert isinstance(engine, HFEngine) and engine.device.type == "cpu" and engine.version == 0
-    # Seeded from run.seed + server_id: two engines built alike sample alike.
+    # Seeded from run.seed + server_index: two engines built alike sample alike.
     again = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=7)
     prompt = [[5, 6, 7]]
     assert engine.generate(prompt, SamplingParams(max_new_tokens=8))[0][0].token_ids == (

@@ -73,7 +73,7 @@ def engine(ckpts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     from rollout.engines.vllm import VLLMEngine
 
     tmp = tmp_path_factory.mktemp("vllm")
-    eng = VLLMEngine(make_cfg(tmp, ckpts["old"]), str(ckpts["old"]), server_id=0, device="cpu")
+    eng = VLLMEngine(make_cfg(tmp, ckpts["old"]), str(ckpts["old"]), server_index=0, device="cpu")
     yield eng
     eng.close()
     assert eng.server is not None and eng.server.proc.poll() is not None  # the server went with it
@@ -270,7 +270,7 @@ def test_in_flight_update_abort_mode_ends_requests(engine, models, ckpts, tmp_pa
     aborting = VLLMEngine(
         make_cfg(tmp_path, ckpts["old"], url=engine.url, pause_mode="abort"),
         str(ckpts["old"]),
-        server_id=0,
+        server_index=0,
         device="cpu",
     )  # a second client of the same server; it labels the current weights 0 again
     try:

@@ -8,7 +8,7 @@ engine's control URL, pause and resume included. The rollout server's adapter ne
 (``VLLMEngine/SGLangEngine.update_weights``). :class:`EngineVersionSubscriber` is the Subscriber such a server
 polls; it reads the shared ``{run}:weights:latest`` key, which the publisher announces after each update.
 
-Discovery. Each rollout server registers ``{server_id, kind, url, world_size}`` (JSON, never pickle) in the
+Discovery. Each rollout server registers ``{server_index, kind, url, world_size}`` (JSON, never pickle) in the
 hash ``{run}:engines:servers`` (:func:`register_engine`). At each ``publish`` the publisher forms one group per
 engine kind from the servers it has not met yet: learner rank 0, then each server's workers at a rank offset
 (``1, 1+w0, 1+w0+w1, ...``), world size ``1 + Σ w``. A server that registers later gets its own group at the
@@ -73,23 +73,23 @@ def servers_key(run: str) -> str:
 class EngineEndpoint:
     """What a rollout server registers so the learner can feed its engine."""
 
-    server_id: int
+    server_index: int
     kind: EngineKind
     url: str  # the engine's control URL (VLLMEngine.url / SGLangEngine.url)
     world_size: int  # ranks it adds to the group (VLLMEngine.world_size() / SGLangEngine.world_size())
 
 
 def register_engine(client: redis.Redis, run: str, endpoint: EngineEndpoint) -> None:
-    client.hset(servers_key(run), str(endpoint.server_id), json.dumps(dataclasses.asdict(endpoint)))
+    client.hset(servers_key(run), str(endpoint.server_index), json.dumps(dataclasses.asdict(endpoint)))
 
 
-def unregister_engine(client: redis.Redis, run: str, server_id: int) -> None:
-    client.hdel(servers_key(run), str(server_id))
+def unregister_engine(client: redis.Redis, run: str, server_index: int) -> None:
+    client.hdel(servers_key(run), str(server_index))
 
 
 def registered_engines(client: redis.Redis, run: str) -> list[EngineEndpoint]:
     rows = client.hgetall(servers_key(run))
-    return sorted((EngineEndpoint(**json.loads(v)) for v in rows.values()), key=lambda e: e.server_id)
+    return sorted((EngineEndpoint(**json.loads(v)) for v in rows.values()), key=lambda e: e.server_index)
 
 
 # ----------------------------------------------------------------------------------- learner-side groups
@@ -443,8 +443,8 @@ class EnginePublisher:
         )
 
     def _join_new_servers(self) -> None:
-        known = {m.endpoint.server_id for g in self.groups for m in g.members}
-        new = [ep for ep in registered_engines(self.redis, self.run) if ep.server_id not in known]
+        known = {m.endpoint.server_index for g in self.groups for m in g.members}
+        new = [ep for ep in registered_engines(self.redis, self.run) if ep.server_index not in known]
         for kind in ("vllm", "sglang"):
             eps = [ep for ep in new if ep.kind == kind]
             if eps:

@@ -15,7 +15,7 @@ _ENGINES = {
 }
 
 
-def make_engine(cfg: Config, model_path: str, *, server_id: int = 0, device: str | None = None) -> Engine:
+def make_engine(cfg: Config, model_path: str, *, server_index: int = 0, device: str | None = None) -> Engine:
     """The engine named by ``cfg.rollout.engine``, loaded from ``model_path`` onto ``device``.
 
     ``device`` None follows ``cfg.run.device`` (auto: cuda when available).
@@ -29,9 +29,9 @@ def make_engine(cfg: Config, model_path: str, *, server_id: int = 0, device: str
             device=device,
             dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code,
-            seed=cfg.run.seed + server_id,
+            seed=cfg.run.seed + server_index,
         )
-    return cls(cfg, model_path, server_id=server_id, device=device)
+    return cls(cfg, model_path, server_index=server_index, device=device)
 
 
 __all__ = ["Completion", "Engine", "SamplingParams", "make_engine"]

@@ -64,9 +64,9 @@ def payload_fields(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def engine_port(configured: int, server_id: int, host: str) -> int:
+def engine_port(configured: int, server_index: int, host: str) -> int:
     """Server i uses ``configured + i``; 0 picks a free port."""
-    return configured + server_id if configured else free_port(host)
+    return configured + server_index if configured else free_port(host)
 
 
 def engine_url(host: str, port: int) -> str:

@@ -269,24 +269,24 @@ class SGLangEngine:
 
     continuous_batching = True  # the server's scheduler batches concurrent requests
 
-    def __init__(self, cfg: Config, model_path: str, *, server_id: int, device: str | None) -> None:
+    def __init__(self, cfg: Config, model_path: str, *, server_index: int, device: str | None) -> None:
         s = cfg.rollout.sglang
         check_sampling(cfg.rollout.top_p, cfg.rollout.top_k, s.allow_truncated_sampling, "rollout config")
         self.cfg = cfg
-        self.server_id = server_id
+        self.server_index = server_index
         self._version = 0
         self._pause_mode = s.pause_mode
         self.server: ManagedServer | None = None
         if s.url is None:
-            port = engine_port(s.port, server_id, s.host)
+            port = engine_port(s.port, server_index, s.host)
             url = engine_url(s.host, port)
             env = {}
             if device is not None and device.startswith("cuda:") and s.tp_size == 1:
                 env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-            log = Path(cfg.run.output_dir) / f"sglang-server{server_id}.log"
+            log = Path(cfg.run.output_dir) / f"sglang-server{server_index}.log"
             argv = launch_argv(cfg, model_path, s.host, port)
             self.server = ManagedServer(
-                f"sglang.launch_server (server {server_id})", argv, env=env, log_path=log
+                f"sglang.launch_server (server {server_index})", argv, env=env, log_path=log
             )
         else:
             url = s.url

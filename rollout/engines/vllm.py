@@ -323,25 +323,25 @@ class VLLMEngine:
 
     continuous_batching = True  # the server's scheduler batches concurrent requests
 
-    def __init__(self, cfg: Config, model_path: str, *, server_id: int, device: str | None) -> None:
+    def __init__(self, cfg: Config, model_path: str, *, server_index: int, device: str | None) -> None:
         v = cfg.rollout.vllm
         self.cfg = cfg
-        self.server_id = server_id
+        self.server_index = server_index
         self._version = 0
         self._pause_mode = v.pause_mode
         self.server: ManagedServer | None = None
-        self._pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix=f"vllm{server_id}")
+        self._pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix=f"vllm{server_index}")
         if v.url is None:
-            port = engine_port(v.port, server_id, v.host)
+            port = engine_port(v.port, server_index, v.host)
             url = engine_url(v.host, port)
             env = {"VLLM_SERVER_DEV_MODE": "1"}
             if device is not None and device.startswith("cuda:") and v.tensor_parallel_size == 1:
                 env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
             # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
             logs = Path(cfg.run.output_dir) / cfg.run.name / "logs"
-            log = (logs if logs.is_dir() else Path(cfg.run.output_dir)) / f"vllm-server{server_id}.log"
+            log = (logs if logs.is_dir() else Path(cfg.run.output_dir)) / f"vllm-server{server_index}.log"
             argv = serve_argv(cfg, model_path, v.host, port, cpu=cpu_build())
-            self.server = ManagedServer(f"vllm serve (server {server_id})", argv, env=env, log_path=log)
+            self.server = ManagedServer(f"vllm serve (server {server_index})", argv, env=env, log_path=log)
         else:
             url = v.url
         self.client = EngineClient(url, "vLLM", timeout=v.request_timeout_s, api_key=v.api_key)
