@@ -260,11 +260,17 @@ def tools_ckpt(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny-tools"), tokenizer="bytes")["actor"]
 
 
-def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path) -> None:
-    """configs/tiny-agent.yaml's agent (toy/tasks/calc_agent.py, plain openai SDK) inside the runner: a
-    tool call, its result, the final answer, one session each, token-exact. The engine is the labelled test
-    double of tests/test_tool_calls.py (a random model writes no calls): it writes the call a warm-started
-    model would, and answers with the tool's result once the prompt holds it."""
+@pytest.mark.parametrize(
+    "path",
+    ["toy.tasks.calc_agent:agent", "toy.tasks.calc_agent_sdk:agent"],
+    ids=["plain-openai-sdk", "openai-agents-sdk"],
+)
+def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path, path) -> None:
+    """configs/tiny-agent.yaml's agent (toy/tasks/calc_agent.py, plain openai SDK) and the same agent on the
+    OpenAI Agents SDK's own loop (toy/tasks/calc_agent_sdk.py, configs/tiny-agent-sdk.yaml) inside the
+    runner: a tool call, its result, the final answer, one session each, token-exact. The engine is the
+    labelled test double of tests/test_tool_calls.py (a random model writes no calls): it writes the call a
+    warm-started model would, and answers with the tool's result once the prompt holds it."""
     import re
 
     from tests.test_tool_calls import ScriptedEngine
@@ -279,7 +285,7 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path) 
 
     engine = ScriptedEngine(build_byte_tokenizer())
     engine.reply = reply
-    cfg = agent_cfg({"actor": tools_ckpt}, tmp_path, "toy.tasks.calc_agent:agent",
+    cfg = agent_cfg({"actor": tools_ckpt}, tmp_path, path,
                     **{"agent.timeout_s": 60, "rollout.max_new_tokens": 80})  # fmt: skip
     runner = make_runner(cfg, engine)
     try:
