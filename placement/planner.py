@@ -9,9 +9,10 @@ step is more than measurement noise. Plans therefore never flap between two near
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from placement.cost import CostModel, Prediction, Workload, predict
+from placement.cost import CostModel, Prediction, Sample, Workload, predict
 from placement.plan import Plan, Roles, candidates
 
 
@@ -50,6 +51,21 @@ def correction(plan: Plan, observed: dict[Plan, float]) -> float:
         return observed[plan]
     alike = [r for p, r in observed.items() if p.scoring == plan.scoring]
     return statistics.median(alike or observed.values())
+
+
+def observed_ratio(
+    plan: Plan, roles: Roles, measured_s: float, own: Iterable[Sample], work: Workload
+) -> float | None:
+    """What composing the phases misses for ``plan``: its measured step time over its prediction from
+    the phase times of the same steps (``own``), not from the laws.
+
+    Both sides then carry the same draws: a batch held up by one long response slows the measured step
+    and its own generate sample alike, so a few heavy-tailed steps do not read as a plan that is faster
+    or slower than its formula. What is left is the composition's own error (the slower side's jitter in
+    ``max``, the broadcast pausing the servers), which the laws cannot see. None when ``own`` lacks a
+    phase the plan runs."""
+    pred = predict(plan, roles, CostModel.from_samples(own), work)
+    return measured_s / pred.step_s if pred.feasible and pred.step_s > 0 else None
 
 
 @dataclass

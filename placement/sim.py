@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from placement.cost import CostModel, Sample, Workload, predict
+from placement.cost import CostModel, Sample, Workload
 from placement.plan import Plan, Roles, validate
-from placement.planner import Decision, Replanner, rank
+from placement.planner import Decision, Replanner, observed_ratio, rank
 
 GiB = 2**30
 
@@ -211,6 +211,7 @@ class SimRun:
         max_staleness: int = 1,
     ) -> None:
         self.cluster, self.truth, self.roles, self.work_at = cluster, truth, roles, work_at
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
         self.max_staleness = max_staleness
@@ -261,10 +262,15 @@ class SimRun:
 
     # ----------------------------------------------------------------------------------- a step's sides
 
-    def generate(self, plan: Plan, work: Workload, devs: Sequence[int]) -> None:
+    def batch_longest(self, step: int, work: Workload) -> float:
+        """The longest response of step ``step``'s batch. It is drawn from the step's own seed, so every
+        plan run on this simulator meets the same batches (common random numbers): two placements differ
+        by what they do with a batch, not by which batches they were dealt."""
+        return float(self.truth.lengths(np.random.default_rng((self.seed, step)), work).max())
+
+    def generate(self, plan: Plan, work: Workload, devs: Sequence[int], step: int) -> None:
         """The servers' side: decode, then what is scored next to generation."""
-        with self._rng_lock:
-            longest = float(self.truth.lengths(self.rng, work).max())
+        longest = self.batch_longest(step, work)
         with self.resident("engine", work, devs):
             self.phase("generate", work, devs, plan, longest=longest)
             if self.roles.reference and plan.reference == "server":
@@ -323,6 +329,15 @@ class SimRun:
 
     # ----------------------------------------------------------------------------------- a plan
 
+    def drain(self, plan: Plan) -> int:
+        """The last steps of a run of ``plan`` that are not steady state.
+
+        Separated, the servers work ``max_staleness + 1`` batches ahead (one queued, one being made),
+        and each weight broadcast waits for the batch being made, so a step's end is paced by
+        generation. The last ``max_staleness + 1`` steps have no batch left to wait for: counting them
+        makes a generation-bound plan look faster than it runs. Colocated steps have no pipeline."""
+        return 0 if plan.mode == "colocate" else max(1, self.max_staleness) + 1
+
     def run(self, plan: Plan, first: int, steps: int, stop: Callable[[int], bool] | None = None) -> int:
         """Run ``plan`` for steps ``first .. first + steps - 1``; ``stop(step)`` after a step ends the run
         early (a switch). Returns the steps completed."""
@@ -337,7 +352,7 @@ class SimRun:
         every = groups.generation
         for i in range(first, first + steps):
             work = self.work_at(i)
-            self.generate(plan, work, every)
+            self.generate(plan, work, every, i)
             # The engine sleeps (its weights and KV cache released) and the learner reloads, and back.
             parked = self.truth.memory["engine"][0]
             self.cluster.park(parked, "engine")
@@ -360,7 +375,7 @@ class SimRun:
             try:
                 for i in range(first, first + steps):
                     work = self.work_at(i)
-                    self.generate(plan, work, groups.generation)
+                    self.generate(plan, work, groups.generation, i)
                     while not halt.is_set():
                         try:
                             ready.put(work, timeout=0.05)
@@ -430,11 +445,13 @@ def _together(jobs: list[Callable[[], object]]) -> None:
         raise errors[0]
 
 
-def step_time(ends: Sequence[float], warmup: int = 2) -> float:
-    """Mean seconds per step after ``warmup`` steps (the separated pipeline's fill is not steady state)."""
-    if len(ends) <= warmup + 1:
-        raise ValueError(f"need more than {warmup + 1} steps to measure a steady step time")
-    return (ends[-1] - ends[warmup]) / (len(ends) - 1 - warmup)
+def step_time(ends: Sequence[float], warmup: int = 2, drain: int = 0) -> float:
+    """Mean seconds per step between the ends of steps ``warmup`` and ``len(ends) - 1 - drain``: leave out
+    a separated run's last ``drain`` steps (:meth:`SimRun.drain`), which are not steady state."""
+    steady = ends[warmup : len(ends) - drain]
+    if len(steady) < 2:
+        raise ValueError(f"need more than {warmup + drain + 1} steps to measure a steady step time")
+    return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
 # ----------------------------------------------------------------------------------------- auto
@@ -454,6 +471,7 @@ class AutoResult:
     seconds: float
     switches: list[Switch] = field(default_factory=list)
     model: CostModel | None = None
+    observed: dict[Plan, float] = field(default_factory=dict)  # measured / predicted of each plan run
 
     @property
     def steps_per_s(self) -> float:
@@ -474,10 +492,12 @@ def probe_plans(roles: Roles, devices: int) -> list[Plan]:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What the planner reads from a run: its recent phase times and memory, and the work now and next."""
+    """What the planner reads from a run: its recent phase times and memory, the phase times of the
+    current plan's steps, and the work now and next."""
 
     samples: list[Sample]
     memory: list[Sample]
+    own: list[Sample]
     work_now: Workload
     work_next: Workload
 
@@ -497,9 +517,9 @@ def _judge(
     """One re-planning decision, in the planner's process: refit, correct, rank, apply hysteresis."""
     current, measured, remaining, switch_s = at
     model = CostModel.from_samples(snap.samples, snap.memory)
-    ratio = None
-    if measured is not None:
-        ratio = observed[current] = measured / predict(current, roles, model, snap.work_now).step_s
+    ratio = None if measured is None else observed_ratio(current, roles, measured, snap.own, snap.work_now)
+    if ratio is not None:
+        observed[current] = ratio
     ranked = rank(
         roles,
         devices,
@@ -526,22 +546,25 @@ def run_auto(
     cluster, roles, devices = sim.cluster, sim.roles, sim.cluster.size
     t0 = time.perf_counter()
     step = 0
-    probed: dict[Plan, tuple[float, Workload]] = {}  # each probe's measured step time, and its work
+    probed: dict[Plan, tuple[float, list[Sample], Workload]] = {}  # step time, phase times, work
     for probe in probe_plans(roles, devices):
-        n0 = len(sim.ends)
-        step += sim.run(probe, step, max(3, profile_steps // 2))
-        if len(sim.ends) - n0 > 2:
-            probed[probe] = (step_time(sim.ends[n0:], warmup=1), sim.work_at(step - 1))
+        n0, s0 = len(sim.ends), len(sim.samples)
+        # At least three steady steps: a separated probe's first step ends once the pipeline has filled
+        # (already past its warm-up) and its last ones are the drain.
+        drain = sim.drain(probe)
+        step += sim.run(probe, step, max(4, profile_steps // 2) + max(0, drain - 1))
+        probed[probe] = (step_time(sim.ends[n0:], 0, drain), sim.samples[s0:], sim.work_at(step - 1))
 
     def refit() -> CostModel:
         return CostModel.from_samples(sim.samples[-window:], sim.memory[-window:])
 
-    # Measured / predicted step time of every plan run so far, the probes included: with several, their
-    # median is the laws' general error and a plan's own ratio against it is what the laws missed for it.
+    # Measured / predicted step time of every plan run so far, the probes included, each against its own
+    # steps' phase times (observed_ratio): with several, their median is what composing phases generally
+    # misses, and a plan's own ratio against it is what it missed for that plan.
     observed: dict[Plan, float] = {}
-    first = refit()
-    for plan, (measured, work) in probed.items():
-        observed[plan] = measured / predict(plan, roles, first, work).step_s
+    for plan, (measured, own, work) in probed.items():
+        if (ratio := observed_ratio(plan, roles, measured, own, work)) is not None:
+            observed[plan] = ratio
 
     def ranked_at(i: int) -> list:
         return rank(
@@ -562,11 +585,19 @@ def run_auto(
     # milliseconds of Python that, in a thread here, would hold the GIL and delay the phases it judges.
     planner = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
-    def judge(i: int, current: Plan, ends_from: int, done: int, switch_s: float) -> Future[Judgement]:
-        measured = step_time(sim.ends[ends_from:], warmup=1) if done > 3 else None
+    def judge(i: int, current: Plan, since: tuple[int, int], done: int, switch_s: float) -> Future[Judgement]:
+        ends_from, samples_from = since
+        # Mid-run, the last step ended waiting for its next batch: no drain to leave out.
+        measured = step_time(sim.ends[ends_from:], warmup=0) if done > 3 else None
         return planner.submit(
             _judge,
-            Snapshot(sim.samples[-window:], sim.memory[-window:], sim.work_at(i), sim.work_at(i + 1)),
+            Snapshot(
+                sim.samples[-window:],
+                sim.memory[-window:],
+                sim.samples[samples_from:],
+                sim.work_at(i),
+                sim.work_at(i + 1),
+            ),
             roles,
             devices,
             (cluster.capacity, cluster.host_capacity),
@@ -576,14 +607,14 @@ def run_auto(
         )
 
     while step < steps:
-        run_from, ends_from = step, len(sim.ends)
+        run_from, ends_from, samples_from = step, len(sim.ends), len(sim.samples)
         decision = None
         pending: list[Future[Judgement]] = []  # at most one judgement in flight for this plan
 
         def stop(
             i: int,
             run_from: int = run_from,
-            ends_from: int = ends_from,
+            since: tuple[int, int] = (ends_from, samples_from),
             current: Plan = current,
             switch_s: float = switch_s,
             pending: list[Future[Judgement]] = pending,
@@ -598,13 +629,13 @@ def run_auto(
                     return True
             done = i - run_from + 1
             if not pending and done % replan_every == 0 and i + 1 < steps:
-                pending.append(judge(i, current, ends_from, done, switch_s))
+                pending.append(judge(i, current, since, done, switch_s))
             return False
 
         step += sim.run(current, step, steps - step, stop)
         ends = sim.ends[ends_from:]
-        if len(ends) > 3:
-            result.switches[-1].measured_s = step_time(ends, warmup=2)
+        if len(ends) > 3 + sim.drain(current):
+            result.switches[-1].measured_s = step_time(ends, 2, sim.drain(current))
             if switched_at is not None:  # what moving cost: restart plus the first step's lost overlap
                 switch_s = max(switch_s, ends[0] - switched_at - result.switches[-1].measured_s)
         switched_at = None
@@ -615,4 +646,5 @@ def run_auto(
             result.switches.append(Switch(step, current, decision.predicted_s))
     planner.shutdown(wait=True)
     result.steps, result.seconds, result.model = step, time.perf_counter() - t0, refit()
+    result.observed = observed
     return result

@@ -455,6 +455,7 @@ class RolloutLoop:
                 "rollout/episodes_per_s": len(trajs) / max(timers.get("time/generate", 0.0), 1e-9),
                 **{k: sum(v) / len(v) for k, v in self.env_metrics.items()},
                 **timers,
+                **self.metrics.engine_row(),  # server/kv_cache_usage, server/preemptions, ...
             },
             step=self.steps,
         )

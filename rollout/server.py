@@ -129,9 +129,11 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         "%s ready (engine %s, weights v%d, %d torch threads)",
         name, cfg.rollout.engine, engine.version, torch.get_num_threads(),
     )  # fmt: skip
+    metrics.engine_stats.start()  # KV-cache use and preemptions, sampled every few seconds
     try:
         loop.run()
     finally:
+        metrics.engine_stats.stop()
         fleet.stop()
         if http is not None:
             http.stop()
@@ -159,13 +161,14 @@ def serve_standalone(args: argparse.Namespace, stop: threading.Event) -> int:
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY")
     http_cfg = HTTPConfig(host=args.host, port=args.port, api_key=api_key)
     name = args.served_model_name or Path(args.model).name
-    http = start_http(
-        engine, tokenizer, args.model, http_cfg, ServerMetrics(engine), port=args.port, name=name
-    )
+    metrics = ServerMetrics(engine)
+    http = start_http(engine, tokenizer, args.model, http_cfg, metrics, port=args.port, name=name)
+    metrics.engine_stats.start()
     # One parseable line for scripts and tests that started us with --port 0.
     print(f"rollout server: serving {name} on http://{http.host}:{http.port}", flush=True)
     while not stop.wait(0.5):
         pass
+    metrics.engine_stats.stop()
     http.stop()
     engine.close()
     return 0

@@ -21,7 +21,7 @@ from placement.cost import CostModel, Law, Sample, Workload, fit, predict
 from placement.local import configured_plan, thread_split
 from placement.plan import Plan, Roles, candidates, validate
 from placement.planner import Replanner, rank
-from placement.sim import Cluster, GiB, PhaseTruth, SimOOM, SimRun, Truth
+from placement.sim import Cluster, GiB, PhaseTruth, SimOOM, SimRun, Truth, run_auto, step_time
 from tandem.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -268,6 +268,55 @@ def test_sim_colocated_peak_is_one_side_not_both() -> None:
     assert sim.cluster.host_peak == pytest.approx(1 * GiB)  # the sleeping engine, parked
 
 
+def slow_generation_truth(phases: float) -> Truth:
+    """flat_truth with generation ``phases`` times as long as every other phase."""
+    truth = flat_truth()
+    return Truth({**truth.phases, "generate": PhaseTruth(phases * PHASE, 0.0)}, truth.memory, contention=0.0,
+                 colocated_slowdown=0.0, jitter=0.0, switch_jitter=0.0)  # fmt: skip
+
+
+def test_sim_step_time_leaves_out_the_separated_drain() -> None:
+    # Generation 6 phases; the broadcast waits for the batch being made, so a steady step is 7 phases.
+    # The servers work two batches ahead (one queued at max_staleness 1, one being made), so the last
+    # two steps have none to wait for: logp + train + sync, 3 phases. Counting them would make this
+    # generation-bound plan look faster than it runs.
+    plan = Plan("separate", 1, 1)
+    sim = SimRun(Cluster(2, 80 * GiB), slow_generation_truth(6), GRPO, lambda i: WORK, seed=0)
+    sim.run(plan, 0, 6)
+    assert sim.drain(plan) == 2 and sim.drain(Plan("colocate", 2, 2)) == 0
+    assert sim.ends[-1] - sim.ends[-2] == pytest.approx(3 * PHASE, rel=0.25)
+    assert sim.ends[-2] - sim.ends[-3] == pytest.approx(3 * PHASE, rel=0.25)
+    assert step_time(sim.ends, 0, sim.drain(plan)) == pytest.approx(7 * PHASE, rel=0.1)
+    assert step_time(sim.ends, 0) < 6 * PHASE  # the naive mean, drain included
+    with pytest.raises(ValueError, match="more than 5 steps"):
+        step_time(sim.ends[:5], 2, 2)
+
+
+def test_sim_deals_every_plan_the_same_batches() -> None:
+    heavy = Truth(flat_truth().phases, flat_truth().memory, tail=1.4)
+    a = SimRun(Cluster(2, 80 * GiB), heavy, GRPO, lambda i: WORK, seed=3)
+    b = SimRun(Cluster(2, 80 * GiB), heavy, GRPO, lambda i: WORK, seed=3)
+    before = [a.batch_longest(i, WORK) for i in range(6)]
+    a.run(Plan("separate", 1, 1), 0, 3)  # running a plan draws jitter, never the batches
+    assert [a.batch_longest(i, WORK) for i in range(6)] == before
+    assert [b.batch_longest(i, WORK) for i in reversed(range(6))] == before[::-1]
+    assert len(set(before)) == 6  # and the steps' batches differ
+    other = SimRun(Cluster(2, 80 * GiB), heavy, GRPO, lambda i: WORK, seed=4)
+    assert other.batch_longest(0, WORK) != before[0]
+
+
+def test_auto_probes_judge_a_separated_plan_by_its_steady_steps() -> None:
+    # Generation of 4 phases against a learner of 3: separated, a step is generation plus the broadcast
+    # that pauses the servers (5 phases) where the laws predict max(4, 3). The probe must see that
+    # 5 / 4, not the drain's 3 / 4 (which once made the separated probe look twice as fast as it ran).
+    sim = SimRun(Cluster(2, 80 * GiB), slow_generation_truth(4), GRPO, lambda i: WORK, seed=0)
+    result = run_auto(sim, 9, profile_steps=6)
+    separated = next(r for p, r in result.observed.items() if p.mode == "separate")
+    colocated = next(r for p, r in result.observed.items() if p.mode == "colocate")
+    assert separated == pytest.approx(5 / 4, rel=0.1)
+    assert colocated == pytest.approx(1.0, rel=0.1)  # colocated phases add, as the formula says
+
+
 # ------------------------------------------------------------------------------------------ config and CLI
 
 
@@ -384,3 +433,24 @@ def test_correction_uses_plans_that_score_alike() -> None:
     assert correction(Plan("separate", 1, 3, scoring="split"), observed) == 2.0  # split's
     assert correction(Plan("separate", 1, 3), observed) == pytest.approx(1.1)  # the serial plans' median
     assert correction(Plan("separate", 1, 3), {split: 2.0}) == 2.0  # none alike: every plan's
+
+
+def test_observed_ratio_prices_a_plan_by_its_own_steps_phase_times() -> None:
+    from placement.planner import observed_ratio
+
+    def own(plan: Plan, **times: list[float]) -> list[Sample]:
+        devs = {"generate": plan.generation, "switch": plan.generation}
+        return [
+            Sample(k, WORK.tokens(k), devs.get(k, plan.learning), t) for k, ts in times.items() for t in ts
+        ]
+
+    # Colocated, the phases add: the two steps' generation averages 0.1 however unequal the batches.
+    co = Plan("colocate", 2, 2)
+    steps = own(co, generate=[0.05, 0.15], switch=[0.01], actor_logp=[0.02], actor_train=[0.03],
+                sync_local=[0.005])  # fmt: skip
+    assert observed_ratio(co, GRPO, 0.198, steps, WORK) == pytest.approx(0.198 / 0.165)
+    # Separated, the slower side sets the pace: max(0.1, 0.02 + 0.03 + 0.01).
+    sep = Plan("separate", 1, 1)
+    steps = own(sep, generate=[0.1], actor_logp=[0.02], actor_train=[0.03], sync=[0.01])
+    assert observed_ratio(sep, GRPO, 0.11, steps, WORK) == pytest.approx(1.1)
+    assert observed_ratio(sep, GRPO, 0.11, steps[1:], WORK) is None  # generation never timed

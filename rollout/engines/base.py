@@ -49,6 +49,20 @@ class Completion:
     versions: list[int]  # policy version that produced each token (same length as token_ids)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """KV-cache use and scheduler counts of an engine at one moment (:meth:`Engine.stats`).
+
+    ``None`` means the engine does not report that quantity, which is not the same as 0.
+    """
+
+    kv_cache_usage: float | None = None  # share of the KV-cache pool in use, 0..1 (vLLM, SGLang)
+    kv_cache_bytes: int | None = None  # bytes of KV cache the running requests hold (hf)
+    preemptions: int | None = None  # requests preempted since the engine started (their KV freed)
+    requests_running: int | None = None  # sequences being decoded
+    requests_waiting: int | None = None  # requests queued for the scheduler (preempted ones included)
+
+
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """``text`` up to the first stop string (excluded, as OpenAI's API returns it) and whether one occurred."""
     cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
@@ -63,6 +77,10 @@ class Engine(Protocol):
 
     @property
     def version(self) -> int: ...
+
+    def stats(self) -> EngineStats:
+        """KV-cache use and scheduler counts now. Cheap enough to call every second, not per token."""
+        ...
 
     def generate(
         self,

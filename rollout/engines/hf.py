@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
-from rollout.engines.base import BetweenSteps, Completion, OnToken, SamplingParams
+from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnToken, SamplingParams
 from weightsync.adapters import apply_adapter, is_adapter_tensor
 from weightsync.base import Update, WeightSyncError
 
@@ -120,6 +121,8 @@ class HFEngine:
         self._parameters = list(self.model.named_parameters())  # what a full update must cover, once
         self._lora_base: dict[str, torch.Tensor] = {}  # each adapted layer's W0 (weightsync/adapters.py)
         self._lock = threading.Lock()
+        self._caches: weakref.WeakSet[DynamicCache] = weakref.WeakSet()  # of the calls decoding now
+        self._caches_lock = threading.Lock()
         self._running = threading.Event()
         self._running.set()
         self._version = 0
@@ -128,6 +131,22 @@ class HFEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    def stats(self) -> EngineStats:
+        """Bytes and sequences of the KV caches of the calls decoding now.
+
+        There is no fixed pool, so no usage share; there is no scheduler queue, so nothing waits. Nothing is
+        ever preempted either: a row keeps its KV until it finishes (running out of memory is an error, not
+        a preemption), so ``preemptions`` is 0 by construction.
+        """
+        with self._caches_lock:
+            caches = list(self._caches)
+        nbytes = rows = 0
+        for cache in caches:
+            layers = [layer for layer in cache.layers if layer.is_initialized]
+            nbytes += sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+            rows += layers[0].keys.shape[0] if layers else 0
+        return EngineStats(kv_cache_bytes=nbytes, preemptions=0, requests_running=rows)
 
     # ------------------------------------------------------------------------------------------ generate
 
@@ -185,6 +204,8 @@ class HFEngine:
         # transformers skips building a 4-D mask at every step. Rows that finish leave no padding behind.
         padded = len({len(r) for r in rows}) > 1
         cache = DynamicCache(config=self.model.config)
+        with self._caches_lock:
+            self._caches.add(cache)  # weakly: an exception's unwinding drops it as surely as the return
         active = list(range(len(rows)))  # row index of each batch entry
         for step in range(sampling.max_new_tokens):
             self._running.wait()  # pause() holds generation here, outside the lock, until resume()
@@ -212,6 +233,8 @@ class HFEngine:
                 mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)  # (b, T + 1)
             positions = positions[:, -1:] + 1  # (b, 1)
             step_ids = tokens[:, None]  # (b, 1)
+        with self._caches_lock:
+            self._caches.discard(cache)
         return out
 
     def _append(

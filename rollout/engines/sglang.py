@@ -44,13 +44,31 @@ from rollout.engines._http import (
     replay_tokens,
     wait_for_weight_version,
 )
-from rollout.engines.base import BetweenSteps, Completion, FinishReason, OnToken, SamplingParams
+from rollout.engines._prometheus import StatSamples, parse_stats
+from rollout.engines.base import (
+    BetweenSteps,
+    Completion,
+    EngineStats,
+    FinishReason,
+    OnToken,
+    SamplingParams,
+)
 from tandem.config import Config
 from tandem.net import EngineClient, EngineHTTPError, to_json
 from weightsync.base import Update
 
 SGLANG_VERSION = "0.5.23"
 LABEL = f"SGLang {SGLANG_VERSION}"
+# The scheduler's state in ``GET /metrics`` (served with ``--enable-metrics``;
+# sglang/srt/observability/metrics_collector.py). ``token_usage`` is the fullest of the KV pools (full
+# attention, sliding window, Mamba); a retracted request is SGLang's preempted one (KV freed, re-queued).
+SGLANG_STATS = StatSamples(
+    kv_cache_usage="sglang:token_usage",
+    preemptions="sglang:num_retracted_requests_total",
+    requests_running="sglang:num_running_reqs",
+    requests_waiting="sglang:num_queue_reqs",
+)
+STATS_TIMEOUT_S = 5.0
 
 
 # ------------------------------------------------------------------------------------- typed payloads
@@ -117,6 +135,13 @@ SGLANG_API: tuple[Api, ...] = (
     Api("fields", IO, "GenerateReqInput", payload_fields(GenerateBody)),
     Api("fields", "sglang.api.v1.api_types", "SamplingParams", payload_fields(SamplingBody)),
     Api("route", HTTP, "GET /health"),
+    # GET /metrics: a Prometheus app mounted with --enable-metrics, and the metrics we read from it.
+    Api("fields", "sglang.srt.arg_groups.fields", "*", ("enable_metrics",)),
+    Api("name", "sglang.srt.utils.common", "/metrics"),
+    Api("name", "sglang.srt.observability.metrics_collector", "sglang:token_usage"),
+    Api("name", "sglang.srt.observability.metrics_collector", "sglang:num_retracted_requests_total"),
+    Api("name", "sglang.srt.observability.metrics_collector", "sglang:num_running_reqs"),
+    Api("name", "sglang.srt.observability.metrics_collector", "sglang:num_queue_reqs"),
     Api("route", HTTP, "GET /model_info"),
     Api("route", HTTP, "POST /pause_generation"),
     Api("fields", IO, "PauseGenerationReqInput", payload_fields(PauseBody)),
@@ -204,6 +229,7 @@ def launch_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
         "--random-seed", str(cfg.run.seed),
         "--weight-version", "0",
         "--sampling-defaults", "openai",
+        "--enable-metrics",  # GET /metrics, read by stats()
     ]  # fmt: skip
     if cfg.model.dtype != "auto":
         argv += ["--dtype", cfg.model.dtype]
@@ -312,6 +338,12 @@ class SGLangEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    def stats(self) -> EngineStats:
+        """The scheduler's gauges and retraction counter from ``GET /metrics`` (a server we did not start
+        must run with ``--enable-metrics``). A gauge appears once the scheduler has logged a step."""
+        text = self.client.get("/metrics", timeout=STATS_TIMEOUT_S)
+        return parse_stats(str(text), SGLANG_STATS)
 
     def generate(
         self,

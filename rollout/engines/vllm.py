@@ -54,7 +54,15 @@ from rollout.engines._http import (
     replay_tokens,
     wait_for_weight_version,
 )
-from rollout.engines.base import BetweenSteps, Completion, FinishReason, OnToken, SamplingParams
+from rollout.engines._prometheus import StatSamples, parse_stats
+from rollout.engines.base import (
+    BetweenSteps,
+    Completion,
+    EngineStats,
+    FinishReason,
+    OnToken,
+    SamplingParams,
+)
 from tandem.config import Config
 from tandem.net import EngineClient, EngineHTTPError, to_json
 from weightsync.base import Update
@@ -65,6 +73,14 @@ GENERATE_ROUTE = "/inference/v1/generate"
 WORKER_EXTENSION = "rollout.engines.vllm_worker.TandemWorkerExtension"
 # Prompts of one generate call in flight at once (one HTTP request each); the engine batches them.
 MAX_CONCURRENT_REQUESTS = 64
+# The scheduler's state in ``GET /metrics`` (vllm/v1/metrics/loggers.py), set at every scheduler step.
+VLLM_STATS = StatSamples(
+    kv_cache_usage="vllm:kv_cache_usage_perc",
+    preemptions="vllm:num_preemptions_total",
+    requests_running="vllm:num_requests_running",
+    requests_waiting="vllm:num_requests_waiting",
+)
+STATS_TIMEOUT_S = 5.0
 
 
 # ------------------------------------------------------------------------------------- typed payloads
@@ -131,6 +147,12 @@ VLLM_API: tuple[Api, ...] = (
     Api("fields", f"{_TITO}.protocol", "GenerateLogProb", ("token_id", "logprob")),
     Api("fields", "vllm.outputs", "WeightVersionSpan", ("version", "start", "end")),
     Api("route", "vllm.entrypoints.serve.instrumentator.health", "GET /health"),
+    # GET /metrics is a Prometheus app mounted at that path, and the metrics we read from it.
+    Api("name", "vllm.entrypoints.serve.instrumentator.metrics", "/metrics"),
+    Api("name", "vllm.v1.metrics.loggers", "vllm:kv_cache_usage_perc"),
+    Api("name", "vllm.v1.metrics.loggers", "vllm:num_preemptions"),  # a Counter: sampled as ..._total
+    Api("name", "vllm.v1.metrics.loggers", "vllm:num_requests_running"),
+    Api("name", "vllm.v1.metrics.loggers", "vllm:num_requests_waiting"),
     Api("route", "vllm.entrypoints.serve.instrumentator.basic", "GET /version"),
     Api("route", "vllm.entrypoints.rl.online.api_router", "POST /pause", ("mode",)),
     Api("literal", "vllm.v1.engine", "PauseMode", ("keep", "abort", "wait")),
@@ -368,6 +390,12 @@ class VLLMEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    def stats(self) -> EngineStats:
+        """The scheduler's gauges and preemption counter from ``GET /metrics``. vLLM sets them at each
+        scheduler step, so an idle engine keeps reporting its last step's values."""
+        text = self.client.get("/metrics", timeout=STATS_TIMEOUT_S)
+        return parse_stats(str(text), VLLM_STATS)
 
     def generate(
         self,
