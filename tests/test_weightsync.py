@@ -19,6 +19,7 @@ from weightsync import (
     DrainPublisher,
     PeersMissing,
     WeightSyncError,
+    latest_version,
     make_publisher,
     make_subscriber,
     named_full_parameters,
@@ -383,7 +384,7 @@ def test_shm_announce_carries_the_learner_version_in_one_transaction(redis_clien
     before = execs()
     pub.publish(weights(1).items(), 1, announce=buf.queue_version)
     assert execs() - before == 1
-    assert buf.version() == 1 and shm.latest_version(redis_client, run_id) == 1
+    assert buf.version() == 1 and latest_version(redis_client, run_id) == 1
     seen = []
     while (m := pubsub.get_message(timeout=1)) is not None:  # subscribe confirmations, then messages
         if m["type"] == "message":

@@ -15,7 +15,7 @@ Rollout server::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 import redis
 import torch
@@ -52,24 +52,11 @@ __all__ = [
 ]
 
 
-class DrainPublisher:
+class DrainPublisher(Publisher):
     """The publisher of learner ranks other than 0: consumes the (collective) iterator and sends nothing."""
 
-    def publish(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        *,
-        announce: Announce | None = None,
-    ) -> None:
-        for _ in named_tensors:
-            pass
-
-    def joiners_waiting(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
+    def _send(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+        return None  # publish drains ``it``; rank 0 announces
 
 
 def make_publisher(

@@ -1,6 +1,7 @@
 """The weight-sync boundary: a Publisher on learner rank 0, a Subscriber on each rollout server (docs/design.md §5).
 
-Transports implement these two Protocols and pass the same tests; ``Config.weight_path`` chooses one:
+Transports subclass :class:`Publisher` (it owns the frame of ``publish``) and implement the
+:class:`Subscriber` Protocol on :class:`BaseSubscriber`, and pass the same tests; ``Config.weight_path`` chooses one:
 ``shm``, ``dist``, or ``engine`` (the learner pushes into vLLM/SGLang, ``weightsync/engines.py``). An :class:`Update` is what a subscriber hands to an engine's ``update_weights``: the version, the
 manifest and an iterator of ``(name, tensor)`` in manifest order.
 
@@ -80,7 +81,13 @@ class Update:
 Announce = Callable[[redis.client.Pipeline, int], None]
 
 
-class Publisher(Protocol):
+class Publisher:
+    """Sends each version from learner rank 0; every transport's publisher is one of these.
+
+    The frame of ``publish`` is shared: the tensors are consumed to the end whatever happens, and a version
+    is announced only once it has reached every subscriber. A transport implements :meth:`_send`.
+    """
+
     def publish(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -95,14 +102,34 @@ class Publisher(Protocol):
         ``announce`` runs inside the transaction that announces the version once it has reached every
         subscriber; not when publish raises.
         """
-        ...
+        it = iter(named_tensors)
+        try:
+            pipe = self._send(it, version)
+        finally:
+            for _ in it:
+                pass
+        if pipe is None:
+            return
+        if announce is not None:
+            announce(pipe, version)
+        pipe.execute()
+        self._announced(version)
+
+    def _send(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> redis.client.Pipeline | None:
+        """Deliver the version; returns a transaction holding the writes that announce it (None: nothing
+        to announce). Raises on failure; ``publish`` then drains what ``it`` has left."""
+        raise NotImplementedError
+
+    def _announced(self, version: int) -> None:
+        """After the announcement's transaction ran."""
 
     def joiners_waiting(self) -> bool:
         """Whether a subscriber that holds no version waits for one: the learner then publishes its current
         weights again (docs/design.md §5.7). Only ``dist`` subscribers ask; the others answer False."""
-        ...
+        return False
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        pass
 
 
 class Subscriber(Protocol):
@@ -210,6 +237,47 @@ class Heartbeat:
         if force or now - self._last >= self.every_s:
             self.registry.heartbeat(self.server_id, version)
             self._last = now
+
+
+# ------------------------------------------------------------------------------- what subscribers share
+
+
+class BaseSubscriber:
+    """A subscriber's identity, the version it holds, and the run's ``latest`` key."""
+
+    def __init__(self, client: redis.Redis, run: str, server_id: str) -> None:
+        self.client = client
+        self.run = run
+        self.server_id = server_id
+        self._version = -1
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def latest_version(self) -> int:
+        return latest_version(self.client, self.run)
+
+    def close(self) -> None:
+        pass
+
+
+class RegisteredSubscriber(BaseSubscriber):
+    """A subscriber the publisher counts: registered at once, its heartbeat refreshed by its polls, woken by
+    announcements, deregistered on ``close``."""
+
+    def __init__(
+        self, client: redis.Redis, run: str, server_id: str, *, live_s: float, heartbeat_s: float
+    ) -> None:
+        super().__init__(client, run, server_id)
+        self._heartbeat = Heartbeat(Registry(client, run, live_s), server_id, heartbeat_s)
+        self._announcements = Announcements(client, run)
+        self._heartbeat(self._version, force=True)
+
+    def close(self) -> None:
+        self._announcements.close()
+        with contextlib.suppress(redis.RedisError):
+            self._heartbeat.registry.leave(self.server_id)
 
 
 WAIT_POLL_S = 1.0  # longest single poll of an applying wait, so a stop and a moving target are re-checked

@@ -46,7 +46,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 
 import msgpack
@@ -55,15 +55,13 @@ import torch
 import torch.distributed as dist
 
 from weightsync.base import (
-    Announce,
-    Announcements,
-    Heartbeat,
     PeersMissing,
+    Publisher,
+    RegisteredSubscriber,
     Registry,
     TensorMeta,
     Update,
     WeightSyncError,
-    latest_version,
     weights_key,
 )
 from weightsync.base import announce as announce_latest
@@ -155,7 +153,7 @@ def forget_dead_publisher(client: redis.Redis, run: str) -> None:
 # ---------------------------------------------------------------------------------------------- publisher
 
 
-class DistPublisher:
+class DistPublisher(Publisher):
     """Serves the rendezvous store and broadcasts each version to the subscribers that join it."""
 
     def __init__(
@@ -188,29 +186,17 @@ class DistPublisher:
         """Whether a subscriber holding no version waits for one (publish the current weights again)."""
         return self._last_version is not None and bool(self.client.scard(weights_key(self.run, "want")))
 
-    def publish(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        *,
-        announce: Announce | None = None,
-    ) -> None:
-        it = iter(named_tensors)
-        try:
-            self._publish(it, version)
-        finally:
-            for _ in it:  # keep a ZeRO-3 gather matched on the other ranks, whatever happened here
-                pass
-        if announce is not None:  # every live subscriber holds the version now: its own transaction
-            pipe = self.client.pipeline()
-            announce(pipe, version)
-            pipe.execute()
-
     def close(self) -> None:
         self._bucket = None
         self._store = None
 
-    def _publish(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+    def _send(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> redis.client.Pipeline:
+        """Offer, await the joiners, broadcast. ``latest`` went out with the offer; the caller's announce
+        follows in a transaction of its own, once every live subscriber holds the version."""
+        self._deliver(it, version)
+        return self.client.pipeline()
+
+    def _deliver(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         live = self.registry.live()
         want = weights_key(self.run, "want")
         wanting = {m.decode() for m in self.client.smembers(want)}
@@ -324,7 +310,7 @@ class DistPublisher:
 # --------------------------------------------------------------------------------------------- subscriber
 
 
-class DistSubscriber:
+class DistSubscriber(RegisteredSubscriber):
     """Joins the group of each new version and receives it bucket by bucket."""
 
     def __init__(
@@ -337,25 +323,12 @@ class DistSubscriber:
         live_s: float = 300.0,
         heartbeat_s: float = 1.0,
     ) -> None:
-        self.client = client
-        self.run = run
-        self.server_id = server_id
+        super().__init__(client, run, server_id, live_s=live_s, heartbeat_s=heartbeat_s)
         self.timeout_s = timeout_s
-        self._version = -1
         self._skipped: set[tuple[int, int]] = set()  # rounds tried: each is joined at most once
         self._stream: Iterator[tuple[str, torch.Tensor]] | None = None
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
         self._buffers: list[torch.Tensor] = []  # receive buffer per bucket index, reused across versions
-        self._heartbeat = Heartbeat(Registry(client, run, live_s), server_id, heartbeat_s)
-        self._announcements = Announcements(client, run)
-        self._heartbeat(self._version, force=True)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def latest_version(self) -> int:
-        return latest_version(self.client, self.run)
 
     def poll(self, timeout: float = 0.0) -> Update | None:
         self._drain()
@@ -378,10 +351,8 @@ class DistSubscriber:
 
     def close(self) -> None:
         self._drain()
-        self._announcements.close()
         self._stores.clear()
-        with contextlib.suppress(redis.RedisError):
-            self._heartbeat.registry.leave(self.server_id)
+        super().close()
 
     def _drain(self) -> None:
         """Finish a stream the caller left unconsumed (the publisher is blocked on it); not applied."""

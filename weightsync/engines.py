@@ -59,7 +59,7 @@ import torch
 
 from tandem.config import Config
 from tandem.net import EngineClient, EngineHTTPError, free_port, to_json
-from weightsync.base import Announce, TensorMeta, Update, WeightSyncError, latest_version
+from weightsync.base import BaseSubscriber, Publisher, TensorMeta, Update, WeightSyncError
 from weightsync.base import announce as announce_latest
 
 EngineKind = Literal["vllm", "sglang"]
@@ -339,7 +339,7 @@ def _local_address_towards(url: str) -> str:
         return s.getsockname()[0]
 
 
-class EnginePublisher:
+class EnginePublisher(Publisher):
     """Publisher (``weightsync.base.Publisher``) that feeds every registered vLLM and SGLang server directly.
 
     ``backend`` is the SGLang group's torch backend (``nccl`` on GPU; ``gloo`` works with SGLang's CPU build
@@ -373,22 +373,15 @@ class EnginePublisher:
         self._n_groups = 0
 
     # ------------------------------------------------------------------ Publisher
-    def publish(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        *,
-        announce: Announce | None = None,
-    ) -> None:
-        """Send one version to every registered engine; returns when each reports it and generates again.
-        Then ``latest`` and the caller's ``announce`` in one transaction."""
+    def _send(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> redis.client.Pipeline:
+        """Send one version to every registered engine; returns when each reports it and generates again,
+        with ``latest`` queued for the transaction that carries the caller's ``announce``."""
         self._join_new_servers()
         if not self.groups:
             raise WeightSyncError(
                 f"no vLLM/SGLang server registered under {servers_key(self.run)} for version {version}"
             )
         group = self.groups[0]
-        tensors = iter(named_tensors)
         try:
             for group in self.groups:
                 self._each(group, lambda m, g=group: g.routes.begin(m, version), f"begin version {version}")
@@ -399,21 +392,14 @@ class EnginePublisher:
             for group in self.groups:
                 self._each(group, lambda m, g=group: g.routes.end(m, version), f"finish version {version}")
         except (EngineHTTPError, RuntimeError) as e:
-            self._drop(group)
-            for _ in tensors:  # a ZeRO-3 gather that every rank iterates must run to the end
-                pass
+            self._drop(group)  # publish drains ``tensors``
             raise WeightSyncError(
                 f"weight version {version} to the {group.kind} group {group.name} "
                 f"({', '.join(m.endpoint.url for m in group.members)}) failed: {e}"
             ) from e
         pipe = self.redis.pipeline()
         announce_latest(pipe, self.run, version)
-        if announce is not None:
-            announce(pipe, version)
-        pipe.execute()
-
-    def joiners_waiting(self) -> bool:
-        return False  # a new engine joins the next publish (_join_new_servers)
+        return pipe
 
     def close(self) -> None:
         for group in list(self.groups):
@@ -509,25 +495,12 @@ class EnginePublisher:
             m.client.close()
 
 
-class EngineVersionSubscriber:
+class EngineVersionSubscriber(BaseSubscriber):
     """Subscriber for a rollout server whose vLLM/SGLang engine the EnginePublisher feeds directly.
 
     ``poll`` hands out an :class:`Update` with no tensors and no path; the adapter then only confirms and
     records the version (see the module docstring).
     """
-
-    def __init__(self, client: redis.Redis, run: str, server_id: str) -> None:
-        self.redis = client
-        self.run = run
-        self.server_id = server_id
-        self._version = -1
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def latest_version(self) -> int:
-        return latest_version(self.redis, self.run)
 
     def poll(self, timeout: float = 0.0) -> Update | None:
         deadline = time.monotonic() + timeout
@@ -539,6 +512,3 @@ class EngineVersionSubscriber:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-
-    def close(self) -> None:
-        pass

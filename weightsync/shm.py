@@ -48,7 +48,7 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,14 +58,12 @@ import redis
 import torch
 
 from weightsync.base import (
-    Announce,
-    Announcements,
-    Heartbeat,
+    Publisher,
+    RegisteredSubscriber,
     Registry,
     TensorMeta,
     Update,
     WeightSyncError,
-    latest_version,
     weights_key,
 )
 from weightsync.base import announce as announce_latest
@@ -247,7 +245,7 @@ def _copy_with_checksum(out: memoryview, offset: int, src: memoryview) -> str:
 # ---------------------------------------------------------------------------------------------- publisher
 
 
-class ShmPublisher:
+class ShmPublisher(Publisher):
     """Writes each version as a safetensors directory and announces it in Redis."""
 
     def __init__(
@@ -287,31 +285,20 @@ class ShmPublisher:
         self._shards = 0
         self._dropped = False
 
-    def joiners_waiting(self) -> bool:
-        return False  # a joiner maps the latest files itself
-
-    def publish(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        *,
-        announce: Announce | None = None,
-    ) -> None:
-        """Write the version's files, then announce them in one transaction with the caller's ``announce``
-        (the learner's version, so admission opens in the round trip that announces its weights)."""
+    def _send(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> redis.client.Pipeline:
+        """Write the version's files; their manifest and ``latest`` go in the transaction that carries the
+        caller's ``announce`` (the learner's version, so admission opens in the round trip that announces
+        its weights)."""
         tmp = self.root / f".tmp-v{version:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         token = os.urandom(8).hex()  # names this one write in its progress notes and its manifest
         self._progress_key = weights_key(self.run, "progress", token)
         self._writing = msgpack.packb([version, token])  # set with the first note, off the copy's path
-        it = iter(named_tensors)
         try:
             entries = self._write_shards(it, tmp)
             self._join_notes()
-        except BaseException:
-            for _ in it:  # keep a ZeRO-3 gather matched on the other ranks
-                pass
+        except BaseException:  # publish drains ``it``
             with contextlib.suppress(Exception):
                 self._join_notes()
             self._writing = None
@@ -339,9 +326,9 @@ class ShmPublisher:
         pipe.set(weights_key(self.run, "manifest", version), msgpack.packb(manifest))
         pipe.delete(weights_key(self.run, "writing"), self._progress_key)
         announce_latest(pipe, self.run, version)
-        if announce is not None:
-            announce(pipe, version)
-        pipe.execute()
+        return pipe
+
+    def _announced(self, version: int) -> None:
         self._collect()
         if self._dropped:
             self._maps.retain_existing(self.root)
@@ -520,7 +507,7 @@ class ShmPublisher:
 # --------------------------------------------------------------------------------------------- subscriber
 
 
-class ShmSubscriber:
+class ShmSubscriber(RegisteredSubscriber):
     """Maps the newest version's files, verifies them, and hands out zero-copy views."""
 
     def __init__(
@@ -534,12 +521,9 @@ class ShmSubscriber:
         live_s: float = 300.0,
         heartbeat_s: float = 1.0,
     ) -> None:
-        self.client = client
-        self.run = run
-        self.server_id = server_id
+        super().__init__(client, run, server_id, live_s=live_s, heartbeat_s=heartbeat_s)
         self.timeout_s = timeout_s
         self.verify = verify
-        self._version = -1
         self._rejected: set[int] = set()
         self.rejected = 0  # versions refused (checksum or size), for metrics
         self._maps = _Mappings(writable=False)
@@ -554,16 +538,6 @@ class ShmSubscriber:
         self._early_token: str | None = None
         self._early_notes = 0  # progress notes of that write consumed so far
         self.early_bytes = 0  # of the version handed out last, bytes verified while it was being written
-        self._heartbeat = Heartbeat(Registry(client, run, live_s), server_id, heartbeat_s)
-        self._announcements = Announcements(client, run)
-        self._heartbeat(self._version, force=True)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def latest_version(self) -> int:
-        return latest_version(self.client, self.run)
 
     def poll(self, timeout: float = 0.0) -> Update | None:
         """The newest version, if one is out; meanwhile, checksum what a publisher has finished writing.
@@ -590,10 +564,8 @@ class ShmSubscriber:
                 self._announcements.wait(left)
 
     def close(self) -> None:
-        self._announcements.close()
         self._verifier.shutdown()
-        with contextlib.suppress(redis.RedisError):
-            self._heartbeat.registry.leave(self.server_id)
+        super().close()
 
     def _load(self, version: int) -> Update | None:
         raw = self.client.get(weights_key(self.run, "manifest", version))
