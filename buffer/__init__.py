@@ -2,6 +2,8 @@
 
 - :mod:`buffer.schema`: the wire records (Trajectory, PromptRecord) and their one codec;
 - :mod:`buffer.streams`: :class:`ReplayBuffer`, the two streams (put/take/ack trajectories, prompts, metrics);
+- :mod:`buffer.group_stream`: :class:`GroupStream`, one stream through a consumer group (at-least-once
+  delivery, capacity, claims); :mod:`buffer.dead_letters`: where the entries it refuses go;
 - :mod:`buffer.admission`: :class:`Admission` (the policy version, admission, credits, staleness rules);
 - :mod:`buffer.redis_server`: the embedded redis-server (loopback, password, AOF).
 """
