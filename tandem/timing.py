@@ -1,4 +1,5 @@
-"""Phase timers: ``with timers("time/generate"): ...`` adds the span to that phase's total.
+"""Spans of wall time: ``with timed() as span: ...`` sets ``span.seconds`` on exit, and phase timers,
+``with timers("time/generate"): ...``, add the span to that phase's total.
 
 Every process reports where its time goes as ``time/<phase>`` seconds (the rollout loop per logged
 batch, the learner per step); the placement planner fits its laws to these (docs/design.md §11.2).
@@ -6,22 +7,53 @@ batch, the learner per step); the placement planner fits its laws to these (docs
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class Span:
+    seconds: float = 0.0  # set when the ``with`` block exits, whether or not it raised
+
+
+@contextmanager
+def timed() -> Iterator[Span]:
+    """Measure the ``with`` block: its :class:`Span` holds the seconds it took once it is over."""
+    span = Span()
+    start = time.perf_counter()
+    try:
+        yield span
+    finally:
+        span.seconds = time.perf_counter() - start
 
 
 class Timers(defaultdict):
-    """Seconds spent in each named phase since the last :meth:`clear`."""
+    """Seconds spent in each named phase since the last :meth:`clear` (or :meth:`take`); several threads
+    may time phases at once."""
 
     def __init__(self) -> None:
         super().__init__(float)
+        self._lock = threading.Lock()
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
         try:
-            yield
+            with timed() as span:
+                yield
         finally:
-            self[name] += time.perf_counter() - start
+            self.add(name, span.seconds)
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self[name] += seconds
+
+    def take(self) -> dict[str, float]:
+        """The totals so far, cleared in the same step (a phase ending meanwhile counts in the next)."""
+        with self._lock:
+            out = dict(self)
+            self.clear()
+        return out
