@@ -6,12 +6,15 @@ lists, never pickle). Every record carries its schema version ``v``: version 2 a
 single-turn episode it was (every response token generated). Any other version is refused naming ``v``.
 :func:`decode_trajectory` and :func:`decode_prompt` are the only places that turn bytes back into records, and they validate types, dtypes, shapes and sizes, raising :class:`SchemaError`
 that names the field. The buffer moves entries that fail here to the dead-letter stream.
+:class:`Turns` is how every producer builds a trajectory's response, a turn at a time.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -102,6 +105,60 @@ class Trajectory:
     def staleness(self, learner_version: int) -> int:
         """``v - min(token_versions)`` at learner version ``v`` (docs/design.md §3.2)."""
         return learner_version - self.min_version
+
+
+@dataclass(kw_only=True)
+class Turns:
+    """A response built turn by turn, aligned per token the way :class:`Trajectory` carries it: model turns
+    with their log-probabilities and versions, environment turns with 0 and -1 (docs/design.md §10.1)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)  # 0 on environment tokens
+    versions: list[int] = field(default_factory=list)  # -1 on environment tokens
+    mask: list[int] = field(default_factory=list)  # 1 generated, 0 environment
+
+    def add(self, ids: list[int], logp: list[float], versions: list[int], generated: bool) -> None:
+        """Append one turn; an environment turn's ``logp`` and ``versions`` are not read."""
+        self.tokens += ids
+        self.logp += logp if generated else [0.0] * len(ids)
+        self.versions += versions if generated else [-1] * len(ids)
+        self.mask += [int(generated)] * len(ids)
+
+    def generated_versions(self) -> list[int]:
+        """The policy versions of the generated tokens, in order."""
+        return [v for v, m in zip(self.versions, self.mask, strict=True) if m]
+
+    def as_trajectory(
+        self,
+        prompt_tokens: Sequence[int] | np.ndarray,
+        *,
+        prompt_id: str,
+        group_id: str,
+        reward: float,
+        reward_parts: dict[str, float],
+        finish_reason: str = "stop",
+        server_id: str = "",
+        meta: dict[str, Any],
+        upto: int | None = None,
+    ) -> Trajectory:
+        """The prompt and this response (its first ``upto`` tokens; all by default) as a wire record under a
+        fresh ``traj_id``."""
+        n = len(self.tokens) if upto is None else upto
+        return Trajectory(
+            traj_id=uuid.uuid4().hex,
+            group_id=group_id,
+            prompt_id=prompt_id,
+            prompt_tokens=prompt_tokens,
+            response_tokens=self.tokens[:n],
+            behav_logp=self.logp[:n],
+            token_versions=self.versions[:n],
+            loss_mask=self.mask[:n],
+            reward=reward,
+            reward_parts=reward_parts,
+            finish_reason=finish_reason,
+            server_id=server_id,
+            meta=meta,
+        )
 
 
 @dataclass

@@ -48,7 +48,7 @@ import redis
 from transformers import PreTrainedTokenizerBase
 
 from buffer.admission import Admission
-from buffer.schema import PromptRecord, Trajectory
+from buffer.schema import PromptRecord, Trajectory, Turns
 from buffer.streams import ReplayBuffer, TakenPrompt
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
 from rollout.envs.base import Task, load_env_factory
@@ -536,14 +536,12 @@ class RolloutLoop:
     def trajectory(
         self, p: PromptRecord, c: Completion, reward: float, parts: dict[str, float], group_id: str
     ) -> Trajectory:
-        return Trajectory(
-            traj_id=uuid.uuid4().hex,
-            group_id=group_id,
+        turn = Turns()
+        turn.add(c.token_ids, c.logprobs, c.versions, generated=True)
+        return turn.as_trajectory(
+            p.tokens,
             prompt_id=p.prompt_id,
-            prompt_tokens=p.tokens,
-            response_tokens=c.token_ids,
-            behav_logp=c.logprobs,
-            token_versions=c.versions,
+            group_id=group_id,
             reward=reward,
             reward_parts=parts,
             finish_reason=c.finish_reason,

@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from buffer.schema import Trajectory
+from buffer.schema import Trajectory, Turns
 from rollout.agents.batching import BatchingEngine
 from rollout.engines.base import BetweenSteps, Engine
 from rollout.http.app import create_app
@@ -53,6 +53,7 @@ from rollout.http.sessions import Session, SessionStore
 from rollout.metrics import ServerMetrics
 from tandem.config import Config, HTTPConfig
 from tandem.rewards import load_callable
+from tandem.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +93,16 @@ class AgentEpisode:
         self, prompt_id: str, group_id: str, server_id: str, clip: Callable[[float], float] = float
     ) -> Trajectory:
         s = self.session if self.session is not None and self.session.calls else None
-        tokens, logp, versions, mask = (s.tokens, s.logp, s.versions, s.mask) if s else ([], [], [], [])
-        last = max((i for i, m in enumerate(mask) if m), default=-1) + 1  # text no completion answered: cut
-        generated = [v for v, m in zip(versions, mask, strict=True) if m]
+        turns = s if s is not None else Turns()
+        # Text after the last completion (no completion answered it) is cut.
+        last = max((i for i, m in enumerate(turns.mask) if m), default=-1) + 1
+        generated = turns.generated_versions()
         reward = clip(self.reward)
-        return Trajectory(
-            traj_id=uuid.uuid4().hex,
-            group_id=group_id,
+        return turns.as_trajectory(
+            s.prompt if s else self.prompt_tokens,
             prompt_id=prompt_id,
-            prompt_tokens=s.prompt if s else self.prompt_tokens,
-            response_tokens=tokens[:last],
-            behav_logp=logp[:last],
-            token_versions=versions[:last],
-            loss_mask=mask[:last],
+            group_id=group_id,
+            upto=last,
             reward=reward,
             reward_parts={"agent": reward, **{f"agent/{k}": v for k, v in self.parts.items()}},
             finish_reason="abort" if self.aborted else "stop",
@@ -236,12 +234,12 @@ class AgentRunner:
         return episodes
 
     def play(self, e: AgentEpisode) -> None:
-        start = time.perf_counter()
-        try:
-            asyncio.run(self.episode(e))
-        except BaseException as err:  # whatever the agent leaves behind is its failure, never the server's
-            e.end(f"agent_error: {type(err).__name__}: {err}")
-        e.seconds = time.perf_counter() - start
+        with timed() as span:
+            try:
+                asyncio.run(self.episode(e))
+            except BaseException as err:  # what the agent leaves behind is its failure, not the server's
+                e.end(f"agent_error: {type(err).__name__}: {err}")
+        e.seconds = span.seconds
 
     async def episode(self, e: AgentEpisode) -> None:
         transport = _Counting()

@@ -32,14 +32,13 @@ import logging
 import math
 import queue
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from buffer.schema import Trajectory
+from buffer.schema import Trajectory, Turns
 from rollout.agents.batching import BatchingEngine
 from rollout.engines.base import BetweenSteps, Engine, SamplingParams, cut_at_stop
 from rollout.envs.base import Action, Env, StepResult, Task
@@ -55,16 +54,12 @@ class EnvFailure(Exception):
 
 
 @dataclass
-class Episode:
-    """One episode's state: the prompt and everything after it, aligned per token."""
+class Episode(Turns):
+    """One episode's state: the prompt and everything after it (model and env turns), aligned per token."""
 
     task: Task
     env: Env
     prompt: list[int]
-    tokens: list[int] = field(default_factory=list)  # the response side: model and env turns
-    logp: list[float] = field(default_factory=list)  # 0 on env tokens
-    versions: list[int] = field(default_factory=list)  # -1 on env tokens
-    mask: list[int] = field(default_factory=list)  # 1 generated, 0 env
     turn_rewards: list[float] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)  # each reward's turn: its last generated token
     metrics: dict[str, float] = field(default_factory=dict)
@@ -89,16 +84,11 @@ class Episode:
     ) -> Trajectory:
         """The episode as a wire record: its return (sum of turn rewards, clipped) is the reward."""
         reward = clip(sum(self.turn_rewards))
-        generated = [v for v, m in zip(self.versions, self.mask, strict=True) if m]
-        return Trajectory(
-            traj_id=uuid.uuid4().hex,
-            group_id=group_id,
+        generated = self.generated_versions()
+        return self.as_trajectory(
+            self.prompt,
             prompt_id=prompt_id,
-            prompt_tokens=self.prompt,
-            response_tokens=self.tokens,
-            behav_logp=self.logp,
-            token_versions=self.versions,
-            loss_mask=self.mask,
+            group_id=group_id,
             reward=reward,
             reward_parts={"env": reward},
             finish_reason=self.finish_reason or "abort",
@@ -121,12 +111,6 @@ class Episode:
         (-1 before the model has said anything)."""
         self.turn_rewards.append(reward)
         self.turn_ends.append(next((i for i in range(len(self.mask) - 1, -1, -1) if self.mask[i]), -1))
-
-    def add(self, ids: list[int], logp: list[float], versions: list[int], generated: bool) -> None:
-        self.tokens += ids
-        self.logp += logp if generated else [0.0] * len(ids)
-        self.versions += versions if generated else [-1] * len(ids)
-        self.mask += [int(generated)] * len(ids)
 
 
 class DaemonWorkers:

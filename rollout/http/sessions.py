@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from buffer.schema import Trajectory
+from buffer.schema import Trajectory, Turns
 from rollout.engines.base import Completion
 
 MAX_SESSIONS = 4096  # open sessions per server; the oldest idle one is dropped past this
@@ -44,13 +43,9 @@ class SessionError(ValueError):
 
 
 @dataclass
-class Session:
+class Session(Turns):
     session_id: str
     prompt: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    logp: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
     transcripts: tuple[str, ...] = ()  # what the agent's next prompt may start with, longest first
     calls: int = 0
     tool_call_turns: int = 0  # completions returned as tool calls (docs/design.md §10.8)
@@ -105,10 +100,8 @@ class SessionStore:
                 s.prompt, added = self._extension(s, prompt_text)
             except SessionError:  # another call on the session was recorded meanwhile: keep that one
                 return
-            s.tokens += added + c.token_ids
-            s.logp += [0.0] * len(added) + c.logprobs
-            s.versions += [-1] * len(added) + c.versions
-            s.mask += [0] * len(added) + [1] * len(c.token_ids)
+            s.add(added, [], [], generated=False)
+            s.add(c.token_ids, c.logprobs, c.versions, generated=True)
             full = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             s.transcripts = tuple(
                 sorted({prompt_text + full, prompt_text + returned_text}, key=len, reverse=True)
@@ -148,15 +141,10 @@ class SessionStore:
             s = self.sessions.pop(session_id, None)
         if s is None or not s.calls:
             raise SessionError(f"session {session_id!r}: no such open session with a completion")
-        return Trajectory(
-            traj_id=uuid.uuid4().hex,
-            group_id=group_id or session_id,
+        return s.as_trajectory(
+            s.prompt,
             prompt_id=session_id,
-            prompt_tokens=s.prompt,
-            response_tokens=s.tokens,
-            behav_logp=s.logp,
-            token_versions=s.versions,
-            loss_mask=s.mask,
+            group_id=group_id or session_id,
             reward=reward,
             reward_parts={"agent": reward},
             meta={
