@@ -12,7 +12,12 @@ role on its own subset or all of them in turns. Every printed table and the figu
    twice: its steady steps in its own run, and its pick measured exactly as the fixed placements are:
    ``colocate``; ``separate`` at 25:75, 50:50 and 75:25; OpenRLHF's colocate_actor_ref +
    colocate_critic_reward (actor and reference on one group, critic and reward model on another);
-   ``split`` scoring (colocated, the scoring forwards on disjoint quarters).
+   ``split`` scoring (colocated, the scoring forwards on disjoint quarters). Every placement at a point
+   meets the same batches (the simulator deals each step its own), over the same steps as ``auto``'s
+   last plan. One point is added after the sweep (``EXTRA``): a small batch of long-context samples with
+   long-tailed responses (16 samples of 2048 prompt + 1024 response tokens, tail 1.4), as in agentic or
+   multi-turn RL. Its decode is held by its longest response, not by its tokens, which is where
+   overlapping generation with training pays most and where taking turns costs most.
 2. **Drift.** The mean response length grows 4x during a run: the best plan at the start held fixed,
    the best at the end held fixed, and ``auto`` re-planning.
 3. **Predicted against measured** step time for every plan run, from the model ``auto`` fitted.
@@ -60,6 +65,10 @@ def fixed_plans(devices: int) -> dict[str, Plan]:
     }
 
 
+# (label, samples, prompt_len, response_len, tail): regimes outside the sweep's fixed 1024 tokens a sample
+EXTRA = [("small batch, long context, long tail", 16, 2048.0, 1024.0, 1.4)]
+
+
 def regimes(points: int) -> list[tuple[float, float, float]]:
     """(prompt_len, response_len, Pareto tail) from generation-light to generation-heavy."""
     out = []
@@ -72,27 +81,39 @@ def regimes(points: int) -> list[tuple[float, float, float]]:
     return out
 
 
-def measure(sim: SimRun, plan: Plan, steps: int) -> float:
+def measure(sim: SimRun, plan: Plan, first: int, steps: int) -> float:
     n0 = len(sim.ends)
-    sim.run(plan, 0, steps)
-    return step_time(sim.ends[n0:])
+    sim.run(plan, first, steps)
+    return step_time(sim.ends[n0:], warmup=2, drain=sim.drain(plan))
 
 
 def sweep_point(
-    devices: int, prompt: float, response: float, tail: float, steps: int, seed: int, profile_steps: int
+    devices: int,
+    prompt: float,
+    response: float,
+    tail: float,
+    steps: int,
+    seed: int,
+    profile_steps: int,
+    samples: int = SAMPLES,
 ) -> dict:
-    work = Workload(SAMPLES, prompt, response)
+    work = Workload(samples, prompt, response)
     truth = example_truth(tail=tail)
     sim = SimRun(Cluster(devices, 80 * GiB), truth, ROLES, lambda i: work, seed=seed)
     auto = run_auto(sim, steps * 3, profile_steps=profile_steps, replan_every=5)
     chosen = auto.switches[-1]
     model = auto.model
-    row: dict = {"prompt_len": round(prompt), "response_len": round(response), "tail": round(tail, 2)}
+    # Every placement runs the batches auto's last plan ran (the simulator deals each step the same
+    # batch whatever runs it), so each comparison is between placements, not between batches.
+    n = max(steps, auto.steps - chosen.step)
+    first = auto.steps - n
+    row: dict = {"samples": samples, "prompt_len": round(prompt), "response_len": round(response)}
+    row["tail"] = round(tail, 2)
     measured, predicted = {}, {}
     for name, plan in fixed_plans(devices).items():
         pred = predict(plan, ROLES, model, work, device_bytes=80 * GiB)
         try:
-            measured[name] = measure(sim, plan, steps)
+            measured[name] = measure(sim, plan, first, n)
         except MemoryError as e:  # SimOOM: this placement does not fit here
             measured[name] = float("inf")
             row.setdefault("oom", {})[name] = str(e)
@@ -100,13 +121,13 @@ def sweep_point(
     # The pick measured as the fixed placements are (the same plan is the same measurement), apart from
     # auto's own run, whose steps include the probes' aftermath and any switch.
     same = [name for name, plan in fixed_plans(devices).items() if plan == chosen.plan]
-    pick_s = measured[same[0]] if same else measure(sim, chosen.plan, steps)
+    pick_s = measured[same[0]] if same else measure(sim, chosen.plan, first, n)
     coloc_gen = [s.value for s in sim.samples if s.name == "generate" and s.devices == devices]
     best_fixed = min(measured.values())
     auto_steady = chosen.measured_s if chosen.measured_s == chosen.measured_s else auto.seconds / auto.steps
     row.update(
         generation_share=round(sum(coloc_gen) / len(coloc_gen) / measured["colocate"], 3),
-        samples_per_s={k: round(SAMPLES / v, 1) for k, v in measured.items()},
+        samples_per_s={k: round(samples / v, 1) for k, v in measured.items()},
         vs_best_fixed={k: round(best_fixed / v, 3) for k, v in measured.items()},
         auto_plan=chosen.plan.label(ROLES),
         auto_vs_best_fixed=round(best_fixed / auto_steady, 3),
@@ -199,10 +220,16 @@ def plot(rows: list[dict], drift_out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 5))
-    x = [r["generation_share"] for r in rows]
+    sweep, extra = [r for r in rows if r["regime"] == "sweep"], [r for r in rows if r["regime"] != "sweep"]
+    x = [r["generation_share"] for r in sweep]
     for name in rows[0]["vs_best_fixed"]:
-        a.plot(x, [r["vs_best_fixed"][name] for r in rows], marker="o", label=name)
-    a.plot(x, [r["auto_vs_best_fixed"] for r in rows], marker="*", color="k", lw=2, label="auto (steady)")
+        line = a.plot(x, [r["vs_best_fixed"][name] for r in sweep], marker="o", label=name)
+        a.scatter([r["generation_share"] for r in extra], [r["vs_best_fixed"][name] for r in extra],
+                  marker="s", facecolors="none", edgecolors=line[0].get_color())  # fmt: skip
+    a.plot(x, [r["auto_vs_best_fixed"] for r in sweep], marker="*", color="k", lw=2, label="auto (steady)")
+    for r in extra:  # the added regime: open squares, auto a black cross
+        a.scatter([r["generation_share"]], [r["auto_vs_best_fixed"]], marker="X", color="k")
+        a.annotate(f"added: {r['regime']}", (r["generation_share"], 0.05), fontsize=7, rotation=90)
     a.set(xlabel="generation share of a colocated step", ylabel="samples/s / best fixed", ylim=(0, 1.3))
     a.set_title("SIMULATION: regime sweep, 8 pretend devices")
     a.legend(fontsize=7)
@@ -252,15 +279,19 @@ def main() -> int:
         return 0
     print(f"[placement] SIMULATION on {args.devices} pretend devices (placement/sim.py)", flush=True)
     rows = []
-    for i, (prompt, response, tail) in enumerate(regimes(args.points)):
-        row = sweep_point(args.devices, prompt, response, tail, args.steps, args.seed + i, args.profile_steps)
+    points = [("sweep", SAMPLES, *r) for r in regimes(args.points)] + EXTRA
+    for i, (label, samples, prompt, response, tail) in enumerate(points):
+        seed = args.seed + i
+        row = sweep_point(args.devices, prompt, response, tail, args.steps, seed, args.profile_steps, samples)
+        row["regime"] = label
         rows.append(row)
         fixed = "  ".join(
             f"{k.split()[0][:5]}{k.split()[-1][:5] if ' ' in k else ''}={v:.2f}"
             for k, v in row["vs_best_fixed"].items()
         )
         print(
-            f"[placement] gen share {row['generation_share']:.2f}  R={row['response_len']:>4}  "
+            f"[placement] {label + ': ' if label != 'sweep' else ''}gen share {row['generation_share']:.2f}  "
+            f"B={samples} P={row['prompt_len']} R={row['response_len']} tail {row['tail']}  "
             f"auto={row['auto_vs_best_fixed']:.2f} pick={row['auto_pick_vs_best_fixed']:.2f} ({row['auto_plan']})  {fixed}",
             flush=True,
         )
@@ -282,6 +313,8 @@ def main() -> int:
         "bench": "placement",
         "simulated": True,
         "devices": args.devices,
+        "load_average": [round(v, 1) for v in os.getloadavg()],  # the phases sleep; wake-ups feel the load
+        "extra_points": [e[0] for e in EXTRA],
         "auto_min_vs_best_fixed": min(r["auto_vs_best_fixed"] for r in rows),
         "auto_pick_min_vs_best_fixed": min(r["auto_pick_vs_best_fixed"] for r in rows),
         "auto_whole_run_min_vs_best_fixed": min(r["auto_whole_run_vs_best_fixed"] for r in rows),

@@ -532,6 +532,10 @@ def _judge(
     return replanner.decide(current, ranked, remaining, switch_s), ratio
 
 
+def _ready() -> bool:
+    return True
+
+
 def run_auto(
     sim: SimRun,
     steps: int,
@@ -544,6 +548,12 @@ def run_auto(
     """``placement.mode: auto`` in simulation: profile, fit, pick, then re-plan with hysteresis."""
     replanner = replanner or Replanner()
     cluster, roles, devices = sim.cluster, sim.roles, sim.cluster.size
+    # The planner runs beside the run in its own process, as the driver would: its fit and ranking are
+    # milliseconds of Python that, in a thread here, would hold the GIL and delay the phases it judges.
+    # It starts with the run, before any step: started at its first judgement, its imports would take
+    # the cores from the very steps it then measures.
+    planner = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    planner.submit(_ready).result()
     t0 = time.perf_counter()
     step = 0
     probed: dict[Plan, tuple[float, list[Sample], Workload]] = {}  # step time, phase times, work
@@ -581,9 +591,6 @@ def run_auto(
     result = AutoResult(0, 0.0, [Switch(step, best.plan, best.step_s)])
     current = best.plan
     switch_s, switched_at = sim.truth.replace_s, None  # the cost of moving, as last measured
-    # The planner runs beside the run in its own process, as the driver would: its fit and ranking are
-    # milliseconds of Python that, in a thread here, would hold the GIL and delay the phases it judges.
-    planner = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
     def judge(i: int, current: Plan, since: tuple[int, int], done: int, switch_s: float) -> Future[Judgement]:
         ends_from, samples_from = since
