@@ -24,7 +24,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from tandem.config import Config, ConfigError, PrepareStep, _format_validation_error
 from tandem.procs import alive
+from tandem.timing import timed
 
 ENV = "TANDEM_PREPARE"  # "reduced": every step at its reduced size
 PARTIAL = ".partial-"
@@ -239,9 +239,9 @@ def run_steps(
             continue
         size = " (reduced size)" if reduced and step.reduced else ""
         say(f"[{label}] running{size}: {shown(step, reduced)}")
-        t0 = time.monotonic()
-        run_step(step, root, reduced, label)
-        say(f"[{label}] done in {time.monotonic() - t0:.1f} s: {', '.join(step.produces)}")
+        with timed() as span:
+            run_step(step, root, reduced, label)
+        say(f"[{label}] done in {span.seconds:.1f} s: {', '.join(step.produces)}")
         ran += 1
     return ran
 

@@ -23,6 +23,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tandem.timing import timed
+
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 900.0  # another process's first build takes ~60 s here, far longer on a loaded machine
 CPU_OPS = ("ShareMemCommBuilder",)  # the learner passes torch.optim.AdamW: no fused-Adam build
@@ -89,9 +91,9 @@ def main() -> None:
 
     if torch.cuda.is_available():
         return
-    t0 = time.monotonic()
-    prepare_extensions()
-    print(f"[tandem] DeepSpeed CPU ops ready ({time.monotonic() - t0:.0f}s)")
+    with timed() as span:
+        prepare_extensions()
+    print(f"[tandem] DeepSpeed CPU ops ready ({span.seconds:.0f}s)")
 
 
 if __name__ == "__main__":
