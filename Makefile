@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_CPU_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: install assets demo test test-fast test-ray test-stages test-vllm lint format bench bench-trl engines-env vllm-env demo-vllm demo-arith clean
+.PHONY: install assets demo test test-fast test-faults test-ray test-stages test-vllm lint format bench bench-trl engines-env vllm-env demo-vllm demo-arith clean
 
 install: $(STAMP)
 
@@ -41,9 +41,13 @@ demo: $(STAMP)
 	$(PY) launch.py configs/tiny.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not ray and not stages and not presets"
+	$(PY) -m pytest -m "not ray and not stages and not presets and not faults"
 
 # The slower tiers, each its own target (.ci/run runs them after `make test`):
+# the kill -9 tests (every role, the driver, Redis) with their exactly-once audits,
+test-faults: $(STAMP)
+	$(PY) -m pytest -m faults
+
 # multi-node runs and fault tests on a local Ray cluster,
 test-ray: $(STAMP)
 	$(PY) -m pytest -m ray
@@ -57,7 +61,7 @@ test-stages: $(STAMP) assets
 	$(PY) -m pytest -m stages
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow and not ray and not stages and not presets"
+	$(PY) -m pytest -m "not slow and not ray and not stages and not presets and not faults"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

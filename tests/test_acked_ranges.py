@@ -96,6 +96,7 @@ def test_a_long_lineage_stays_compact() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_acks_lost_from_older_checkpoints_are_replayed(tiny_ckpt, run_id, tmp_path) -> None:
     """Redis loses every ack of four checkpoints (an older AOF is restored); the resumed learner re-acks the
     lineage's ranges and trains only what is new. Re-acking just the latest checkpoint's ids (the old

@@ -15,7 +15,7 @@ from tandem.data import write_prompts
 from tests.chaos import ROLES, chaos_run
 from toy.tasks import make_records
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.faults]  # make test-faults
 
 
 def test_the_run_heals_itself_under_kill_9_of_every_role(tiny_ckpt, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from tests.test_launch import attach, launch_cmd, leftover_processes
 from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.faults]  # make test-faults
 
 
 def redis_port(run_dir: Path) -> int:

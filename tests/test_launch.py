@@ -140,6 +140,7 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
     assert f", {per_server} torch threads)" in (run_dir / "logs" / "server-0.log").read_text()
 
 
+@pytest.mark.faults
 def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
     tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
@@ -195,6 +196,7 @@ def test_killed_rollout_server_is_restarted_and_no_prompt_is_lost(
         server.stop()
 
 
+@pytest.mark.faults
 def test_crashed_learner_past_its_restart_budget_stops_the_run_and_resume_finishes_it(
     tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:

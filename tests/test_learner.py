@@ -347,6 +347,7 @@ def lineage(run_dir: Path) -> dict[int, list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_sigkill_and_resume_trains_every_trajectory_once(
     tiny_ckpt, redis_server, redis_client, run_id, tmp_path
 ) -> None:

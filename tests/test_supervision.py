@@ -194,6 +194,7 @@ def test_the_feeder_emits_each_pass_in_its_seeded_order(redis_client, run_id, tm
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_a_learner_that_crashes_at_start_up_stops_the_run_after_its_budget(tiny_ckpt, tmp_path) -> None:
     """A crash loop: the learner cannot load its critic (a config.json with no model in it), so it never
     publishes a version; after its one allowed restart the run stops, naming it."""
@@ -217,6 +218,7 @@ def test_a_learner_that_crashes_at_start_up_stops_the_run_after_its_budget(tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_a_learner_killed_again_and_again_while_it_progresses_finishes_the_run(tiny_ckpt, tmp_path) -> None:
     """Six kill -9 of the learner at random moments, each after it trained past where it was last
     restarted, against a budget of 2 restarts: progress resets the budget, so the run finishes, and the
