@@ -40,6 +40,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -49,8 +50,7 @@ import torch.distributed as dist
 
 import weightsync
 from buffer.admission import Admission
-from buffer.retry import Incarnation
-from buffer.retry import connect as connect_redis
+from buffer.retry import Incarnation, RedisUnavailable, connect_run
 from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer, Taken
 from learner import acked_ranges, checkpoint, lora
@@ -58,7 +58,7 @@ from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
 from learner.models import Models
 from learner.runtime import Runtime
 from tandem import fleet
-from tandem.config import Config, redact
+from tandem.config import Config
 from tandem.telemetry import Telemetry
 from weightsync.source import is_zero3, unwrap
 
@@ -109,6 +109,7 @@ class OnlineRuntime(Runtime):
         self.publisher: weightsync.Publisher = weightsync.DrainPublisher()
         self.trained_log: TextIO | None = None
         self.sync_bytes = 0  # bytes of the last published version (weightsync/bytes)
+        self.switch: dict[str, float] = {}  # time/offload, time/reload of the last wait (colocated, GPU)
 
     def load_models(self) -> Models:
         raise NotImplementedError
@@ -168,7 +169,14 @@ class OnlineRuntime(Runtime):
     # ---------------------------------------------------------------------------------------------- data
 
     def take_batch(self) -> list[Taken] | None:
-        """Exactly ``batch_size`` trajectories, or None when a stop is requested first (on every rank)."""
+        """Exactly ``batch_size`` trajectories, or None when a stop is requested first (on every rank).
+
+        Colocated, the servers generate them meanwhile, so the trained engines' states wait in host memory
+        (:meth:`states_offloaded`)."""
+        with self.states_offloaded():
+            return self._take_batch()
+
+    def _take_batch(self) -> list[Taken] | None:
         taken = self.take_from_buffer() if self.lead else None
         if self.world == 1:
             return taken
@@ -183,6 +191,27 @@ class OnlineRuntime(Runtime):
             return None
         dist.broadcast(data, 0, group=self.ctrl)
         return taken if self.lead else [Taken("", t) for t in decode_batch(data)]
+
+    @contextmanager
+    def states_offloaded(self) -> Iterator[None]:
+        """Colocated (``placement.release_memory``): each trained engine's optimizer state, gradients and
+        master weights go to host memory while the servers generate, and come back before training
+        (DeepSpeed ``offload_states`` / ``reload_states``, docs/design.md §11.1). Only where they can go
+        somewhere (:func:`offloads_states`); the published weights went out before."""
+        if not offloads_states(self.cfg, self.device):
+            yield
+            return
+        start = time.perf_counter()
+        for engine in self.engines().values():
+            engine.offload_states()
+        offloaded = time.perf_counter()
+        try:
+            yield
+        finally:
+            reload = time.perf_counter()
+            for engine in self.engines().values():
+                engine.reload_states()
+            self.switch = {"time/offload": offloaded - start, "time/reload": time.perf_counter() - reload}
 
     def take_from_buffer(self) -> list[Taken] | None:
         need, taken = self.cfg.algorithm.batch_size, []
@@ -349,6 +378,16 @@ class OnlineRuntime(Runtime):
             self.client.close()
 
 
+def offloads_states(cfg: Config, device: torch.device) -> bool:
+    """Whether the learner offloads its training states while colocated servers generate: with
+    ``placement.release_memory`` (``Config.releases_memory``), on GPU, and with a ZeRO optimizer.
+
+    DeepSpeed 0.19's ``offload_states`` is a method of its ZeRO stage 1-2 and 3 optimizers only (stage 0
+    keeps the torch optimizer, which has none), and it moves states to ``cpu``, the only device it accepts:
+    on a CPU run the states already live there, so there is nothing to free."""
+    return cfg.releases_memory and device.type == "cuda" and cfg.learner.zero_stage >= 1
+
+
 class Counted:
     """An iterable of named tensors that counts the bytes that went through it."""
 
@@ -366,9 +405,7 @@ def connect(cfg: Config) -> redis.Redis:
         raise ValueError(
             "redis.url is not set: launch.py writes the embedded Redis URL into the learner's config"
         )
-    client = connect_redis(cfg.redis.url, reconnect_s=cfg.supervision.reconnect_s)
     try:
-        client.ping()
-    except redis.RedisError as e:
-        raise ConnectionError(f"learner: Redis at {redact(cfg.redis.url)} does not answer: {e}") from None
-    return client
+        return connect_run(cfg.redis.url, reconnect_s=cfg.supervision.reconnect_s)
+    except RedisUnavailable as e:
+        raise ConnectionError(f"learner: {e}") from None

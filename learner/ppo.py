@@ -142,6 +142,7 @@ class PPOLearner(OnlineRuntime):
                 "time/weight_sync": t3 - t2,
                 "weightsync/bytes": float(self.sync_bytes),
                 "time/checkpoint": t4 - t3,
+                **self.switch,  # colocated: the learner's offload and reload around the wait (GPU)
                 **self.timers,
                 "throughput/train_tokens_per_s": batch.num_tokens / (t2 - t1),
                 "batch/tokens": float(batch.seq_lens.sum()),

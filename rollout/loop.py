@@ -40,11 +40,14 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, nullcontext
+from pathlib import Path
 
 import redis
+import torch
+from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase
 
 from buffer.admission import Admission
@@ -151,6 +154,9 @@ class RolloutLoop:
             self.window, thread_name_prefix=f"rollout{server_index}-generate"
         )
         self.scorer = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_index}-score")
+        self.release = cfg.releases_memory and getattr(engine, "supports_sleep", False)
+        self.asleep = False  # the engine's memory is freed until the next version (colocated runs)
+        self.held_path = cfg.model.actor  # where the weights the engine holds can be read again
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
@@ -256,7 +262,7 @@ class RolloutLoop:
             self.cfg.rollout.prompts_per_batch, timeout_s=POLL_S, should_stop=self.should_stop,
             # The learner may be publishing the very version that opens admission, and a dist broadcast
             # waits for this server to join: take weights while waiting.
-            while_waiting=self.poll_weights, wake_channels=[weights_key(self.cfg.run.name, "announce")],
+            while_waiting=self.sleep_while_waiting, wake_channels=[weights_key(self.cfg.run.name, "announce")],
         )  # fmt: skip
         self.spent("time/wait_admission", start)
         return held > 0
@@ -287,6 +293,7 @@ class RolloutLoop:
             self.wait_for_weights(self.admission.freshness_floor, self.cfg.weightsync.timeout_s)
             if self.should_stop() and self.engine.version < self.admission.freshness_floor():
                 return False
+            self.wake_held()
         self.spent("time/weight_sync", start)
         return True
 
@@ -466,6 +473,7 @@ class RolloutLoop:
     def evaluate(self) -> None:
         if self.evaluator is not None and self.evaluator.claim(self.engine.version):
             with self._weights_lock:  # no generation thread applies an update mid-evaluation
+                self.wake_held()
                 self.evaluator.run()
 
     def wait_for_weights(self, version: Callable[[], int], timeout_s: float) -> None:
@@ -481,10 +489,46 @@ class RolloutLoop:
         if update is None:
             return
         start = time.perf_counter()
-        self.engine.update_weights(update)
+        if self.asleep:
+            self.wake(update)
+        else:
+            self.engine.update_weights(update)
+        self.held_path = update.path or self.held_path
         seconds = time.perf_counter() - start
         self.metrics.weight_update_seconds.observe(seconds)
         log.info("server-%d: weights v%d applied in %.3fs", self.server_index, update.version, seconds)
+
+    # ------------------------------------------------------------- colocated: sleep and wake (§11.1)
+
+    def sleep_while_waiting(self) -> None:
+        """The admission wait's hook: take weights on offer; then, colocated with ``placement.release_memory``,
+        free the engine's memory until the next version arrives, since the learner trains meanwhile."""
+        self.poll_weights()
+        if self.release and not self.asleep and not self.inflight:
+            start = time.perf_counter()
+            self.engine.sleep()
+            self.asleep = True
+            self.spent("time/sleep", start)
+
+    def wake(self, update: Update) -> None:
+        """Wake for ``update`` in vLLM's order: weights, then the update fills them, then the KV cache (so
+        the cache is never allocated beside a second copy of the weights). ``time/wake`` excludes the update."""
+        start = time.perf_counter()
+        self.engine.wake_up(["weights"])
+        woken = time.perf_counter()
+        self.engine.update_weights(update)
+        synced = time.perf_counter()
+        self.engine.wake_up(["kv_cache"])
+        self.asleep = False
+        with self._timers_lock:
+            self.timers["time/wake"] += woken - start + time.perf_counter() - synced
+
+    def wake_held(self) -> None:
+        """Wake with the version the engine held: admission reopened for it (a group dropped, a server gone)
+        before a newer one arrived. Its files are still in shm, which keeps every version a live server holds
+        (docs/design.md §5.3); before any update, the checkpoint the engine was loaded from."""
+        if self.asleep:
+            self.apply(held_update(self.held_path, self.engine.version))
 
     def poll_weights(self, *, block: bool = True) -> None:
         """Apply a new version if one is on offer, without waiting for one. ``block=False``: not at all
@@ -575,6 +619,21 @@ class RolloutLoop:
             if returned:
                 log.info("server-%d: handed back %d held prompt(s)", self.server_index, returned)
         log.info("server-%d: rollout loop stopped after %d groups", self.server_index, self.groups)
+
+
+def held_update(path: str, version: int) -> Update:
+    """The weights in a HF directory (a shm version, a checkpoint) as an Update of ``version``."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightSyncError(f"{path} holds no *.safetensors files to wake the engine with (v{version})")
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    yield name, sf.get_tensor(name)
+
+    return Update(version, [], tensors, path=path)
 
 
 class BusyClock:

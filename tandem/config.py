@@ -644,6 +644,10 @@ class PlacementConfig(Section):
         "serial",
         description="The learner's no-grad forwards: serial (each on every device in turn); split (disjoint subsets at once) is predicted only.",
     )
+    release_memory: bool = Field(
+        True,
+        description="colocate: each side frees its memory while the other runs (docs/design.md §11.1). The rollout servers' engines sleep while the learner trains (weights and KV cache freed; woken as weights, then the next version's weights, then KV cache) and the learner offloads optimizer state, gradients and master weights while the servers generate (DeepSpeed offload_states: GPU, zero_stage >= 1). Needs full weights over the shm transport (a server that wakes without a new version reloads its own from there); ignored when separate.",
+    )
 
     @model_validator(mode="after")
     def _runnable(self) -> PlacementConfig:
@@ -944,6 +948,20 @@ class Config(Section):
         if self.run.mode == "sync" or self.algorithm.recipe != "ppo":
             return 0
         return self.algorithm.max_staleness
+
+    @property
+    def releases_memory(self) -> bool:
+        """Whether each colocated side frees its memory while the other runs (docs/design.md §11.1):
+        ``placement.release_memory``, colocated, with full weights over shm, which refill a woken engine and
+        which it can read again. Adapter-only updates (``learner.lora.sync: adapter``) refill only the
+        adapted layers, so their servers keep their weights."""
+        adapter_only = self.learner.lora.rank > 0 and self.learner.lora.sync == "adapter"
+        return (
+            self.placement_mode == "colocate"
+            and self.placement.release_memory
+            and self.weight_path == "shm"
+            and not adapter_only
+        )
 
     @property
     def weight_path(self) -> Literal["shm", "dist", "engine"]:

@@ -52,6 +52,7 @@ class State:
         self.group: Any = None
         self.weights: dict[str, torch.Tensor] = {}
         self.last_meta: tuple[list[str], list[str], list[list[int]]] | None = None
+        self.released: set[str] = set()  # sleep mode: what is freed (weights, kv_cache)
 
 
 def make_app(kind: str) -> FastAPI:
@@ -125,8 +126,10 @@ def _vllm_routes(
         body = await request.json()
         if (r := record("/inference/v1/generate", request, body)) is not None:
             return r
-        if st.paused in ("abort", "wait"):
-            return JSONResponse({"error": "engine paused"}, status_code=503)
+        if st.paused in ("abort", "wait") or st.released:
+            return JSONResponse(
+                {"error": f"engine paused or asleep ({sorted(st.released)})"}, status_code=503
+            )
         sp = body["sampling_params"]
         choices = []
         for j in range(sp["n"]):
@@ -171,6 +174,8 @@ def _vllm_routes(
             return r
         if not all(isinstance(v, str) for v in body.get("kwargs", {}).values()):
             return JSONResponse({"detail": "kwargs must be strings"}, status_code=400)
+        if "weights" in st.released:  # level 2 discarded them: loading needs wake_up(tags=weights) first
+            return JSONResponse({"detail": "weights are asleep"}, status_code=500)
         # tandem_load_weights returns the tensors loaded; vLLM sends results back as strings
         return {"results": ["3"]}
 
@@ -240,6 +245,25 @@ def _vllm_routes(
     def shutdown(request: Request) -> Any:
         return record("/shutdown_weight_transfer_engine", request, None) or {"message": "shut down"}
 
+    # Sleep mode (vllm/entrypoints/serve/dev/sleep/api_router.py): level and mode are query parameters,
+    # wake_up reads repeated `tags` from the query, no tags wakes everything.
+    @app.post("/sleep")
+    def sleep(request: Request, level: int = 1, mode: str = "abort") -> Any:
+        if (r := record("/sleep", request, None)) is not None:
+            return r
+        if not 0 <= level <= 2 or mode not in ("abort", "wait", "keep"):
+            return JSONResponse({"error": f"bad level {level} or mode {mode}"}, status_code=422)
+        st.released = {"weights", "kv_cache"} if level >= 1 else set()
+        return {"status": "sleeping", "level": level}
+
+    @app.post("/wake_up")
+    def wake_up(request: Request) -> Any:
+        tags = request.query_params.getlist("tags") or ["weights", "kv_cache"]
+        if (r := record("/wake_up", request, {"tags": tags})) is not None:
+            return r
+        st.released -= set(tags)
+        return {"status": "sleeping" if st.released else "awake", "tags": tags}
+
 
 def _sglang_routes(
     app: FastAPI, st: State, record: Any, tokens_for: Any, join_group: Any, receive: Any
@@ -247,11 +271,30 @@ def _sglang_routes(
     def fail(message: str) -> JSONResponse:
         return JSONResponse({"success": False, "message": message}, status_code=400)
 
+    # Memory release (sglang/srt/entrypoints/http_server.py): tags in the body, None for all.
+    @app.post("/release_memory_occupation")
+    async def release(request: Request) -> Any:
+        body = await request.json()
+        if (r := record("/release_memory_occupation", request, body)) is not None:
+            return r
+        st.released |= set(body.get("tags") or ["weights", "kv_cache"])
+        return {}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: Request) -> Any:
+        body = await request.json()
+        if (r := record("/resume_memory_occupation", request, body)) is not None:
+            return r
+        st.released -= set(body.get("tags") or ["weights", "kv_cache"])
+        return {}
+
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         body = await request.json()
         if (r := record("/generate", request, body)) is not None:
             return r
+        if st.released:
+            return fail(f"memory released ({sorted(st.released)})")
         out = []
         for prompt, sp in zip(body["input_ids"], body["sampling_params"], strict=True):
             ids = tokens_for(prompt, sp.get("sampling_seed") or 0, sp["max_new_tokens"])
@@ -293,6 +336,8 @@ def _sglang_routes(
         body = await request.json()
         if (r := record("/update_weights_from_disk", request, body)) is not None:
             return r
+        if "weights" in st.released:
+            return fail("weights are released: resume_memory_occupation(tags=[weights]) first")
         if body.get("weight_version") is not None:
             st.version = body["weight_version"]
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}

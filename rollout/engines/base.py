@@ -18,7 +18,7 @@ Two optional hooks let the caller act during a call without knowing the engine's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -100,5 +100,20 @@ class Engine(Protocol):
     def pause(self) -> None: ...
 
     def resume(self) -> None: ...
+
+    # Colocated runs free the engine's memory while the learner trains (docs/design.md §11.1): ``sleep``
+    # releases the weights and the KV cache; ``wake_up(["weights"])``, a full ``update_weights``, then
+    # ``wake_up(["kv_cache"])`` bring them back (vLLM's tags and order, so the cache is never allocated
+    # beside a stale copy of the weights). An engine that cannot release says ``supports_sleep = False``
+    # (vLLM's CPU build) and is never put to sleep; one without the attribute counts as False.
+    supports_sleep: bool
+
+    def sleep(self) -> None:
+        """Free the weights and the KV cache; ``generate`` is refused until woken and refilled."""
+        ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what ``tags`` names (``weights``, ``kv_cache``; None: both)."""
+        ...
 
     def close(self) -> None: ...

@@ -19,10 +19,13 @@ waiting for it, and an update lands between two steps of any running call.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
@@ -46,6 +49,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand freed tensor memory back to the system: the CUDA cache, or on CPU glibc's free lists
+    (``malloc_trim``), which otherwise keep large freed blocks inside the process's resident set."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
 
 
 def truncate_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -89,6 +103,7 @@ class HFEngine:
     """transformers inference engine implementing :class:`rollout.engines.base.Engine`."""
 
     continuous_batching = False  # each generate call decodes its own batch
+    supports_sleep = True  # frees its parameters' storage (sleep / wake_up)
 
     def __init__(
         self,
@@ -127,6 +142,8 @@ class HFEngine:
         self._running.set()
         self._version = 0
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
+        self._released: set[str] = set()  # what sleep() freed and wake_up() has not restored
+        self._unfilled = False  # weights re-allocated by wake_up, not yet filled by a full update
 
     @property
     def version(self) -> int:
@@ -169,6 +186,11 @@ class HFEngine:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
+        if self._released or self._unfilled:
+            raise RuntimeError(
+                "hf engine: its weights are released (placement.release_memory, asleep while the learner "
+                "trains); wake_up and a full weight update come before generate"
+            )
         if sampling.n < 1 or sampling.max_new_tokens < 1:
             raise ValueError(
                 f"n and max_new_tokens must be >= 1 (got {sampling.n}, {sampling.max_new_tokens})"
@@ -313,6 +335,12 @@ class HFEngine:
                 except (KeyError, ValueError) as e:
                     raise WeightSyncError(f"update v{update.version}: {e}") from None
             missing = [n for n, p in self._parameters if id(p) not in seen]
+            if self._unfilled and (missing or adapter):
+                raise WeightSyncError(
+                    f"update v{update.version}: the weights were released while asleep and only a full "
+                    "update refills them (an adapter-only update needs placement.release_memory=false)"
+                )
+            self._unfilled = False
             if missing and not adapter:
                 raise WeightSyncError(
                     f"update v{update.version}: {len(missing)} parameters missing, e.g. {missing[:3]}; "
@@ -320,6 +348,46 @@ class HFEngine:
                 )
             self._version = update.version
         log.debug("applied weights v%d in %.3fs", update.version, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------ sleep (colocated runs)
+
+    def sleep(self) -> None:
+        """Free the parameters' storage while the learner trains (docs/design.md §11.1).
+
+        Only the parameters go: non-persistent buffers (rotary ``inv_freq``) stay, and a tied weight is
+        one Parameter under two names, so it stays tied. The KV cache lives only inside a ``generate``
+        call, so there is none to free between batches. Nothing is kept aside: the next version's full
+        weights refill the storage after :meth:`wake_up`.
+        """
+        with self._lock:
+            if "weights" not in self._released:
+                self._shapes = [p.shape for p in self._parameters_only()]
+                for p in self._parameters_only():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._released = {"weights", "kv_cache"}
+        release_freed_memory(self.device)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what ``tags`` names (``weights``, ``kv_cache``; None: both), vLLM's ``wake_up``.
+
+        The weights come back uninitialised: ``generate`` is refused until a full ``update_weights``
+        fills them. ``kv_cache`` only ends the sleep (the hf cache is per call)."""
+        with self._lock:
+            for tag in tags or ("weights", "kv_cache"):
+                if tag not in ("weights", "kv_cache"):
+                    raise ValueError(f"wake_up: unknown tag {tag!r} (weights, kv_cache)")
+                if tag == "weights" and "weights" in self._released:
+                    for p, shape in zip(self._parameters_only(), self._shapes, strict=True):
+                        p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+                    self._unfilled = True
+                self._released.discard(tag)
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._released)
+
+    def _parameters_only(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self._parameters]
 
     # -------------------------------------------------------------------------------------------- control
 

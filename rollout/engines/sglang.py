@@ -30,6 +30,7 @@ Weight updates (docs/design.md §5.5, docs/engines.md §5):
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,13 @@ class DiskUpdateBody:
 
 
 @dataclass(frozen=True)
+class MemoryTagsBody:
+    """``io_struct.ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``."""
+
+    tags: list[str] | None  # weights, kv_cache (cuda_graph too); None: all
+
+
+@dataclass(frozen=True)
 class WeightVersionBody:
     new_version: str
     abort_all_requests: bool
@@ -153,6 +161,13 @@ SGLANG_API: tuple[Api, ...] = (
     Api("route", HTTP, "POST /update_weight_version"),
     Api("fields", IO, "UpdateWeightVersionReqInput", payload_fields(WeightVersionBody)),
     Api("route", HTTP, "POST /flush_cache"),
+    # Memory release (colocated runs, docs/design.md §11.1); tags from sglang.srt.constants.
+    Api("route", HTTP, "POST /release_memory_occupation"),
+    Api("fields", IO, "ReleaseMemoryOccupationReqInput", payload_fields(MemoryTagsBody)),
+    Api("route", HTTP, "POST /resume_memory_occupation"),
+    Api("fields", IO, "ResumeMemoryOccupationReqInput", payload_fields(MemoryTagsBody)),
+    Api("name", "sglang.srt.constants", "weights"),  # GPU_MEMORY_TYPE_WEIGHTS
+    Api("name", "sglang.srt.constants", "kv_cache"),  # GPU_MEMORY_TYPE_KV_CACHE
     # Keys of the /generate reply's meta_info that we read.
     Api("name", "sglang.srt.managers.tokenizer_manager", "output_token_logprobs"),
     Api("function", "sglang.srt.utils.weight_versions", "add_weight_versions_to_meta_info"),
@@ -199,6 +214,7 @@ SGLANG_API: tuple[Api, ...] = (
             "dtype",
             "trust_remote_code",
             "api_key",
+            "enable_memory_saver",
         ),
     ),
     Api("name", "sglang.launch_server", "__main__"),
@@ -237,7 +253,15 @@ def launch_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
         argv.append("--trust-remote-code")
     if s.api_key:
         argv += ["--api-key", s.api_key]
+    if releases(cfg):  # torch_memory_saver: what release/resume_memory_occupation act on
+        argv.append("--enable-memory-saver")
     return argv + list(s.extra_args)
+
+
+def releases(cfg: Config) -> bool:
+    """Whether a managed server is started able to release memory: colocated runs with
+    ``placement.release_memory`` that own their server (an external one's flags are its own)."""
+    return cfg.releases_memory and cfg.rollout.sglang.url is None
 
 
 def generate_body(prompts: list[list[int]], sampling: SamplingParams) -> GenerateBody:
@@ -302,6 +326,8 @@ class SGLangEngine:
         self.server_index = server_index
         self._version = 0
         self._pause_mode = s.pause_mode
+        self.supports_sleep = releases(cfg)
+        self._asleep = False
         self.server: ManagedServer | None = None
         if s.url is None:
             port = engine_port(s.port, server_index, s.host)
@@ -376,17 +402,22 @@ class SGLangEngine:
             self._await_pushed_version(update.version)
             return
         ctx = f"weight version {update.version}"
-        self.pause()
+        asleep = self._asleep  # weights resumed, KV cache released: nothing runs, no cache to flush
+        if not asleep:
+            self.pause()
         self.client.post(
             "/update_weights_from_disk",
             to_json(
-                DiskUpdateBody(update.path, str(update.version), flush_cache=True, abort_all_requests=False)
+                DiskUpdateBody(
+                    update.path, str(update.version), flush_cache=not asleep, abort_all_requests=False
+                )
             ),
             timeout=self.cfg.rollout.sglang.update_timeout_s,
             context=ctx,
         )
         self._version = update.version
-        self.resume()
+        if not asleep:
+            self.resume()
 
     def _await_pushed_version(self, version: int) -> None:
         """dist: the learner pushed the weights itself; wait until the engine reports ``version``."""
@@ -398,6 +429,21 @@ class SGLangEngine:
 
     def resume(self) -> None:
         self.client.post("/continue_generation", to_json(ContinueBody(torch_empty_cache=True)))
+
+    def sleep(self) -> None:
+        """``/release_memory_occupation`` of weights and KV cache (no CPU backup is kept unless the server
+        was started with ``--enable-weights-cpu-backup``: a full update refills the weights)."""
+        self.client.post(
+            "/release_memory_occupation", to_json(MemoryTagsBody(["weights", "kv_cache"])), context="sleep"
+        )
+        self._asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """``/resume_memory_occupation`` of ``tags`` (None: all)."""
+        body = MemoryTagsBody(list(tags) if tags else None)
+        self.client.post("/resume_memory_occupation", to_json(body), context=f"tags={body.tags}")
+        if not tags or "kv_cache" in tags:
+            self._asleep = False
 
     def close(self) -> None:
         self.client.close()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,10 @@ VLLM_API: tuple[Api, ...] = (
     Api("route", "vllm.entrypoints.rl.online.api_router", "GET /weight_info"),
     Api("route", "vllm.entrypoints.rl.online.api_router", "GET /get_world_size", ("include_dp",)),
     Api("route", "vllm.entrypoints.serve.dev.rpc.api_router", "POST /collective_rpc"),
+    # Sleep mode (colocated runs, docs/design.md §11.1); /wake_up reads its repeated `tags` from the query.
+    Api("route", "vllm.entrypoints.serve.dev.sleep.api_router", "POST /sleep", ("level", "mode")),
+    Api("route", "vllm.entrypoints.serve.dev.sleep.api_router", "POST /wake_up"),
+    Api("name", "vllm.entrypoints.serve.dev.sleep.api_router", "tags"),
     # rollout/engines/vllm_worker.py, inside the worker:
     Api("function", "vllm.v1.worker.gpu_worker", "Worker.reload_weights"),
     Api(
@@ -226,6 +231,7 @@ VLLM_API: tuple[Api, ...] = (
             "trust_remote_code",
             "enforce_eager",
             "worker_extension_cls",
+            "enable_sleep_mode",
         ),
     ),
     Api(
@@ -287,6 +293,8 @@ def serve_argv(cfg: Config, model_path: str, host: str, port: int, *, cpu: bool 
             "--gpu-memory-utilization", str(v.gpu_memory_utilization),
             "--tensor-parallel-size", str(v.tensor_parallel_size),
         ]  # fmt: skip
+        if sleeps(cfg):  # the CPU build refuses it: "Sleep mode is not supported on current platform"
+            argv.append("--enable-sleep-mode")
     if cfg.model.dtype != "auto":
         argv += ["--dtype", cfg.model.dtype]
     if cfg.model.trust_remote_code:
@@ -294,6 +302,12 @@ def serve_argv(cfg: Config, model_path: str, host: str, port: int, *, cpu: bool 
     if v.api_key:
         argv += ["--api-key", v.api_key]
     return argv + list(v.extra_args)
+
+
+def sleeps(cfg: Config) -> bool:
+    """Whether a managed server is started with ``--enable-sleep-mode`` (GPU only): colocated runs that
+    release memory (``placement.release_memory``) and own their server (an external one's flags are its own)."""
+    return cfg.releases_memory and cfg.rollout.vllm.url is None
 
 
 def generate_body(prompt: list[int], sampling: SamplingParams, seed: int | None) -> GenerateBody:
@@ -352,6 +366,8 @@ class VLLMEngine:
         self._version = 0
         self._pause_mode = v.pause_mode
         self.server: ManagedServer | None = None
+        self.supports_sleep = sleeps(cfg) and not cpu_build()
+        self._asleep = False
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix=f"vllm{server_index}")
         if v.url is None:
             port = engine_port(v.port, server_index, v.host)
@@ -433,7 +449,11 @@ class VLLMEngine:
             return
         timeout = self.cfg.rollout.vllm.update_timeout_s
         ctx = f"weight version {update.version}"
-        self.pause()
+        # Asleep (weights woken, KV cache not): the sleep already paused scheduling and dropped the cache,
+        # and waking the KV cache resumes it.
+        asleep = self._asleep
+        if not asleep:
+            self.pause()
         body = self.client.post(
             "/collective_rpc",
             to_json(CollectiveRpcBody("tandem_load_weights", {"weights_path": update.path}, timeout)),
@@ -446,14 +466,16 @@ class VLLMEngine:
                 f"{self.client.label} {self.url}: {ctx}: workers loaded {body.get('results')} tensors "
                 f"from {update.path}"
             )
-        self.client.post(
-            "/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=timeout, context=ctx
-        )
+        if not asleep:
+            self.client.post(
+                "/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=timeout, context=ctx
+            )
         self.client.post(
             "/update_weight_version", to_json(WeightVersionBody(str(update.version))), context=ctx
         )
         self._version = update.version
-        self.resume()
+        if not asleep:
+            self.resume()
 
     def _await_pushed_version(self, version: int) -> None:
         """dist: the learner pushed the weights itself; wait until the engine reports ``version``."""
@@ -467,6 +489,20 @@ class VLLMEngine:
 
     def resume(self) -> None:
         self.client.post("/resume")
+
+    def sleep(self) -> None:
+        """``POST /sleep?level=2``: weights and KV cache freed, nothing kept on the host. Level 2, not 1,
+        because a full update refills the weights right after ``wake_up(["weights"])`` (a shm directory,
+        the new version's or the one held); level 1 would park a CPU copy of weights about to be replaced."""
+        self.client.post("/sleep", params={"level": 2, "mode": "wait"}, context="sleep")
+        self._asleep = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """``POST /wake_up?tags=...``; the server resumes scheduling once every tag is awake."""
+        params = {"tags": list(tags)} if tags else None
+        self.client.post("/wake_up", params=params, context=f"tags={list(tags or [])}")
+        if not tags or "kv_cache" in tags:
+            self._asleep = False
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
