@@ -20,15 +20,8 @@ When the manifest lands it compares them with the manifest's checksums and hashe
 waiting server holds a new version almost as soon as it is written. The publisher computes its checksums
 in the same pass as its copy (chunk by chunk, while the bytes are in cache).
 
-Why files are recycled and stay mapped: on tmpfs a fresh file pays for allocating and zeroing every page,
-``pwrite`` pays a syscall and page-cache lookup per page (about half of memcpy speed here), and a fresh
-mapping pays a page fault per 4 KiB (mapping 100 MB with ``MAP_POPULATE`` costs as much as copying it).
-Only a mapping whose page tables are already filled runs at memory-copy speed. So a retired version's
-files are rewritten in place rather than deleted, and both sides keep their mappings of shard files
-across versions, keyed by inode (:class:`_Mappings`): in the steady state the publisher's write is one
-memcpy into pages the subscribers already have mapped, and a subscriber's load is (what is left of) its
-checksum pass.
-A version is retired once it is not among the newest ``keep_versions`` and every live subscriber holds a
+Retired versions' files are rewritten in place and both sides keep their mappings across versions
+(:mod:`weightsync.shm_files` says why). A version is retired once it is not among the newest ``keep_versions`` and every live subscriber holds a
 newer one (their views are only valid until their next poll, see :class:`~weightsync.base.Update`).
 
 safetensors is written by hand (an 8-byte header length, a JSON header, the raw bytes) so tensors go from
@@ -46,11 +39,8 @@ import mmap
 import os
 import shutil
 import time
-import warnings
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -67,65 +57,19 @@ from weightsync.base import (
     weights_key,
 )
 from weightsync.base import announce as announce_latest
-
-try:
-    import xxhash
-except ImportError:  # pragma: no cover - xxhash ships with wandb; crc32 keeps us working without it
-    xxhash = None
+from weightsync.shm_files import (
+    SAFETENSORS_DTYPES,
+    Entry,
+    Mappings,
+    checksum,
+    copy_with_checksum,
+    raw_bytes,
+    tensor_views,
+)
 
 log = logging.getLogger(__name__)
 
-CHECKSUM_ALGO = "xxh3_64" if xxhash is not None else "crc32"
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".index.json")
-
-
-def checksum(buf: memoryview, algo: str = CHECKSUM_ALGO) -> str:
-    digest = Digest(algo)
-    digest.update(buf)
-    return digest.hexdigest()
-
-
-class Digest:
-    """A streaming checksum, ``"<algo>:<hex>"``; fed in pieces it equals the one-shot digest."""
-
-    def __init__(self, algo: str = CHECKSUM_ALGO) -> None:
-        if algo == "xxh3_64" and xxhash is None:
-            raise WeightSyncError("manifest uses xxh3_64 checksums but the xxhash package is not installed")
-        if algo not in ("xxh3_64", "crc32"):
-            raise WeightSyncError(f"unknown checksum algorithm {algo!r}")
-        self._xxh = xxhash.xxh3_64() if algo == "xxh3_64" else None
-        self._crc = 0
-
-    def update(self, buf: memoryview) -> None:
-        if self._xxh is not None:
-            self._xxh.update(buf)
-        else:
-            self._crc = zlib.crc32(buf, self._crc)
-
-    def hexdigest(self) -> str:
-        return f"xxh3_64:{self._xxh.hexdigest()}" if self._xxh is not None else f"crc32:{self._crc:08x}"
-
-
-def raw_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview((t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)).numpy()).cast("B")
 
 
 def default_root(run: str, run_dir: str | os.PathLike[str] | None) -> Path:
@@ -143,103 +87,11 @@ def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version:08d}"
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """Where one tensor lives: manifest order, file and absolute byte range, digest."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-    begin: int
-    end: int
-    checksum: str
-
-
-class _Mappings:
-    """Shared mappings of shard files that outlive a version, keyed by inode (a recycled file keeps its own).
-
-    ``get`` reuses a mapping while the file has the size it was mapped at and maps afresh otherwise; a
-    mapping is only ever read or written within the size just checked, so a file shrunk behind our back
-    cannot fault (SIGBUS) through a stale one. A mapping pins its pages, so one of a deleted file would
-    hold its memory: ``retain_existing`` drops those. ``grew`` says a file was mapped since the last
-    ``retain_existing``: in the steady state (recycled files, the same inodes) nothing is mapped afresh, and
-    the directory scan can be skipped.
-    """
-
-    def __init__(self, writable: bool) -> None:
-        self.writable = writable
-        self._maps: dict[tuple[int, int], mmap.mmap] = {}
-        self.grew = False
-
-    def get(self, path: Path, size: int | None = None) -> tuple[tuple[int, int], mmap.mmap]:
-        """Map ``path`` whole. A writer passes ``size`` (the file is resized to it); a reader checks it."""
-        flags = os.O_RDWR if self.writable else os.O_RDONLY
-        fd = os.open(path, flags)
-        try:
-            if self.writable and size is not None:
-                os.ftruncate(fd, size)  # a no-op when a recycled file already has this size
-            st = os.fstat(fd)
-            if size is not None and st.st_size != size:
-                raise WeightSyncError(f"{path} has {st.st_size} bytes, the manifest says {size} (truncated?)")
-            if st.st_size == 0:
-                raise WeightSyncError(f"{path} is empty")
-            key = (st.st_dev, st.st_ino)
-            mm = self._maps.get(key)
-            if mm is None or len(mm) != st.st_size:
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
-                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
-                self._maps[key] = mm
-                self.grew = True
-            return key, mm
-        finally:
-            os.close(fd)
-
-    def retain_existing(self, root: Path) -> None:
-        """Drop mappings of files gone from ``root`` (kept ones cost no memory: the file holds the pages)."""
-        keep = set()
-        for d in _entries(root):
-            if d.name.startswith("v") or d.name == ".free":
-                keep |= {(f.stat().st_dev, f.stat().st_ino) for f in _entries(Path(d.path))}
-        for key in [k for k in self._maps if k not in keep]:
-            del self._maps[key]  # unmapped once no tensor view refers to it
-        self.grew = False
-
-
-def _entries(path: Path) -> list[os.DirEntry]:
-    """The entries of ``path`` that still exist, stat cached: the other side renames and deletes meanwhile."""
-    out = []
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(path) as it:
-        for entry in it:
-            with contextlib.suppress(FileNotFoundError):
-                entry.stat()  # DirEntry caches it
-                out.append(entry)
-    return out
-
-
 # A progress note per this many bytes written, and at the end of each shard at least this big. A smaller
 # shard gets none: its manifest follows within a millisecond, and a note costs a Redis round trip.
 PROGRESS_BYTES = 32 << 20
 INLINE_VERIFY_BYTES = 1 << 20  # fewer bytes than this are checksummed on the caller's thread
 RETAIN_S = 1.0  # a subscriber drops mappings of deleted files at least this often
-COPY_CHUNK = 1 << 20  # fits in L2, so each chunk is checksummed while it is still in cache
-
-
-def _copy_with_checksum(out: memoryview, offset: int, src: memoryview) -> str:
-    """Copy ``src`` into ``out`` at ``offset`` and checksum it in the same pass.
-
-    Chunk by chunk, the checksum reads what the copy just brought into cache: the pair costs about 1.2
-    memcpys here, where a separate checksum pass (even on a second thread) adds about half of one.
-    """
-    if len(src) <= COPY_CHUNK:
-        out[offset : offset + len(src)] = src
-        return checksum(src)
-    digest = Digest()
-    for begin in range(0, len(src), COPY_CHUNK):
-        chunk = src[begin : begin + COPY_CHUNK]
-        out[offset + begin : offset + begin + len(chunk)] = chunk
-        digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- publisher
@@ -269,7 +121,7 @@ class ShmPublisher(Publisher):
         self.root.mkdir(parents=True, exist_ok=True)
         self._free = self.root / ".free"
         self._free.mkdir(exist_ok=True)
-        self._maps = _Mappings(writable=True)
+        self._maps = Mappings(writable=True)
         # Progress notes go out on a thread so the copy never waits for Redis; publish joins them before
         # it announces the version.
         self._notifier = ThreadPoolExecutor(1, thread_name_prefix="shm-progress")
@@ -340,8 +192,8 @@ class ShmPublisher(Publisher):
 
     # -- writing
 
-    def _write_shards(self, it: Iterator[tuple[str, torch.Tensor]], tmp: Path) -> list[_Entry]:
-        entries: list[_Entry] = []
+    def _write_shards(self, it: Iterator[tuple[str, torch.Tensor]], tmp: Path) -> list[Entry]:
+        entries: list[Entry] = []
         shard: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in it:
@@ -355,7 +207,7 @@ class ShmPublisher(Publisher):
             entries += self._write_shard(tmp / f"shard-{len(entries):06d}", shard)
         return entries
 
-    def _write_shard(self, path: Path, shard: list[tuple[str, torch.Tensor]]) -> list[_Entry]:
+    def _write_shard(self, path: Path, shard: list[tuple[str, torch.Tensor]]) -> list[Entry]:
         """One safetensors file; returns its entries in the caller's order."""
         order = sorted(range(len(shard)), key=lambda i: -shard[i][1].element_size())  # stable: aligned
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
@@ -385,13 +237,13 @@ class ShmPublisher(Publisher):
             out[:start] = len(text).to_bytes(8, "little") + text
             for i in order:
                 begin, end = start + spans[i][0], start + spans[i][1]
-                digests[i] = _copy_with_checksum(out, begin, raw_bytes(shard[i][1]))
+                digests[i] = copy_with_checksum(out, begin, raw_bytes(shard[i][1]))
                 written.append((begin, end, digests[i]))
                 if end - written[0][0] >= PROGRESS_BYTES or (i == order[-1] and offset >= PROGRESS_BYTES):
                     self._note_progress(path, written)
                     written = []
         return [
-            _Entry(
+            Entry(
                 name=name,
                 dtype=str(t.dtype).removeprefix("torch."),
                 shape=tuple(t.shape),
@@ -428,7 +280,7 @@ class ShmPublisher(Publisher):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
 
     @staticmethod
-    def _name_shards(tmp: Path, entries: list[_Entry]) -> list[_Entry]:
+    def _name_shards(tmp: Path, entries: list[Entry]) -> list[Entry]:
         """Give shards Hugging Face's names (and an index when there are several)."""
         files = sorted({e.file for e in entries})
         if len(files) == 1:
@@ -442,7 +294,7 @@ class ShmPublisher(Publisher):
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         for old, new in names.items():
             os.rename(tmp / old, tmp / new)
-        return [_Entry(e.name, e.dtype, e.shape, names[e.file], e.begin, e.end, e.checksum) for e in entries]
+        return [Entry(e.name, e.dtype, e.shape, names[e.file], e.begin, e.end, e.checksum) for e in entries]
 
     def _copy_config(self, tmp: Path) -> None:
         """Give the version the checkpoint's other files (config, tokenizer), so it loads as a checkpoint.
@@ -526,7 +378,7 @@ class ShmSubscriber(RegisteredSubscriber):
         self.verify = verify
         self._rejected: set[int] = set()
         self.rejected = 0  # versions refused (checksum or size), for metrics
-        self._maps = _Mappings(writable=False)
+        self._maps = Mappings(writable=False)
         self._retained_at = 0.0
         # xxhash releases the GIL, so verification spreads over a few cores, leaving one to the engine and
         # (on a shared host) the publisher; one thread already outpaces a writer (hashing is ~2x memcpy).
@@ -579,7 +431,7 @@ class ShmSubscriber(RegisteredSubscriber):
             return None
         except WeightSyncError as e:
             return self._reject(version, str(e))
-        entries = [_Entry(n, d, tuple(s), f, b, e, c) for n, d, s, f, b, e, c in manifest["tensors"]]
+        entries = [Entry(n, d, tuple(s), f, b, e, c) for n, d, s, f, b, e, c in manifest["tensors"]]
         if self.verify:
             token = manifest.get("token")
             inode = {f: key for f, (key, _) in maps.items()}
@@ -602,10 +454,10 @@ class ShmSubscriber(RegisteredSubscriber):
         self._heartbeat(version, force=True)
         metas = [TensorMeta(e.name, e.dtype, e.shape, e.checksum) for e in entries]
         views = {f: mm for f, (_, mm) in maps.items()}
-        return Update(version, metas, lambda: _views(entries, views), path=str(root))
+        return Update(version, metas, lambda: tensor_views(entries, views), path=str(root))
 
-    def _checksums(self, entries: list[_Entry], maps: dict[str, mmap.mmap]) -> Iterator[str]:
-        def one(e: _Entry) -> str:
+    def _checksums(self, entries: list[Entry], maps: dict[str, mmap.mmap]) -> Iterator[str]:
+        def one(e: Entry) -> str:
             return checksum(memoryview(maps[e.file])[e.begin : e.end], e.checksum.split(":", 1)[0])
 
         if sum(e.end - e.begin for e in entries) < INLINE_VERIFY_BYTES:  # a thread hop per tensor costs more
@@ -629,7 +481,7 @@ class ShmSubscriber(RegisteredSubscriber):
             self._early_token, self._early_notes = token, 0
         notes = self.client.lrange(weights_key(self.run, "progress", token), self._early_notes, -1)
         self._early_notes += len(notes)
-        todo: list[tuple[tuple[int, int], _Entry]] = []
+        todo: list[tuple[tuple[int, int], Entry]] = []
         maps: dict[str, mmap.mmap] = {}
         for note in notes:
             path, spans = msgpack.unpackb(note)
@@ -637,7 +489,7 @@ class ShmSubscriber(RegisteredSubscriber):
                 key, maps[path] = self._maps.get(Path(path))
             except (FileNotFoundError, WeightSyncError):  # renamed or retired meanwhile: _load checks it
                 continue
-            todo += [(key, _Entry("", "", (), path, b, e, c)) for b, e, c in spans]
+            todo += [(key, Entry("", "", (), path, b, e, c)) for b, e, c in spans]
         for (key, e), digest in zip(todo, self._checksums([e for _, e in todo], maps), strict=True):
             self._early[(token, key, e.begin, e.end)] = digest
         return bool(todo)
@@ -647,30 +499,3 @@ class ShmSubscriber(RegisteredSubscriber):
         self._rejected.add(version)
         self.rejected += 1
         return None
-
-
-def _views(entries: list[_Entry], maps: dict[str, mmap.mmap]) -> Iterator[tuple[str, torch.Tensor]]:
-    typed: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # one flat view per file and dtype
-    for e in entries:
-        dtype = TORCH_DTYPES[e.dtype]
-        if e.end == e.begin:
-            yield e.name, torch.empty(e.shape, dtype=dtype)
-            continue
-        flat = typed.get((e.file, dtype))
-        if flat is None:  # frombuffer costs several times an as_strided, so once per file and dtype
-            with warnings.catch_warnings():  # read-only by design: engines copy out of these views
-                warnings.simplefilter("ignore", UserWarning)
-                mm = maps[e.file]
-                flat = typed[e.file, dtype] = torch.frombuffer(
-                    mm, dtype=dtype, count=len(mm) // dtype.itemsize
-                )
-        # The writer orders tensors by element size, so every offset is a whole number of elements.
-        yield e.name, flat.as_strided(e.shape, _contiguous_strides(e.shape), e.begin // dtype.itemsize)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
