@@ -22,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from tandem.config import write_private
 from tandem.net import free_port
 from tandem.procs import DETACHED
 
@@ -86,8 +87,7 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        (self.data_dir / "redis.password").write_text(self.password)
-        os.chmod(self.data_dir / "redis.password", 0o600)
+        write_private(self.data_dir / "redis.password", self.password)
         conf = self.data_dir / "redis.conf"
         conf.write_text(
             "\n".join(

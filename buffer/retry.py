@@ -20,6 +20,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from tandem.config import redact
+
 BACKOFF_BASE_S = 0.05  # first retry after 50 ms: a restart on the same machine takes ~0.1-1 s
 BACKOFF_CAP_S = 1.0  # then once a second until the budget is spent
 
@@ -61,6 +63,26 @@ def connect(
         retry=reconnecting(reconnect_s),
         **kwargs,
     )
+
+
+class RedisUnavailable(ConnectionError):
+    """The run's Redis did not answer; ``url`` and ``reason`` have its password redacted."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url, self.reason = redact(url), redact(reason)
+        super().__init__(f"Redis at {self.url} does not answer: {self.reason}")
+
+
+def connect_run(url: str, *, reconnect_s: float, **kwargs: object) -> redis.Redis:
+    """:func:`connect`, then one PING (retried as any command is): a client of a Redis that answers now,
+    or :class:`RedisUnavailable`, whose message never holds the password."""
+    client = connect(url, reconnect_s=reconnect_s, **kwargs)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        client.close()
+        raise RedisUnavailable(url, str(e)) from None
+    return client
 
 
 class Incarnation:

@@ -27,14 +27,14 @@ import redis
 import yaml
 
 from buffer.redis_server import EmbeddedRedis
-from buffer.retry import connect
+from buffer.retry import RedisUnavailable, connect_run
 from launcher.backends import Backend, Outcome, StartError
 from launcher.console import Console, status_line, summarize
 from launcher.feeder import PromptFeeder, PromptSet
 from launcher.plan import RunPlan, plan_run
 from launcher.prepare import how_to_make
 from launcher.supervision import RestartPolicy, Restarts
-from tandem.config import Config, ConfigError, dump_config
+from tandem.config import Config, ConfigError, dump_config, write_private
 from tandem.procs import alive
 from tandem.telemetry import ready_key, stop_key
 
@@ -175,10 +175,8 @@ def wait_for_leftovers(run_dir: Path, timeout_s: float = 15.0) -> None:
 
 def write_process_config(cfg: Config, run_dir: Path) -> Path:
     """The resolved config every child reads. It holds the Redis password, so it is private (0600)."""
-    path, tmp = run_dir / "config.yaml", run_dir / ".config.yaml.tmp"
-    tmp.touch(mode=0o600)
-    tmp.write_text(dump_config(cfg))
-    tmp.rename(path)  # atomic: a reader sees no config or the whole config, never the password half-written
+    path = run_dir / "config.yaml"
+    write_private(path, dump_config(cfg))
     return path
 
 
@@ -353,8 +351,7 @@ def _run(
             ).start()
             cfg = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"url": embedded.url})})
         reconnect_s = DRIVER_RECONNECT_S if embedded is not None else cfg.supervision.reconnect_s
-        client = connect(cfg.redis.url, reconnect_s=reconnect_s)
-        client.ping()
+        client = connect_run(cfg.redis.url, reconnect_s=reconnect_s)
         keeper = RedisKeeper(cfg, embedded)
         client.delete(stop_key(cfg.run.name))
         from weightsync.dist import forget_dead_publisher  # torch: not at the launcher's import
@@ -380,6 +377,8 @@ def _run(
             finally:
                 console.close()
     except StartError as e:
+        outcome = Outcome(False, f"could not start: {e}")
+    except RedisUnavailable as e:  # an external redis.url that does not answer: no process was started
         outcome = Outcome(False, f"could not start: {e}")
     except KeyboardInterrupt:
         outcome = Outcome(False, "interrupted (Ctrl-C): stopping every process")

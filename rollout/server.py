@@ -39,7 +39,7 @@ from rollout.engines.hf import HFEngine
 from rollout.http.app import create_app
 from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
-from tandem.config import Config, HTTPConfig, load_config, redact
+from tandem.config import Config, HTTPConfig, load_config
 from tandem.fleet import Beat
 from tandem.procs import exit_with_driver
 from tandem.telemetry import Telemetry, setup_logging
@@ -188,20 +188,18 @@ def connect_redis(cfg: Config) -> redis.Redis:
         raise SystemExit(
             "redis.url is not set: launch.py writes the run's Redis URL into the config it passes"
         )
-    from buffer.retry import connect
+    from buffer.retry import RedisUnavailable, connect_run
 
     # Rides out a Redis restart: lost connections are retried for supervision.reconnect_s (§6.6).
-    client = connect(
-        cfg.redis.url,
-        reconnect_s=cfg.supervision.reconnect_s,
-        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-        health_check_interval=30,
-    )
     try:
-        client.ping()
-    except redis.RedisError as e:
-        raise SystemExit(f"Redis at {redact(cfg.redis.url)} does not answer: {e}") from None
-    return client
+        return connect_run(
+            cfg.redis.url,
+            reconnect_s=cfg.supervision.reconnect_s,
+            socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            health_check_interval=30,
+        )
+    except RedisUnavailable as e:
+        raise SystemExit(str(e)) from None
 
 
 def warm_up(engine: Engine, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -22,6 +22,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def local_address(peer: str) -> str:
+    """This machine's address on the route to ``peer`` (a host name or an IP): the one ``peer`` can dial
+    back. A UDP connect sends no packet; it only picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(peer), 9))
+        return s.getsockname()[0]
+
+
 def to_json(payload: Any) -> dict[str, Any]:
     """A payload dataclass as a JSON body; ``None`` fields (nested ones too) are left out so the engine's
     defaults apply."""

@@ -1,8 +1,10 @@
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
-from tandem.config import Config, ConfigError, describe_fields, dump_config, load_config
+from tandem.config import Config, ConfigError, describe_fields, dump_config, load_config, write_private
 
 ROOT = Path(__file__).resolve().parent.parent
 # Pipeline configs (pipeline-*.yaml) have their own schema: stages/pipeline.py, tests/test_pipeline.py.
@@ -113,3 +115,16 @@ def test_every_field_is_described() -> None:
     assert len(rows) > 50
     missing = [path for path, _, desc in rows if not desc]
     assert missing == []
+
+
+def test_write_private_is_owner_only_from_creation_and_replaces_the_file_whole(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("old")
+    path.chmod(0o644)
+    # A crashed writer's temporary file: its loose mode must not carry over.
+    leftover = tmp_path / f".config.yaml.{os.getpid()}.tmp"
+    leftover.write_text("x")
+    leftover.chmod(0o666)
+    write_private(path, "redis: {url: 'redis://:secret@host:6379/0'}")
+    assert path.read_text() == "redis: {url: 'redis://:secret@host:6379/0'}"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and not leftover.exists()

@@ -17,11 +17,21 @@ import pytest
 import redis
 
 from buffer.redis_server import EmbeddedRedis
-from buffer.retry import BACKOFF_BASE_S, BACKOFF_CAP_S, Incarnation, connect, retries_for
+from buffer.retry import (
+    BACKOFF_BASE_S,
+    BACKOFF_CAP_S,
+    Incarnation,
+    RedisUnavailable,
+    connect,
+    connect_run,
+    retries_for,
+)
 from buffer.schema import PromptRecord
 from buffer.streams import ReplayBuffer
 from launcher.supervision import RestartPolicy, Restarts
+from tandem.config import redact
 from tandem.data import write_prompts
+from tandem.net import free_port
 from tests.test_buffer import traj
 from toy.tasks import make_records
 
@@ -118,6 +128,16 @@ def test_a_client_rides_out_a_redis_kill_and_restart_and_a_dead_one_fails_in_bou
         if not server.alive:
             server.restart()
         server.stop()
+
+
+def test_connect_run_answers_or_names_the_redis_without_its_password(redis_server) -> None:
+    assert connect_run(redis_server.url, reconnect_s=1.0).ping()
+    dead = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable) as e:
+        connect_run(dead, reconnect_s=0.5)
+    assert str(e.value).startswith("Redis at redis://:***@127.0.0.1:") and "s3cret" not in str(e.value)
+    assert e.value.url == redact(dead) and time.monotonic() - start < 10
 
 
 def test_an_ack_lost_by_a_redis_restart_is_never_handed_out_again(redis_client, run_id, monkeypatch) -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -54,6 +53,7 @@ import redis
 import torch
 import torch.distributed as dist
 
+from tandem.net import local_address
 from weightsync.base import (
     PeersMissing,
     Publisher,
@@ -95,13 +95,6 @@ def resolve_backend(backend: str) -> str:
 def default_host() -> str:
     """Address the servers reach the learner at: $TANDEM_WEIGHTSYNC_HOST, else the learner's MASTER_ADDR."""
     return os.environ.get("TANDEM_WEIGHTSYNC_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-
-
-def _local_address(peer: str) -> str:
-    """The local interface address that routes to ``peer`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((peer, 9))
-        return s.getsockname()[0]
 
 
 def _new_group(store: dist.Store, rank: int, world: int, backend: str, host: str, timeout_s: float):
@@ -394,7 +387,7 @@ class DistSubscriber(RegisteredSubscriber):
                 rank,
                 world,
                 offer["backend"],
-                _local_address(host),
+                local_address(host),
                 self.timeout_s,
             )
         except (RuntimeError, dist.DistError) as e:

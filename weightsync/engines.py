@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,7 +57,7 @@ import redis
 import torch
 
 from tandem.config import Config
-from tandem.net import EngineClient, EngineHTTPError, free_port, to_json
+from tandem.net import EngineClient, EngineHTTPError, free_port, local_address, to_json
 from weightsync.base import BaseSubscriber, Publisher, TensorMeta, Update, WeightSyncError
 from weightsync.base import announce as announce_latest
 
@@ -331,14 +330,6 @@ def buckets(
         yield bucket
 
 
-def _local_address_towards(url: str) -> str:
-    """The learner's IP address on the route to ``url`` (what the engine dials for the rendezvous)."""
-    host = urlsplit(url).hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing; it only picks the route
-        return s.getsockname()[0]
-
-
 class EnginePublisher(Publisher):
     """Publisher (``weightsync.base.Publisher``) that feeds every registered vLLM and SGLang server directly.
 
@@ -441,7 +432,8 @@ class EnginePublisher(Publisher):
         for ep in eps:
             members.append(_Member(ep, self._client(ep), offset))
             offset += ep.world_size
-        address = self.master_address or _local_address_towards(eps[0].url)
+        # The learner's address on the route to the engine: what the engine dials for the rendezvous.
+        address = self.master_address or local_address(urlsplit(eps[0].url).hostname or "127.0.0.1")
         port = free_port("0.0.0.0")
         self._n_groups += 1
         name = f"tandem-{self.run}-{self._n_groups}"

@@ -40,7 +40,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launcher.backends import Outcome, StartError
 from launcher.plan import Role, RunPlan, server_tp
 from launcher.supervision import RestartPolicy, Restarts
-from tandem.config import Config, ConfigError, dump_config, load_config
+from tandem.config import Config, ConfigError, dump_config, load_config, write_private
+from tandem.net import free_port
 from tandem.telemetry import ready_key
 
 log = logging.getLogger("launch")
@@ -64,18 +65,13 @@ class Process:
         }
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")  # on this actor's node, any interface: the learner's rendezvous port
 
     def run(self, role: Role, config_text: str, config_path: str, log_path: str, env: dict) -> int:
         """Write this node's copy of the config and run the role's ``main`` here, output to its log."""
         path = Path(config_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.touch(mode=0o600)
-        tmp.write_text(config_text)
-        tmp.rename(path)
+        write_private(path, config_text)
         cfg = load_config(path)
         if cfg.weightsync.transport == "shm" and not role.is_learner:
             learner = cfg.cluster.placement.get("learner/rank-0", "")
