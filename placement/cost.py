@@ -6,9 +6,11 @@ colocated switch) is timed wherever it runs. The planner knows nothing else: it 
     t(W, g) = α + β · W / g
 
 (``W`` the phase's tokens per step, ``g`` its devices: a fixed cost plus perfectly divisible work), and
-one per role for memory, ``bytes per device = (M + m · W) / g``. What the laws leave out (communication
-that grows with ``g``, the longest response holding a batch, contention between colocated roles, jitter)
-is what the predicted-against-measured figures show.
+one per role for memory, ``bytes per device = (M + m · W) / g``. Where a batch's longest response ``L`` is
+measured, generation gets a third term, ``+ γ · L``: decode steps no device count divides, priced at the
+longest response per generated token over every measured batch (:attr:`CostModel.pace`). What the laws
+leave out (communication that grows with ``g``, contention between colocated roles, jitter) is what the
+predicted-against-measured figures show.
 
 :func:`predict` composes the laws for one plan (docs/design.md §11.2):
 
@@ -65,13 +67,15 @@ class Workload:
 
 @dataclass(frozen=True)
 class Law:
-    """``t = alpha + beta * W / g`` (seconds), or bytes per device ``(alpha + beta * W) / g`` for memory."""
+    """``t = alpha + beta * W / g + gamma * L`` (seconds), or bytes per device ``(alpha + beta * W) / g``
+    for memory. ``L`` is a batch's longest response: decode steps that no device count divides."""
 
     alpha: float
     beta: float
+    gamma: float = 0.0
 
-    def time(self, tokens: float, devices: int) -> float:
-        return self.alpha + self.beta * tokens / devices
+    def time(self, tokens: float, devices: int, longest: float = 0.0) -> float:
+        return self.alpha + self.beta * tokens / devices + self.gamma * longest
 
     def bytes(self, tokens: float, devices: int) -> float:
         return (self.alpha + self.beta * tokens) / devices
@@ -95,6 +99,37 @@ def fit(xs: Iterable[float], ys: Iterable[float]) -> Law:
     return Law(float(alpha), float(beta))
 
 
+def fit_paced(xs: Iterable[float], longest: Iterable[float], ys: Iterable[float]) -> Law:
+    """Least squares ``y = alpha + beta * x + gamma * L`` with every term non-negative: the generation law
+    when each batch's longest response ``L`` is known.
+
+    With a heavy tail, the batches a probe happens to draw move its generate times more than its device
+    count does. Fitted on ``x`` alone, the probes' luck would read as a slope in ``W / g`` and misprice
+    every device count; with ``L`` beside it, the slope is what devices change. Exact non-negative least
+    squares over three terms: the best fit among the subsets of terms whose coefficients are all
+    non-negative. With a single distinct ``x`` there is no fixed cost, as in :func:`fit`."""
+    x, lng, y = (np.asarray(list(v), dtype=float) for v in (xs, longest, ys))
+    if len(x) == 0:
+        raise ValueError("fit_paced: no measurements")
+    cols = [np.ones_like(x), x, lng]
+    terms = [1, 2] if np.ptp(x) <= 1e-12 * max(1.0, abs(x).max()) else [0, 1, 2]
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 2 ** len(terms)):
+        use = [t for i, t in enumerate(terms) if mask >> i & 1]
+        a = np.stack([cols[t] for t in use], axis=1)
+        coef = np.linalg.lstsq(a, y, rcond=None)[0]
+        if (coef < 0).any():
+            continue
+        err = float(((a @ coef - y) ** 2).sum())
+        if best is None or err < best[0] - 1e-18:
+            full = np.zeros(3)
+            full[use] = coef
+            best = (err, full)
+    if best is None:  # no subset fits with non-negative terms: the mean, as a fixed cost
+        return Law(float(y.mean()), 0.0)
+    return Law(*(float(v) for v in best[1]))
+
+
 @dataclass(frozen=True)
 class Sample:
     """One measurement: ``phase`` (or memory ``role``) took ``value`` seconds (bytes per device) at W, g."""
@@ -103,6 +138,7 @@ class Sample:
     tokens: float
     devices: int
     value: float
+    longest: float = 0.0  # generation: the batch's longest response in tokens (0 where not logged)
 
 
 @dataclass
@@ -111,6 +147,9 @@ class CostModel:
 
     time: dict[str, Law] = field(default_factory=dict)
     memory: dict[str, Law] = field(default_factory=dict)
+    # A batch's longest response per generated token, averaged over every measured batch whatever its
+    # devices: the pace-setting tail, which predictions price at every device count alike.
+    pace: float = 0.0
 
     @classmethod
     def from_samples(cls, times: Iterable[Sample], memory: Iterable[Sample] = ()) -> CostModel:
@@ -120,21 +159,31 @@ class CostModel:
         by_role: dict[str, list[Sample]] = {}
         for s in memory:
             by_role.setdefault(s.name, []).append(s)
+        paced = [s for s in by_phase.get("generate", []) if s.longest > 0 and s.tokens > 0]
         return cls(
-            {p: fit((s.tokens / s.devices for s in ss), (s.value for s in ss)) for p, ss in by_phase.items()},
+            {p: _fit_phase(ss) for p, ss in by_phase.items()},
             # bytes per device * g = M + m * W: a line in W
             {r: fit((s.tokens for s in ss), (s.value * s.devices for s in ss)) for r, ss in by_role.items()},
+            float(np.mean([s.longest / s.tokens for s in paced])) if paced else 0.0,
         )
 
     def t(self, phase: str, work: Workload, devices: int) -> float:
         law = self.time.get(phase)
         if law is None:
             raise KeyError(f"no measurements of phase {phase!r}; the profile window must time it")
-        return law.time(work.tokens(phase), max(1, devices))
+        tokens = work.tokens(phase)
+        return law.time(tokens, max(1, devices), self.pace * tokens if phase == "generate" else 0.0)
 
     def m(self, role: str, work: Workload, devices: int) -> float:
         law = self.memory.get(role)
         return 0.0 if law is None else law.bytes(work.tokens("train"), max(1, devices))
+
+
+def _fit_phase(samples: list[Sample]) -> Law:
+    x = [s.tokens / s.devices for s in samples]
+    if any(s.longest > 0 for s in samples):
+        return fit_paced(x, (s.longest for s in samples), (s.value for s in samples))
+    return fit(x, (s.value for s in samples))
 
 
 @dataclass(frozen=True)

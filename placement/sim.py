@@ -244,7 +244,7 @@ class SimRun:
             t0 = time.perf_counter()
             time.sleep(dt)
             took = time.perf_counter() - t0
-        self.samples.append(Sample(name, tokens, len(devs), took))
+        self.samples.append(Sample(name, tokens, len(devs), took, longest))
 
     @contextmanager
     def resident(

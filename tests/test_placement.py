@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from placement.cost import CostModel, Law, Sample, Workload, fit, predict
+from placement.cost import CostModel, Law, Sample, Workload, fit, fit_paced, predict
 from placement.local import configured_plan, thread_split
 from placement.plan import Plan, Roles, candidates, validate
 from placement.planner import Replanner, rank
@@ -79,6 +79,31 @@ def test_cost_model_fits_time_in_w_over_g_and_memory_per_device() -> None:
     assert model.time["actor_train"].alpha == pytest.approx(0.01)
     assert model.time["actor_train"].beta == pytest.approx(2e-6)
     assert model.memory["actor"].bytes(5000, 5) == pytest.approx((100.0 + 10_000) / 5)
+
+
+def test_generation_law_separates_devices_from_the_batches_longest_response() -> None:
+    # Truth: 0.01 s + 2e-5 s per token per device + 3e-4 s per token of the longest response. The
+    # 8-device probe happened to draw short batches, the 4-device probe long ones.
+    def truth(w: float, g: int, longest: float) -> float:
+        return 0.01 + 2e-5 * w / g + 3e-4 * longest
+
+    draws = {8: (100.0, 150.0, 120.0), 4: (600.0, 900.0, 700.0)}
+    gen = [Sample("generate", 4096.0, g, truth(4096.0, g, L), L) for g, ls in draws.items() for L in ls]
+    law = fit_paced([s.tokens / s.devices for s in gen], [s.longest for s in gen], [s.value for s in gen])
+    assert (law.alpha, law.beta, law.gamma) == pytest.approx((0.01, 2e-5, 3e-4))
+    model = CostModel.from_samples(gen)
+    pace = sum(L for ls in draws.values() for L in ls) / 6 / 4096.0  # longest per generated token
+    assert model.pace == pytest.approx(pace)
+    work = Workload(samples=16, prompt_len=16.0, response_len=256.0)  # 4096 generated tokens
+    for g in (8, 6, 4):  # every device count priced with the same tail
+        assert model.t("generate", work, g) == pytest.approx(truth(4096.0, g, pace * 4096.0))
+    # The law without the longest response reads the probes' luck as a cost of fewer devices.
+    blind = fit([s.tokens / s.devices for s in gen], [s.value for s in gen])
+    assert blind.beta > 3 * law.beta
+    # Terms stay non-negative; one device count: no fixed cost, as for fit.
+    assert fit_paced([1.0, 2.0, 3.0], [5.0, 1.0, 3.0], [3.0, 2.0, 1.0]).beta == 0.0
+    one = fit_paced([8.0, 8.0, 8.0], [1.0, 2.0, 4.0], [1.1, 1.2, 1.4])
+    assert one.alpha == 0.0 and one.gamma == pytest.approx(0.1)
 
 
 # ------------------------------------------------------------------------------------------ predictions by hand
