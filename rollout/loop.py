@@ -63,7 +63,7 @@ from rollout.shaping import is_informative, overlong_penalty
 from tandem.config import Config
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
-from tandem.timing import Timers
+from tandem.timing import Timers, timed
 from weightsync.base import Subscriber, Update, WeightSyncError, wait_for, weights_key
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,6 @@ class RolloutLoop:
         self.totals = Timers()  # the same, summed over every log, with time/engine_busy and time/wall
         self.busy = BusyClock()  # wall time with at least one generation running
         self.engine_busy, self._busy_window = 0.0, (0.0, 0.0)  # its share of wall time (logged)
-        self._timers_lock = threading.Lock()
         self._weights_lock = threading.Lock()  # one poll-and-apply at a time (main and generation threads)
         self._last_poll = 0.0
         self.window = inflight_window(cfg)
@@ -257,28 +256,25 @@ class RolloutLoop:
     def admit(self) -> bool:
         """Gain admission for up to ``prompts_per_batch`` groups: wait for the first, take the rest if free
         (one Redis call when the window is open)."""
-        start = time.perf_counter()
-        held = self.admission.top_up(
-            self.cfg.rollout.prompts_per_batch, timeout_s=POLL_S, should_stop=self.should_stop,
-            # The learner may be publishing the very version that opens admission, and a dist broadcast
-            # waits for this server to join: take weights while waiting.
-            while_waiting=self.sleep_while_waiting, wake_channels=[weights_key(self.cfg.run.name, "announce")],
-        )  # fmt: skip
-        self.spent("time/wait_admission", start)
+        with self.timers("time/wait_admission"):
+            held = self.admission.top_up(
+                self.cfg.rollout.prompts_per_batch, timeout_s=POLL_S, should_stop=self.should_stop,
+                # The learner may be publishing the very version that opens admission, and a dist broadcast
+                # waits for this server to join: take weights while waiting.
+                while_waiting=self.sleep_while_waiting,
+                wake_channels=[weights_key(self.cfg.run.name, "announce")],
+            )  # fmt: skip
         return held > 0
 
     def take_prompts(self) -> list[TakenPrompt]:
-        start = time.perf_counter()
-        prompts = self.buffer.take_prompts(self.admission.credits, timeout_s=POLL_S)
-        self.spent("time/take_prompts", start)
+        with self.timers("time/take_prompts"):
+            prompts = self.buffer.take_prompts(self.admission.credits, timeout_s=POLL_S)
         self.admission.spend(sum(not p.redelivered for p in prompts))
         return prompts
 
     def reclaim_prompts(self) -> list[TakenPrompt]:
-        start = time.perf_counter()
-        prompts = self.buffer.reclaim_prompts(self.cfg.rollout.prompts_per_batch)
-        self.spent("time/take_prompts", start)
-        return prompts
+        with self.timers("time/take_prompts"):
+            return self.buffer.reclaim_prompts(self.cfg.rollout.prompts_per_batch)
 
     def ensure_fresh_weights(self) -> bool:
         """Apply any pending update, then block until ``version >= learner version - max_staleness``.
@@ -287,40 +283,35 @@ class RolloutLoop:
         False only when a stop was requested while waiting. An update applied here while other batches
         generate is an in-flight update for them (their later tokens carry its version).
         """
-        start = time.perf_counter()
-        with self._weights_lock:
+        with timed() as span, self._weights_lock:
             self.apply(self.subscriber.poll(0.0))
             self.wait_for_weights(self.admission.freshness_floor, self.cfg.weightsync.timeout_s)
             if self.should_stop() and self.engine.version < self.admission.freshness_floor():
-                return False
+                return False  # a stop's wait is no weight sync
             self.wake_held()
-        self.spent("time/weight_sync", start)
+        self.timers.add("time/weight_sync", span.seconds)
         return True
 
     def generate(self, prompts: list[TakenPrompt]) -> list[list[Completion]]:
-        start = time.perf_counter()
         hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
-        with self.busy:
-            out = self.engine.generate(
+        with self.timers("time/generate"), self.busy:
+            return self.engine.generate(
                 [p.prompt.tokens.tolist() for p in prompts], self.sampling, between_steps=hook
             )
-        self.spent("time/generate", start)
-        return out
 
     def run_episodes(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
         """``n`` episodes per prompt, every one a fresh environment, all run together (docs/design.md §10.3)."""
         assert self.episodes is not None and self.env_factory is not None
-        start = time.perf_counter()
         n = self.sampling.n
-        episodes = []
-        for taken in prompts:
-            p = taken.prompt
-            task = Task(p.text, tuple(p.tokens.tolist()), p.record)
-            episodes += [Episode(task, self.env_factory(), p.tokens.tolist()) for _ in range(n)]
-        hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
-        with self.busy:
-            self.episodes.run(episodes, between_steps=hook, between_turns=self.poll_weights)
-        self.spent("time/generate", start)
+        with self.timers("time/generate"):
+            episodes = []
+            for taken in prompts:
+                p = taken.prompt
+                task = Task(p.text, tuple(p.tokens.tolist()), p.record)
+                episodes += [Episode(task, self.env_factory(), p.tokens.tolist()) for _ in range(n)]
+            hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
+            with self.busy:
+                self.episodes.run(episodes, between_steps=hook, between_turns=self.poll_weights)
         groups = []
         for k, taken in enumerate(prompts):
             group_id = uuid.uuid4().hex
@@ -342,13 +333,13 @@ class RolloutLoop:
         from rollout.agents.runner import AgentEpisode
 
         assert self.agents is not None
-        start, n = time.perf_counter(), self.sampling.n
-        episodes = [
-            AgentEpisode(t.prompt.record, t.prompt.tokens.tolist()) for t in prompts for _ in range(n)
-        ]
-        with self.busy:
-            self.agents.run(episodes)
-        self.spent("time/generate", start)
+        n = self.sampling.n
+        with self.timers("time/generate"):
+            episodes = [
+                AgentEpisode(t.prompt.record, t.prompt.tokens.tolist()) for t in prompts for _ in range(n)
+            ]
+            with self.busy:
+                self.agents.run(episodes)
         server = f"server-{self.server_index}"
         groups = []
         for k, taken in enumerate(prompts):
@@ -365,26 +356,29 @@ class RolloutLoop:
     ) -> list[list[Trajectory]]:
         """Reward functions on the completion text plus the reward model's score weighted by
         ``reward.model_weight``; the total is clipped by ``reward.clip``."""
-        a, start = self.cfg.algorithm, time.perf_counter()
-        texts = [[self.completion_text(c) for c in group] for group in completions]
-        rm_scores = iter(self.score_reward_model(prompts, texts))
-        groups = []
-        for taken, group, group_texts in zip(prompts, completions, texts, strict=True):
-            p, group_id = taken.prompt, uuid.uuid4().hex
-            trajs = []
-            for c, text in zip(group, group_texts, strict=True):
-                reward, parts = self.rewards.score(p.text, text, p.record)
-                if self.reward_model is not None:
-                    parts["reward_model"] = next(rm_scores)
-                    reward = self.clip(reward + self.cfg.reward.model_weight * parts["reward_model"])
-                if a.overlong_buffer is not None:
-                    parts["overlong"] = overlong_penalty(
-                        len(c.token_ids), self.sampling.max_new_tokens, a.overlong_buffer, a.overlong_penalty
-                    )
-                    reward = self.clip(reward + parts["overlong"])
-                trajs.append(self.trajectory(p, c, reward, parts, group_id))
-            groups.append(trajs)
-        self.spent("time/score", start)
+        with self.timers("time/score"):
+            a = self.cfg.algorithm
+            texts = [[self.completion_text(c) for c in group] for group in completions]
+            rm_scores = iter(self.score_reward_model(prompts, texts))
+            groups = []
+            for taken, group, group_texts in zip(prompts, completions, texts, strict=True):
+                p, group_id = taken.prompt, uuid.uuid4().hex
+                trajs = []
+                for c, text in zip(group, group_texts, strict=True):
+                    reward, parts = self.rewards.score(p.text, text, p.record)
+                    if self.reward_model is not None:
+                        parts["reward_model"] = next(rm_scores)
+                        reward = self.clip(reward + self.cfg.reward.model_weight * parts["reward_model"])
+                    if a.overlong_buffer is not None:
+                        parts["overlong"] = overlong_penalty(
+                            len(c.token_ids),
+                            self.sampling.max_new_tokens,
+                            a.overlong_buffer,
+                            a.overlong_penalty,
+                        )
+                        reward = self.clip(reward + parts["overlong"])
+                    trajs.append(self.trajectory(p, c, reward, parts, group_id))
+                groups.append(trajs)
         return groups
 
     def drop_uninformative(
@@ -410,19 +404,18 @@ class RolloutLoop:
 
         Returns the groups appended: a group whose prompt another server already answered is refused.
         """
-        start = time.perf_counter()
-        appended = []
-        ids = self.buffer.put_groups(
-            [(group, taken.id) for taken, group in zip(prompts, groups, strict=True)]
-        )
-        for taken, group, got in zip(prompts, groups, ids, strict=True):
-            if got:
-                appended.append(group)
-            else:
-                self.duplicates += 1
-                log.warning("server-%d: prompt %s was answered by another server; group dropped",
-                            self.server_index, taken.prompt.prompt_id)  # fmt: skip
-        self.spent("time/put", start)
+        with self.timers("time/put"):
+            appended = []
+            ids = self.buffer.put_groups(
+                [(group, taken.id) for taken, group in zip(prompts, groups, strict=True)]
+            )
+            for taken, group, got in zip(prompts, groups, ids, strict=True):
+                if got:
+                    appended.append(group)
+                else:
+                    self.duplicates += 1
+                    log.warning("server-%d: prompt %s was answered by another server; group dropped",
+                                self.server_index, taken.prompt.prompt_id)  # fmt: skip
         self.groups += len(appended)
         return appended
 
@@ -436,9 +429,7 @@ class RolloutLoop:
         self.metrics.generated_tokens.labels(source="rollout").inc(tokens)
         self.metrics.rollout_groups.inc(len(groups))
         self.steps += 1
-        with self._timers_lock:
-            timers = dict(self.timers)
-            self.timers.clear()
+        timers = self.timers.take()
         busy, wall = self.busy.lap()
         for k, v in (*timers.items(), ("time/engine_busy", busy), ("time/wall", wall)):
             self.totals[k] += v
@@ -488,15 +479,14 @@ class RolloutLoop:
         """The one path every weight update takes (between batches and in flight): apply, time, count."""
         if update is None:
             return
-        start = time.perf_counter()
-        if self.asleep:
-            self.wake(update)
-        else:
-            self.engine.update_weights(update)
-        self.held_path = update.path or self.held_path
-        seconds = time.perf_counter() - start
-        self.metrics.weight_update_seconds.observe(seconds)
-        log.info("server-%d: weights v%d applied in %.3fs", self.server_index, update.version, seconds)
+        with timed() as span:
+            if self.asleep:
+                self.wake(update)
+            else:
+                self.engine.update_weights(update)
+            self.held_path = update.path or self.held_path
+        self.metrics.weight_update_seconds.observe(span.seconds)
+        log.info("server-%d: weights v%d applied in %.3fs", self.server_index, update.version, span.seconds)
 
     # ------------------------------------------------------------- colocated: sleep and wake (§11.1)
 
@@ -505,23 +495,20 @@ class RolloutLoop:
         free the engine's memory until the next version arrives, since the learner trains meanwhile."""
         self.poll_weights()
         if self.release and not self.asleep and not self.inflight:
-            start = time.perf_counter()
-            self.engine.sleep()
-            self.asleep = True
-            self.spent("time/sleep", start)
+            with self.timers("time/sleep"):
+                self.engine.sleep()
+                self.asleep = True
 
     def wake(self, update: Update) -> None:
         """Wake for ``update`` in vLLM's order: weights, then the update fills them, then the KV cache (so
         the cache is never allocated beside a second copy of the weights). ``time/wake`` excludes the update."""
-        start = time.perf_counter()
-        self.engine.wake_up(["weights"])
-        woken = time.perf_counter()
+        with timed() as weights:
+            self.engine.wake_up(["weights"])
         self.engine.update_weights(update)
-        synced = time.perf_counter()
-        self.engine.wake_up(["kv_cache"])
-        self.asleep = False
-        with self._timers_lock:
-            self.timers["time/wake"] += woken - start + time.perf_counter() - synced
+        with timed() as kv_cache:
+            self.engine.wake_up(["kv_cache"])
+            self.asleep = False
+        self.timers.add("time/wake", weights.seconds + kv_cache.seconds)
 
     def wake_held(self) -> None:
         """Wake with the version the engine held: admission reopened for it (a group dropped, a server gone)
@@ -533,14 +520,14 @@ class RolloutLoop:
     def poll_weights(self, *, block: bool = True) -> None:
         """Apply a new version if one is on offer, without waiting for one. ``block=False``: not at all
         while another thread polls (it applies whatever is on offer)."""
-        start = time.perf_counter()
-        if not self._weights_lock.acquire(blocking=block):
-            return
-        try:
-            self.apply(self.subscriber.poll(0.0))
-        finally:
-            self._weights_lock.release()
-        self.spent("time/weight_sync", start)
+        with timed() as span:
+            if not self._weights_lock.acquire(blocking=block):
+                return
+            try:
+                self.apply(self.subscriber.poll(0.0))
+            finally:
+                self._weights_lock.release()
+        self.timers.add("time/weight_sync", span.seconds)
 
     def poll_inflight(self) -> None:
         """The engine's ``between_steps`` hook: a cheap, throttled poll for a new version mid-generation.
@@ -551,21 +538,13 @@ class RolloutLoop:
             self._last_poll = now
             self.poll_weights(block=False)
 
-    def spent(self, phase: str, since: float) -> None:
-        """Add the time since ``since`` to a phase (timers are written from several threads)."""
-        seconds = time.perf_counter() - since
-        with self._timers_lock:
-            self.timers[phase] += seconds
-
     def score_reward_model(self, prompts: list[TakenPrompt], texts: list[list[str]]) -> list[float]:
         if self.reward_model is None:
             return []
-        start = time.perf_counter()
-        scores = self.reward_model.score(
-            [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
-        )
-        self.spent("time/reward_model", start)
-        return scores
+        with self.timers("time/reward_model"):
+            return self.reward_model.score(
+                [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
+            )
 
     def clip(self, reward: float) -> float:
         c = self.cfg.reward.clip
