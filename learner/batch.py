@@ -51,6 +51,7 @@ class Batch:
     staleness: Tensor  # (B,) int64, at the learner version that trains on the batch
     seq_lens: Tensor  # (B,) int64, prompt + response
     turn_rewards: Tensor | None = None  # (B, R) float32: each turn's reward on its last generated token
+    dropped: Tensor | None = None  # (B,) bool: over the token budget, masked out (make_batch's max_tokens)
 
     def __len__(self) -> int:
         return len(self.trajs)
@@ -84,12 +85,21 @@ def trajectory_problem(t: Trajectory, vocab_size: int) -> str | None:
     return None
 
 
-def make_batch(trajs: Sequence[Trajectory], version: int, *, per_turn: bool = False) -> Batch:
+def make_batch(
+    trajs: Sequence[Trajectory], version: int, *, per_turn: bool = False, max_tokens: int | None = None
+) -> Batch:
     """Collate trajectories (on CPU; tensors move to the device per micro-batch). ``per_turn`` places the
     turn rewards an episode recorded (``meta["turn_credit"]``: last generated token, reward) on their
-    tokens; a trajectory without them keeps its sequence reward."""
+    tokens; a trajectory without them keeps its sequence reward.
+
+    A trajectory longer than ``max_tokens`` (prompt + response; the token budget of a forward pass) is
+    dropped as an aborted one is, masked out and a group of its own, and its forward passes read one
+    token instead of it (``Batch.dropped``; docs/design.md §4.8).
+    """
     width = max([1, *(len(t.response_tokens) for t in trajs)])
     b = len(trajs)
+    lens = np.array([len(t.prompt_tokens) + len(t.response_tokens) for t in trajs], dtype=np.int64)
+    dropped = lens > max_tokens if max_tokens is not None else np.zeros(b, dtype=bool)
     # Filled in numpy, then wrapped: a numpy slice assignment costs a fraction of a torch one per row.
     behav = np.zeros((b, width), dtype=np.float32)
     mask = np.zeros((b, width), dtype=np.float32)
@@ -98,7 +108,7 @@ def make_batch(trajs: Sequence[Trajectory], version: int, *, per_turn: bool = Fa
     for i, t in enumerate(trajs):
         r = len(t.response_tokens)
         behav[i, :r] = t.behav_logp
-        aborted = t.finish_reason == "abort"
+        aborted = t.finish_reason == "abort" or dropped[i]
         # Environment tokens of a multi-turn episode are context: out of the loss, KL, entropy and value
         # targets, all of which read this mask (docs/design.md §10.1).
         mask[i, :r] = 0.0 if aborted else t.loss_mask
@@ -114,8 +124,9 @@ def make_batch(trajs: Sequence[Trajectory], version: int, *, per_turn: bool = Fa
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         group_index=torch.from_numpy(group_index),
         staleness=torch.tensor([t.staleness(version) for t in trajs], dtype=torch.long),
-        seq_lens=torch.tensor([len(t.prompt_tokens) + len(t.response_tokens) for t in trajs]),
+        seq_lens=torch.from_numpy(np.where(dropped, 1, lens)),  # what a forward pass reads
         turn_rewards=None if turns is None else torch.from_numpy(turns),
+        dropped=torch.from_numpy(dropped),
     )
 
 
@@ -151,22 +162,84 @@ def micro_batches(
     return [_build(batch, rows[a:b], layout, device) for a, b in pairwise(bounds)]
 
 
-def budget_sizes(lens: Sequence[int], max_tokens: int, layout: Layout) -> list[int]:
-    """Rows per micro-batch of sequences sorted longest first, so that no forward pass reads more than
-    ``max_tokens`` tokens: rows x longest when padded, the sum of lengths when packed. Short sequences
-    share a pass, a long one gets a pass of its own (alone, even above the budget)."""
+def budget_sizes(
+    lens: Sequence[int], max_tokens: int, layout: Layout, *, rows_per_unit: int = 1
+) -> list[int]:
+    """Units per micro-batch of units sorted longest first, so that no forward pass reads more than
+    ``max_tokens`` tokens: rows x longest when padded, the sum of lengths when packed. A unit is one
+    sequence, or ``rows_per_unit`` sequences that share a pass (a preference pair; ``lens`` is then its
+    longest sequence when padded, its total when packed). Short units share a pass, a long one gets a pass
+    of its own (alone, even above the budget: callers keep units within it, docs/design.md §4.8)."""
     sizes: list[int] = []
     start = 0
     while start < len(lens):
         n, packed = 1, lens[start]
         while start + n < len(lens):
             packed += lens[start + n]
-            if ((n + 1) * lens[start] if layout == "pad" else packed) > max_tokens:
+            if ((n + 1) * rows_per_unit * lens[start] if layout == "pad" else packed) > max_tokens:
                 break
             n += 1
         sizes.append(n)
         start += n
     return sizes
+
+
+def rank_budget(
+    lens: Tensor,
+    units: Tensor,
+    max_tokens: int,
+    layout: Layout,
+    rank: int,
+    world: int,
+    *,
+    rows_per_unit: int = 1,
+) -> tuple[Tensor, list[int]]:
+    """This rank's share of ``units`` (longest first) and its micro-batch sizes under a token budget.
+
+    Shares are dealt round-robin over the length-sorted units (as ``Runtime.micro`` deals rows). Every
+    rank holds the whole batch, so each computes every rank's split and halves its own largest
+    micro-batches up to the largest count (:func:`split_to`): all ranks run the same number of forward
+    passes, which ZeRO-3 needs, without a message.
+
+    Shape: lens (U,) per unit, units (u,) indices into it -> (share,) indices, sizes summing to share.
+    """
+    ordered = units[torch.argsort(lens[units], descending=True, stable=True)]
+    shares = [ordered[r::world] for r in range(world)]
+    counts = [
+        len(budget_sizes(lens[s].tolist(), max_tokens, layout, rows_per_unit=rows_per_unit)) for s in shares
+    ]
+    mine = shares[rank]
+    sizes = budget_sizes(lens[mine].tolist(), max_tokens, layout, rows_per_unit=rows_per_unit)
+    return mine, split_to(sizes, max(counts))
+
+
+def pair_micro_batches(
+    batch: Batch,
+    rank: int,
+    world: int,
+    layout: Layout,
+    device: torch.device,
+    *,
+    size: int,
+    budget: int | None,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of a batch of pairs (row ``i`` and row ``i + b`` are pair ``i``'s two
+    sequences), each holding both sequences of whole pairs: ``size`` pairs, or as many as fit ``budget``
+    tokens (``learner.max_tokens_per_micro_batch``). The rm and dpo losses need both of a pair in one pass."""
+    b = len(batch) // 2
+    first, second = batch.seq_lens[:b], batch.seq_lens[b:]
+    if budget is None:
+        mine = torch.argsort(first + second, descending=True, stable=True)[rank::world]
+        chunks = mine.split(size)
+    else:
+        lens = torch.maximum(first, second) if layout == "pad" else first + second
+        mine, sizes = rank_budget(lens, torch.arange(b), budget, layout, rank, world, rows_per_unit=2)
+        chunks = mine.split(sizes)
+    out = []
+    for chunk in chunks:
+        rows = torch.cat([chunk, chunk + b])
+        out += micro_batches(batch, rows, len(rows), layout, device)
+    return out
 
 
 def split_to(sizes: Sequence[int], count: int) -> list[int]:
@@ -184,11 +257,17 @@ def split_to(sizes: Sequence[int], count: int) -> list[int]:
 
 def _build(batch: Batch, rows: Tensor, layout: Layout, device: torch.device) -> MicroBatch:
     trajs = [batch.trajs[i] for i in rows.tolist()]
+    dropped = [False] * len(trajs) if batch.dropped is None else batch.dropped[rows].tolist()
+    # A dropped row is masked out: its pass reads its first token only, never its whole length.
     seqs = [np.concatenate([t.prompt_tokens, t.response_tokens]) for t in trajs]
-    prompt_lens = torch.tensor([len(t.prompt_tokens) for t in trajs])
+    seqs = [s[:1] if d else s for s, d in zip(seqs, dropped, strict=True)]
+    prompt_lens = torch.tensor(
+        [1 if d else len(t.prompt_tokens) for t, d in zip(trajs, dropped, strict=True)]
+    )
     targets = np.zeros((len(trajs), batch.mask.shape[1]), dtype=np.int64)
     for k, t in enumerate(trajs):
-        targets[k, : len(t.response_tokens)] = t.response_tokens
+        if not dropped[k]:
+            targets[k, : len(t.response_tokens)] = t.response_tokens
     lens = torch.tensor([len(s) for s in seqs])
     if layout == "pack":
         input_ids = torch.from_numpy(np.concatenate(seqs).astype(np.int64))[None]  # (1, N)

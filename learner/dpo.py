@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoTokenizer
 
-from learner.batch import Batch, MicroBatch, make_batch, micro_batches, response_view
+from learner.batch import Batch, MicroBatch, make_batch, pair_micro_batches
 from learner.examples import Pair, as_trajectory, load_pairs
-from learner.losses import logprobs_from_logits
-from learner.models import load_frozen, load_policy, make_engine, policy_logits, resolve_dtype
+from learner.models import load_frozen, load_policy, make_engine, resolve_dtype
 from learner.offline import OfflineRuntime
 from learner.runtime import Stats
 
@@ -78,6 +77,11 @@ class DPOTrainer(OfflineRuntime):
     def engines(self) -> dict[str, Any]:
         return {"actor": self.actor}
 
+    def pass_tokens(self, example: tuple[Pair, float, float]) -> int:
+        p = example[0]
+        c, r = len(p.prompt) + len(p.chosen), len(p.prompt) + len(p.rejected)
+        return 2 * max(c, r) if self.layout == "pad" else c + r
+
     def batch_of(self, pairs: list[Pair]) -> Batch:
         """2b rows: every pair's chosen response, then every pair's rejected one."""
         trajs = [as_trajectory(p.prompt, p.chosen, f"c{i}") for i, p in enumerate(pairs)]
@@ -85,20 +89,19 @@ class DPOTrainer(OfflineRuntime):
         return make_batch(trajs, 0).to(self.device)
 
     def pair_micro(self, batch: Batch) -> list[MicroBatch]:
-        """This rank's micro-batches, each holding both sequences of ``micro_batch_size`` whole pairs."""
-        b = len(batch) // 2
-        pairs = torch.argsort(batch.seq_lens[:b] + batch.seq_lens[b:], descending=True, stable=True)
-        out = []
-        for chunk in pairs[self.rank :: self.world].split(self.cfg.learner.micro_batch_size):
-            rows = torch.cat([chunk, chunk + b])
-            out += micro_batches(batch, rows, len(rows), self.layout, self.device)
-        return out
+        """This rank's micro-batches, each holding both sequences of whole pairs (``micro_batch_size``
+        pairs, or by ``learner.max_tokens_per_micro_batch``)."""
+        lc = self.cfg.learner
+        return pair_micro_batches(
+            batch, self.rank, self.world, self.layout, self.device,
+            size=lc.micro_batch_size, budget=lc.max_tokens_per_micro_batch,
+        )  # fmt: skip
 
     def micro_logps(self, model: nn.Module, batch: Batch, mb: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
         """Summed response log-probabilities of the micro-batch's pairs: (pair ids, chosen, rejected)."""
-        b = len(batch) // 2
-        logp = logprobs_from_logits(response_view(policy_logits(model, mb, 1.0), mb), mb.targets)
-        seq = (logp * batch.mask[mb.rows]).sum(-1)  # (2k,) in mb.rows order
+        b, mask = len(batch) // 2, batch.mask[mb.rows]
+        logp, _ = self.response_logprobs(model, mb, mask, rows=2 * self.cfg.learner.micro_batch_size)
+        seq = (logp * mask).sum(-1)  # (2k,) in mb.rows order
         pos = {r: k for k, r in enumerate(mb.rows.tolist())}
         ids = sorted(r for r in pos if r < b)
         c = seq[torch.tensor([pos[r] for r in ids], device=seq.device)]

@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["chunk_tokens", "chunked_logprobs_entropy"]
+__all__ = ["chunk_tokens", "chunked_logprobs_entropy", "chunked_logprobs_top1", "use_chunked_head"]
+
+
+def use_chunked_head(mode: str, vocab_size: int, tokens: int, threshold: int) -> bool:
+    """``learner.chunked_head``: ``on`` always, ``off`` never, ``auto`` when a micro-batch's logits
+    (``vocab_size × tokens``) would exceed ``threshold``; below it the logits are small and the plain path
+    (no recompute in backward) is faster."""
+    return mode == "on" or (mode == "auto" and vocab_size * tokens > threshold)
 
 
 def chunk_tokens(vocab_size: int, chunk_logits: int) -> int:
@@ -158,3 +165,29 @@ def chunked_logprobs_entropy(
         with_entropy,
     )
     return logp.reshape(lead), entropy.reshape(lead)
+
+
+@torch.no_grad()
+def chunked_logprobs_top1(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    chunk: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """Per-token ``log π(label)`` and whether ``label`` is the head's most likely token (untempered, no
+    gradient): a teacher-forced evaluation's loss and token accuracy, one chunk of logits at a time.
+
+    Shape: hidden (..., H), weight (V, H), labels (...) -> logp (...) float32, top1 (...) float32 (1 or 0).
+    """
+    lead = labels.shape
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
+    logp = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
+    top1 = torch.empty_like(logp)
+    for s in range(0, labels.shape[0], max(1, int(chunk))):
+        z = _chunk_logits(hidden[s : s + chunk], weight, bias, 1.0)  # (c, V)
+        y = labels[s : s + chunk, None]
+        logp[s : s + chunk] = (z.gather(-1, y) - torch.logsumexp(z, dim=-1, keepdim=True)).squeeze(-1)
+        top1[s : s + chunk] = (z.argmax(-1, keepdim=True) == y).squeeze(-1).float()
+    return logp.reshape(lead), top1.reshape(lead)

@@ -38,7 +38,7 @@ import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,22 +298,12 @@ def policy_logprobs(
     """Log-probabilities of ``mb.targets`` and entropies of the tempered policy, without its logits.
 
     The same numbers as ``logprobs_from_logits`` / ``entropy_from_logits`` of :func:`policy_logits`, from
-    the last hidden states and ``head`` a chunk of tokens at a time (docs/design.md §4.8). The model is
-    still called through its own forward (a DeepSpeed engine hooks its outputs for backward) with
-    ``logits_to_keep=1``: the head then runs on one position only. Only ``mask``-ed tokens are computed;
-    the rest are 0. Without ``with_entropy`` the entropy is zeros.
+    the last hidden states and ``head`` a chunk of tokens at a time (docs/design.md §4.8), through
+    :func:`response_head`. Only ``mask``-ed tokens are computed; the rest are 0. Without ``with_entropy``
+    the entropy is zeros.
 
     Shape: mask (b, R) -> logp (b, R), entropy (b, R), float32.
     """
-    out = model(
-        input_ids=mb.input_ids,
-        position_ids=mb.position_ids,
-        use_cache=False,
-        output_hidden_states=True,
-        logits_to_keep=1,
-    )
-    hidden = response_view(out.hidden_states[-1], mb)  # (b, R, H): after the final norm
-    valid = mask.bool()
     chunk = chunk_tokens(head.out_features, chunk_logits)
 
     def forward(h: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -327,17 +317,43 @@ def policy_logprobs(
             with_entropy=with_entropy,
         )
 
+    logp, entropy = response_head(model, mb, mask, head, forward)
+    return logp, entropy
+
+
+def response_head(
+    model: nn.Module,
+    mb: MicroBatch,
+    mask: Tensor,
+    head: nn.Linear,
+    fn: Callable[[Tensor, Tensor], tuple[Tensor, ...]],
+) -> tuple[Tensor, ...]:
+    """``fn(hidden, labels)`` on the last hidden states of ``mask``-ed response tokens, run as ``head``'s
+    own call; each per-token output scattered back to ``(b, R)`` (0 off the mask).
+
+    The model is called through its own forward (a DeepSpeed engine hooks its outputs for backward) with
+    ``logits_to_keep=1``: the head then runs on one position only. Shape: mask (b, R) -> (b, R) each.
+    """
+    out = model(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    hidden = response_view(out.hidden_states[-1], mb)  # (b, R, H): after the final norm
+    valid = mask.bool()
     # Run as the head module's own call, so its hooks see it: ZeRO-3 gathers the partitioned weight
     # before this forward and again before its backward, once per micro-batch rather than per chunk, and
     # reduce-scatters the weight's gradient as for any module (tests/test_lm_head.py checks this on one CPU
     # rank with nothing kept gathered; several GPU ranks are untested).
-    head.forward = forward  # an instance attribute: shadows nn.Linear.forward for this call only
+    head.forward = fn  # an instance attribute: shadows nn.Linear.forward for this call only
     try:
-        logp, entropy = head(hidden[valid], mb.targets[valid])
+        outputs = head(hidden[valid], mb.targets[valid])
     finally:
         del head.forward
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, entropy)
+    return tuple(zeros.masked_scatter(valid, x.float()) for x in outputs)
 
 
 def values(critic: nn.Module, mb: MicroBatch) -> Tensor:

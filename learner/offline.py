@@ -13,6 +13,10 @@ The loop here reads top to bottom (docs/stages.md §3):
 - **Validation and early stop.** ``evaluate`` runs every ``algorithm.eval_interval`` steps and at the end;
   ``eval/loss`` is the validation metric. After ``algorithm.early_stop_patience`` evaluations in a row
   without a new best, training stops (the best value and the count are checkpointed too).
+- **Micro-batches and the output head.** ``learner.micro_batch_size`` rows (pairs for rm and dpo) per
+  forward pass, or as many as fit ``learner.max_tokens_per_micro_batch`` tokens; an example that alone
+  exceeds the budget fails the load, naming both. Log-probabilities come from the chunked head
+  (``learner/lm_head.py``) under ``learner.chunked_head``, as in PPO (docs/design.md §4.8).
 - **Outputs.** ``<run dir>/history.jsonl`` (one row of metrics per logged step), ``final/`` (a Hugging Face
   directory) and, last, ``summary.json`` (headline metrics and wall time): its presence marks the run done.
 """
@@ -26,9 +30,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from torch import Tensor, nn
 
 from learner import checkpoint
-from learner.batch import Layout
+from learner.batch import Layout, MicroBatch, response_view
+from learner.lm_head import chunk_tokens, chunked_logprobs_top1, use_chunked_head
+from learner.losses import logprobs_from_logits
+from learner.models import output_head, policy_logits, policy_logprobs, response_head
 from learner.runtime import Runtime, log
 from tandem.config import Config
 from tandem.telemetry import Telemetry
@@ -79,6 +87,10 @@ class OfflineRuntime(Runtime):
     def save_final(self, out: Path) -> None:
         raise NotImplementedError
 
+    def pass_tokens(self, example: Any) -> int:
+        """Tokens one forward pass reads for ``example`` alone (both sequences of a pair)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------------------------------ the loop
 
     def run(self) -> None:
@@ -96,6 +108,7 @@ class OfflineRuntime(Runtime):
         self.load_models()
         self.train_examples = self.load_examples(a.train_file)
         self.eval_examples = self.load_examples(a.eval_file) if a.eval_file else []
+        self.check_budget()
         self.steps_per_epoch = len(self.train_examples) // a.batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -142,6 +155,64 @@ class OfflineRuntime(Runtime):
         interval = self.cfg.learner.checkpoint_interval
         if interval and self.version % interval == 0 and not last:
             self.save_checkpoint()
+
+    def check_budget(self) -> None:
+        """Every example fits ``learner.max_tokens_per_micro_batch`` on its own: the dataset is fixed, so
+        one that does not would fail (or exceed memory) on every run; refuse it before training."""
+        budget = self.cfg.learner.max_tokens_per_micro_batch
+        if budget is None:
+            return
+        a = self.cfg.algorithm
+        for field, examples in (
+            ("algorithm.train_file", self.train_examples),
+            ("algorithm.eval_file", self.eval_examples),
+        ):
+            worst = max(map(self.pass_tokens, examples), default=0)
+            if worst > budget:
+                raise ValueError(
+                    f"learner.max_tokens_per_micro_batch ({budget}) is below the {worst} tokens that one example "
+                    f"of {field} ({getattr(a, field.split('.')[1])}) reads in a forward pass: raise the budget"
+                )
+
+    # ------------------------------------------------------------------------------- the output head
+
+    def response_logprobs(
+        self, model: nn.Module, mb: MicroBatch, mask: Tensor, *, rows: int, top1: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probabilities of ``mb.targets`` (temperature 1) and, with ``top1``, whether each is the
+        model's most likely token (no gradient). Shape: (b, R) each, valid where ``mask``.
+
+        From the chunked head when ``learner.chunked_head`` asks for it (docs/design.md §4.8) for a
+        micro-batch of ``rows`` nominal rows (the same on every rank: ranks must take the same path),
+        else from the full logits.
+        """
+        lc = self.cfg.learner
+        head = None if lc.chunked_head == "off" else output_head(model)
+        tokens = (
+            rows * mb.targets.shape[1]
+            if lc.max_tokens_per_micro_batch is None
+            else lc.max_tokens_per_micro_batch
+        )
+        if head is not None and use_chunked_head(
+            lc.chunked_head, head.out_features, tokens, lc.chunked_head_threshold
+        ):
+            if not top1:
+                logp, _ = policy_logprobs(
+                    model, mb, 1.0, mask, head, chunk_logits=lc.chunked_head_chunk, with_entropy=False
+                )
+                return logp, None
+            chunk = chunk_tokens(head.out_features, lc.chunked_head_chunk)
+            logp, hits = response_head(
+                model,
+                mb,
+                mask,
+                head,
+                lambda h, y: chunked_logprobs_top1(h, head.weight, y, bias=head.bias, chunk=chunk),
+            )
+            return logp, hits
+        logits = response_view(policy_logits(model, mb, 1.0), mb)  # (b, R, V)
+        logp = logprobs_from_logits(logits, mb.targets)
+        return logp, (logits.argmax(-1) == mb.targets).float() if top1 else None
 
     def batch_at(self, step: int) -> list[Any]:
         """The examples of step ``step``: a pure function of (seed, step), the same on every rank."""

@@ -27,21 +27,13 @@ from torch import Tensor, nn
 
 from buffer.schema import Trajectory
 from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
-from learner.batch import (
-    Batch,
-    Layout,
-    MicroBatch,
-    budget_sizes,
-    make_batch,
-    micro_batches,
-    response_view,
-    split_to,
-)
+from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
 from learner.kl_control import make_kl_controller
+from learner.lm_head import use_chunked_head
 from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
 from learner.online import OnlineRuntime, peak_memory_gb
-from learner.runtime import Stats
+from learner.runtime import Stats, log
 from tandem.config import Config
 from tandem.timing import Timers
 
@@ -114,8 +106,10 @@ class PPOLearner(OnlineRuntime):
         taken = self.take_batch()  # rank 0 reads the buffer; every rank receives the batch
         if taken is None:
             return False
-        per_turn = self.cfg.algorithm.credit == "turn"
-        batch = make_batch([t.traj for t in taken], self.version, per_turn=per_turn).to(self.device)
+        per_turn, budget = self.cfg.algorithm.credit == "turn", self.cfg.learner.max_tokens_per_micro_batch
+        batch = make_batch([t.traj for t in taken], self.version, per_turn=per_turn, max_tokens=budget)
+        batch = batch.to(self.device)
+        self.warn_over_budget(batch)
         t1 = time.perf_counter()
         self.timers.clear()  # per-role phases of this step (the placement planner's profile)
         stats = self.train(batch)  # no-grad passes, advantages, PPO epochs, optimizer steps
@@ -150,6 +144,8 @@ class PPOLearner(OnlineRuntime):
                 "learner/version": self.version,
             }
         )
+        if budget is not None:
+            stats["batch/over_budget"] = float(batch.dropped.sum())
         if self.version % self.cfg.logging.log_interval == 0:
             self.telemetry.log({**stats, **self.buffer_metrics()}, step=self.version)
         return True
@@ -178,6 +174,20 @@ class PPOLearner(OnlineRuntime):
             )
         )
         return self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values)
+
+    def warn_over_budget(self, batch: Batch) -> None:
+        """A trajectory longer than the token budget is dropped, not trained on alone (docs/design.md §4.8):
+        a pass above the budget may not fit in memory, and a learner killed by it would take the same
+        batch again after its restart."""
+        if not self.lead or batch.dropped is None or not batch.dropped.any():
+            return
+        budget = self.cfg.learner.max_tokens_per_micro_batch
+        for i in batch.dropped.nonzero().flatten().tolist():
+            t = batch.trajs[i]
+            log.warning(
+                "trajectory %s: %d tokens, more than learner.max_tokens_per_micro_batch=%d; masked out of "
+                "this step (batch/over_budget)", t.traj_id, len(t.prompt_tokens) + len(t.response_tokens), budget,
+            )  # fmt: skip
 
     # --------------------------------------------------------------------------------------------- math
 
@@ -213,24 +223,6 @@ class PPOLearner(OnlineRuntime):
             None if t is None else self.all_sum(t * batch.mask) for t in (prox_logp, ref_logp, old_values)
         )
 
-    def micro(self, batch: Batch, rows: Tensor) -> list[MicroBatch]:
-        """This rank's micro-batches of ``rows``; with ``learner.max_tokens_per_micro_batch``, by tokens.
-
-        Every micro-batch's loss is divided by its minibatch's token count (``num_tokens``), so the
-        accumulated gradient is the minibatch's whatever the split. Every rank holds the whole batch, so
-        each computes every rank's split and splits its own further to the largest count: all ranks run
-        the same number of passes without a message.
-        """
-        budget = self.cfg.learner.max_tokens_per_micro_batch
-        if budget is None:
-            return super().micro(batch, rows)
-        ordered = rows[torch.argsort(batch.seq_lens[rows], descending=True, stable=True)]
-        shares = [ordered[r :: self.world] for r in range(self.world)]  # as Runtime.micro deals them
-        counts = [len(budget_sizes(batch.seq_lens[s].tolist(), budget, self.layout)) for s in shares]
-        mine = shares[self.rank]
-        sizes = split_to(budget_sizes(batch.seq_lens[mine].tolist(), budget, self.layout), max(counts))
-        return micro_batches(batch, mine, len(mine), self.layout, self.device, sizes=sizes)
-
     def logprobs(
         self,
         model: nn.Module,
@@ -253,8 +245,8 @@ class PPOLearner(OnlineRuntime):
         # micro-batch of the step, so all ranks take the same path (under ZeRO-3 they gather differently).
         budget = lc.max_tokens_per_micro_batch
         tokens = lc.micro_batch_size * mb.targets.shape[1] if budget is None else budget
-        if head is not None and (
-            lc.chunked_head == "on" or head.out_features * tokens > lc.chunked_head_threshold
+        if head is not None and use_chunked_head(
+            lc.chunked_head, head.out_features, tokens, lc.chunked_head_threshold
         ):
             logp, ent = policy_logprobs(
                 model, mb, temperature, mask, head, chunk_logits=lc.chunked_head_chunk, with_entropy=entropy

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoTokenizer
 
-from learner.batch import Batch, MicroBatch, make_batch, micro_batches
+from learner.batch import Batch, MicroBatch, make_batch, pair_micro_batches
 from learner.examples import Pair, as_trajectory, load_pairs
 from learner.models import load_scalar_head, make_engine, resolve_dtype, values
 from learner.offline import OfflineRuntime
@@ -72,17 +72,18 @@ class RewardModelTrainer(OfflineRuntime):
     def engines(self) -> dict[str, Any]:
         return {"reward_model": self.model}
 
+    def pass_tokens(self, example: tuple[list[int], list[int]]) -> int:
+        c, r = map(len, example)
+        return 2 * max(c, r) if self.layout == "pad" else c + r
+
     def pair_micro(self, batch: Batch) -> list[MicroBatch]:
-        """This rank's micro-batches, each holding both sequences of ``micro_batch_size`` whole pairs."""
-        b = len(batch) // 2
-        lens = batch.seq_lens[:b] + batch.seq_lens[b:]
-        pairs = torch.argsort(lens, descending=True, stable=True)[self.rank :: self.world]
-        size = self.cfg.learner.micro_batch_size
-        out = []
-        for chunk in pairs.split(size):
-            rows = torch.cat([chunk, chunk + b])
-            out += micro_batches(batch, rows, len(rows), self.layout, self.device)
-        return out
+        """This rank's micro-batches, each holding both sequences of whole pairs (``micro_batch_size``
+        pairs, or by ``learner.max_tokens_per_micro_batch``)."""
+        lc = self.cfg.learner
+        return pair_micro_batches(
+            batch, self.rank, self.world, self.layout, self.device,
+            size=lc.micro_batch_size, budget=lc.max_tokens_per_micro_batch,
+        )  # fmt: skip
 
     def scores(self, mb: MicroBatch, b: int) -> tuple[Tensor, Tensor]:
         """Scores of the micro-batch's chosen and rejected sequences, pair-aligned. Shapes: (k,), (k,)."""

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 
 import weightsync
 from learner import lora
-from learner.batch import Batch, Layout, MicroBatch, micro_batches
+from learner.batch import Batch, Layout, MicroBatch, micro_batches, rank_budget
 from learner.models import init_distributed, resolve_device
 from tandem.config import Config
 from tandem.procs import exit_with_driver
@@ -136,7 +136,18 @@ class Runtime:
     # ------------------------------------------------------------------------------------------ batches
 
     def micro(self, batch: Batch, rows: Tensor) -> list[MicroBatch]:
-        """This rank's micro-batches of ``rows``: sorted by length and dealt round-robin, so shares balance."""
+        """This rank's micro-batches of ``rows``: sorted by length and dealt round-robin, so shares balance;
+        ``micro_batch_size`` rows each, or by ``learner.max_tokens_per_micro_batch`` tokens.
+
+        Every micro-batch's loss is divided by its (mini)batch's token count, so the accumulated gradient
+        is the same whatever the split (docs/design.md §4.8). Under a token budget every rank computes
+        every rank's split and splits its own further to the largest count: all ranks run the same number
+        of passes without a message.
+        """
+        budget = self.cfg.learner.max_tokens_per_micro_batch
+        if budget is not None:
+            mine, sizes = rank_budget(batch.seq_lens, rows, budget, self.layout, self.rank, self.world)
+            return micro_batches(batch, mine, len(mine), self.layout, self.device, sizes=sizes)
         rows = rows[torch.argsort(batch.seq_lens[rows], descending=True, stable=True)][
             self.rank :: self.world
         ]

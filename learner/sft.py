@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from learner.batch import Layout, make_batch, response_view
+from learner.batch import Layout, make_batch
 from learner.examples import Demonstration, as_trajectory, load_demonstrations
-from learner.losses import logprobs_from_logits
-from learner.models import load_policy, make_engine, policy_logits, resolve_dtype
+from learner.models import load_policy, make_engine, resolve_dtype
 from learner.offline import OfflineRuntime
 from learner.runtime import Stats
 from tandem.config import Config
@@ -53,14 +52,18 @@ class SFTTrainer(OfflineRuntime):
     def engines(self) -> dict[str, Any]:
         return {"actor": self.actor}
 
+    def pass_tokens(self, example: Demonstration) -> int:
+        return len(example.prompt) + len(example.response)
+
     def train_step(self, examples: list[Demonstration]) -> dict[str, float]:
         batch = make_batch([as_trajectory(d.prompt, d.response, str(i)) for i, d in enumerate(examples)], 0)
         batch = batch.to(self.device)
         num_tokens, stats = batch.mask.sum(), Stats()  # the whole batch's response tokens, on all ranks
         self.actor.train()
+        rows = self.cfg.learner.micro_batch_size
         for mb in self.micro(batch, torch.arange(len(batch))):
             mask = batch.mask[mb.rows]
-            logp = logprobs_from_logits(response_view(policy_logits(self.actor, mb, 1.0), mb), mb.targets)
+            logp, _ = self.response_logprobs(self.actor, mb, mask, rows=rows)
             nll = -(logp * mask).sum()
             stats.add("loss/sft", nll, mask.sum())
             # A token mean over the whole batch; DeepSpeed averages gradients over ranks.
@@ -74,15 +77,14 @@ class SFTTrainer(OfflineRuntime):
         stats = Stats()
         batch = make_batch([as_trajectory(d.prompt, d.response, str(i)) for i, d in enumerate(examples)], 0)
         batch = batch.to(self.device)
+        rows = self.cfg.learner.micro_batch_size
         for mb in self.micro(batch, torch.arange(len(batch))):
             mask = batch.mask[mb.rows]
-            logits = response_view(policy_logits(self.actor, mb, 1.0), mb)  # (b, R, V)
-            logp = logprobs_from_logits(logits, mb.targets)
+            logp, top1 = self.response_logprobs(self.actor, mb, mask, rows=rows, top1=True)
             stats.add("eval/loss", -(logp * mask).sum(), mask.sum())
             # Teacher-forced: how often the most likely next token is the demonstrated one.
-            stats.add("eval/token_accuracy", ((logits.argmax(-1) == mb.targets) * mask).sum(), mask.sum())
+            stats.add("eval/token_accuracy", (top1 * mask).sum(), mask.sum())
         return stats.reduce()
 
     def save_final(self, out: Path) -> None:
         self.save_hf(self.actor, out, self.tokenizer)
-

@@ -595,7 +595,7 @@ class LearnerConfig(Section):
     )
     chunked_head: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="PPO log-probs and entropy from the hidden states a chunk of tokens at a time, never the whole (tokens, vocab) logits (docs/design.md §4.8): auto above chunked_head_threshold, on always, off never. Plain logits for a LoRA-adapted head.",
+        description="Log-probs (and PPO's entropy) from the hidden states a chunk of tokens at a time, never the whole (tokens, vocab) logits, in ppo, sft and dpo (docs/design.md §4.8): auto above chunked_head_threshold, on always, off never. Plain logits for a LoRA-adapted head.",
     )
     chunked_head_threshold: int = Field(
         1 << 26,
@@ -610,7 +610,7 @@ class LearnerConfig(Section):
     max_tokens_per_micro_batch: int | None = Field(
         None,
         ge=1,
-        description="ppo: micro-batches by a token budget instead of micro_batch_size rows: length-sorted rows share a forward pass while rows x longest (pad) or their total length (pack) stays within it; a longer sequence is a pass of its own. The loss is the same (docs/design.md §4.8).",
+        description="Micro-batches by a token budget instead of micro_batch_size rows (pairs for rm and dpo): length-sorted rows share a forward pass while rows x longest (pad) or their total length (pack) stays within it. The loss is the same. Must hold the longest sequence the run can produce (checked); an over-budget trajectory that still arrives (an agent session has no cap) is masked out and counted in batch/over_budget (docs/design.md §4.8).",
     )
 
 
@@ -865,6 +865,7 @@ class Config(Section):
             raise ValueError(
                 "learner.offload_optimizer needs learner.zero_stage >= 1 (ZeRO-Offload; DeepSpeed ignores it at stage 0)"
             )
+        self._budget_check()
         if a.recipe in OFFLINE_RECIPES:
             return self._offline_checks()
         if a.batch_size % r.n_samples:
@@ -919,6 +920,36 @@ class Config(Section):
                 f"(gae, reinforce_pp); algorithm.advantage={a.advantage} scores whole sequences"
             )
         return self
+
+    def _budget_check(self) -> None:
+        """A token budget below the longest sequence the run can produce would leave that sequence out of
+        training (docs/design.md §4.8): refuse it here, naming where the length comes from. Agent sessions
+        have no token cap; one over the budget is masked out at run time and counted."""
+        budget, a = self.learner.max_tokens_per_micro_batch, self.algorithm
+        if budget is None or (a.recipe == "ppo" and self.agent.path is not None):
+            return
+        if a.recipe in ("rm", "dpo"):  # both sequences of a pair share a forward pass
+            longest, source = (
+                2 * a.max_tokens,
+                f"2 x algorithm.max_tokens ({a.max_tokens}; a pair's two sequences share a pass)",
+            )
+        elif a.recipe == "sft":
+            longest, source = a.max_tokens, "algorithm.max_tokens"
+        elif self.env.path is not None:
+            e, p = self.env.max_total_tokens, self.data.max_prompt_tokens
+            longest = max(e, p)
+            source = (
+                "env.max_total_tokens" if e >= p else "data.max_prompt_tokens (above env.max_total_tokens)"
+            )
+        else:
+            p, n = self.data.max_prompt_tokens, self.rollout.max_new_tokens
+            longest, source = p + n, f"data.max_prompt_tokens ({p}) + rollout.max_new_tokens ({n})"
+        if budget < longest:
+            raise ValueError(
+                f"learner.max_tokens_per_micro_batch ({budget}) is below the longest sequence this run can "
+                f"produce, {source} = {longest}: a longer one would not fit a forward pass; raise the budget or "
+                "lower that limit"
+            )
 
     def _offline_checks(self) -> Config:
         a = self.algorithm

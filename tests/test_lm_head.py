@@ -21,7 +21,7 @@ from learner.losses import entropy_from_logits, logprobs_from_logits
 from learner.models import load_models, output_head, policy_logits, policy_logprobs
 from learner.online import peak_memory_gb
 from learner.ppo import PPOLearner
-from tandem.config import LoRAConfig, load_config
+from tandem.config import ConfigError, LoRAConfig, load_config
 from tests.test_learner import group, raw_config
 from toy.tiny import make_tiny
 from weightsync import named_full_parameters
@@ -226,8 +226,8 @@ def learner_step(
     """One ``train`` of a PPO learner on a fixed batch: (stats, weights before, weights after, one entry
     per chunked-head call)."""
     raw = raw_config(
-        padded_ckpt, "redis://unused", name, tmp_path / name,
-        rollout={"temperature": 0.7, "n_samples": 4},
+        padded_ckpt, "redis://unused", name, tmp_path / name, data={"max_prompt_tokens": 8},
+        rollout={"temperature": 0.7, "n_samples": 4, "max_new_tokens": 16},
         algorithm={"kl_coef": 0.1, "entropy_coef": 0.05, "ppo_epochs": 2, "minibatch_size": 4},
         learner={"chunked_head_threshold": 0, "chunked_head_chunk": VOCAB * 5, **learner_cfg},
     )  # fmt: skip
@@ -378,8 +378,9 @@ def test_token_budget_gives_every_rank_the_same_number_of_passes(padded_ckpt, tm
     """Ranks split their shares by the same budget, then to the largest count: ZeRO-3 needs every rank
     to run as many forward passes as the others. Shares stay disjoint and cover the batch."""
     raw = raw_config(
-        padded_ckpt, "redis://unused", "ranks", tmp_path, learner={"max_tokens_per_micro_batch": 40}
-    )
+        padded_ckpt, "redis://unused", "ranks", tmp_path, data={"max_prompt_tokens": 8},
+        rollout={"max_new_tokens": 32}, learner={"max_tokens_per_micro_batch": 40},
+    )  # fmt: skip
     learner = PPOLearner(load_config(None, raw=raw), tmp_path)
     trajs = group(0, 4, seed=7) + group(1, 4, seed=8)
     long = trajs[0]  # one long sequence: its rank needs more passes
@@ -431,3 +432,113 @@ def test_auto_decides_by_the_nominal_micro_batch(padded_ckpt, tmp_path, monkeypa
     for mb in learner.micro(batch, torch.arange(len(batch))):
         learner.logprobs(learner.models.actor, mb, batch.mask[mb.rows])
     assert calls == [4, 2]
+
+
+# --------------------------------------------------------------------------- trajectories over the budget
+
+
+@pytest.mark.parametrize(
+    ("sections", "error"),
+    [
+        ({}, r"\(24\) is below .* data.max_prompt_tokens \(8\) \+ rollout.max_new_tokens \(32\) = 40"),
+        ({"env": {"path": "m:Env", "max_total_tokens": 30}}, r"\(24\) is below .*env.max_total_tokens = 30"),
+        ({"data": {"max_prompt_tokens": 30}, "env": {"path": "m:Env", "max_total_tokens": 20}},
+         r"\(24\) is below .*data.max_prompt_tokens \(above env.max_total_tokens\) = 30"),
+    ],
+)  # fmt: skip
+def test_config_refuses_a_budget_below_the_longest_trajectory(padded_ckpt, tmp_path, sections, error) -> None:
+    raw = raw_config(
+        padded_ckpt, "redis://unused", "budget", tmp_path, learner={"max_tokens_per_micro_batch": 24}
+    )
+    raw["data"]["max_prompt_tokens"] = 8
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(ConfigError, match=r"learner.max_tokens_per_micro_batch " + error):
+        load_config(None, raw=raw)
+    raw["learner"]["max_tokens_per_micro_batch"] = 40
+    load_config(None, raw=raw)  # at the longest: accepted
+
+
+@pytest.mark.parametrize(("recipe", "longest"), [("sft", 64), ("rm", 128), ("dpo", 128)])
+def test_config_refuses_an_offline_budget_below_the_longest_example(padded_ckpt, recipe, longest) -> None:
+    raw = {
+        "model": {"actor": str(padded_ckpt["actor"])}, "data": {"prompts": "unused.jsonl"},
+        "algorithm": {"recipe": recipe, "train_file": "train.jsonl", "max_tokens": 64},
+        "learner": {"max_tokens_per_micro_batch": longest - 1},
+    }  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=rf"\({longest - 1}\) is below .*algorithm.max_tokens.* = {longest}"
+    ):
+        load_config(None, raw=raw)
+    raw["learner"]["max_tokens_per_micro_batch"] = longest
+    load_config(None, raw=raw)
+
+
+def test_agent_runs_have_no_cap_to_check(padded_ckpt, tmp_path) -> None:
+    raw = raw_config(
+        padded_ckpt, "redis://unused", "agent", tmp_path, agent={"path": "m:agent"},
+        learner={"max_tokens_per_micro_batch": 8},
+    )  # fmt: skip
+    assert load_config(None, raw=raw).learner.max_tokens_per_micro_batch == 8
+
+
+def long_trajectory(t: Trajectory, n: int) -> Trajectory:
+    return Trajectory(
+        traj_id=t.traj_id, group_id=t.group_id, prompt_id=t.prompt_id, prompt_tokens=t.prompt_tokens,
+        response_tokens=np.arange(4, 4 + n) % 200 + 4, behav_logp=np.full(n, -3.5, dtype=np.float32),
+        token_versions=np.zeros(n, dtype=np.int64), reward=t.reward,
+    )  # fmt: skip
+
+
+def test_make_batch_drops_a_trajectory_over_the_budget() -> None:
+    trajs = group(0, 4, seed=3)
+    trajs[2] = long_trajectory(trajs[2], 40)
+    batch = make_batch(trajs, 0, max_tokens=24)
+    assert batch.dropped.tolist() == [False, False, True, False]
+    assert batch.mask[2].sum() == 0 and batch.mask[[0, 1, 3]].sum() > 0
+    assert (
+        batch.group_index.tolist()[:2] == [0, 0] and batch.group_index[2] not in batch.group_index[[0, 1, 3]]
+    )
+    assert batch.seq_lens[2] == 1  # its passes read one token
+    for layout in ("pad", "pack"):
+        (mb,) = micro_batches(batch, torch.arange(4), 4, layout, torch.device("cpu"))
+        assert mb.input_ids.numel() <= 4 * 14
+    assert make_batch(trajs, 0).dropped.tolist() == [False] * 4  # no budget, nothing dropped
+
+
+def test_learner_step_masks_out_an_over_budget_trajectory(padded_ckpt, tmp_path, monkeypatch, caplog) -> None:
+    """A trajectory longer than the budget arriving at run time (an agent session has no cap): the step
+    trains on the rest within the budget, the long one masked out and a group of its own (its siblings'
+    GRPO baseline is theirs alone, as for an aborted sample), a warning names it and batch/over_budget
+    counts it."""
+    from buffer.streams import Taken
+
+    budget = 24
+    raw = raw_config(
+        padded_ckpt, "redis://unused", "over", tmp_path, agent={"path": "m:agent"},
+        learner={"max_tokens_per_micro_batch": budget}, logging={"log_interval": 1},
+    )  # fmt: skip
+    learner = PPOLearner(load_config(None, raw=raw), tmp_path)
+    learner.models = load_models(learner.cfg, learner.device)
+    trajs = group(0, 4, seed=3) + group(1, 4, seed=4)
+    trajs[1] = long_trajectory(trajs[1], 40)  # an unrewarded sample of group 0 (sample 0 is rewarded)
+    logged, passes, advantages = [], [], []
+    real_micro, real_estimate = learner.micro, learner.estimate
+    monkeypatch.setattr(learner, "take_batch", lambda: [Taken(f"id{i}", t) for i, t in enumerate(trajs)])
+    monkeypatch.setattr(learner, "sync_weights", lambda **k: None)
+    monkeypatch.setattr(learner, "commit", lambda *a: None)
+    monkeypatch.setattr(learner, "buffer_metrics", dict)
+    monkeypatch.setattr(learner.telemetry, "log", lambda row, step: logged.append(row))
+    monkeypatch.setattr(learner, "micro", lambda b, r: passes.extend(out := real_micro(b, r)) or out)
+    monkeypatch.setattr(learner, "estimate", lambda x: advantages.append(out := real_estimate(x)) or out)
+    with caplog.at_level("WARNING", logger="learner"):
+        assert learner.step()
+    assert logged[0]["batch/over_budget"] == 1.0
+    assert f"trajectory 0-1: {len(trajs[1].prompt_tokens) + 40} tokens" in caplog.text
+    assert "learner.max_tokens_per_micro_batch=24" in caplog.text
+    assert passes and all(mb.input_ids.numel() <= budget for mb in passes)
+    adv = advantages[0][0][:, 0]  # outcome advantages: the same on every token of a row
+    # Group 0 is its three other samples, rewards (1, 0, 0): GRPO gives (2/3, -1/3, -1/3) / std, std = 1/√3
+    # (with the long sample's 0 among them it would be (3/4, -1/4, -1/4) / 0.5).
+    want = torch.tensor([2 / 3, -1 / 3, -1 / 3]) * 3**0.5
+    torch.testing.assert_close(adv[[0, 2, 3]], want, rtol=1e-4, atol=1e-4)
