@@ -2,9 +2,10 @@
 
 Reads the run's per-process config (``RUN_DIR/config.yaml``: its Redis URL and everything else), checks
 the run is live (its learner is ready and no stop was asked), takes ``K`` fresh server ids from the run
-(``tandem/fleet.py``) and runs ``python -m rollout.server`` for each, under the run's restart policy for
-servers (``supervision.*``, launcher/supervision.py), until the run ends: its stop key is set,
-or its Redis has not answered for ``REDIS_GONE_S``. Each joiner takes the learner's current weights
+(``tandem/fleet.py``) and runs ``python -m rollout.server`` for each with the local backend
+(``launcher/backends/local.py``), under the run's restart policy for servers (``supervision.*``,
+``launcher/supervision.py``), until the run ends: its stop key is set, or its Redis has not answered for
+``REDIS_GONE_S``. Each joiner takes the learner's current weights
 before its first token (§5.7). Ctrl-C or SIGTERM make the attached servers leave gracefully: they hand
 back the prompts and admission they hold. A server killed outright leaves too; its prompts are claimed
 by the others after ``redis.claim_idle_ms``.
@@ -22,12 +23,12 @@ from pathlib import Path
 
 import redis
 
-from buffer.retry import connect
-from launcher.backends.local import Child, plan_children
+from buffer.retry import RedisUnavailable, connect_run
+from launcher.backends.local import LocalBackend
 from launcher.plan import Role, RunPlan, server_tp
 from placement.local import thread_split
 from tandem import fleet
-from tandem.config import Config, ConfigError, load_config, redact
+from tandem.config import Config, ConfigError, load_config
 from tandem.telemetry import ready_key, stop_key
 
 TICK_S = 0.5
@@ -70,11 +71,10 @@ def attach(run_dir: Path, count: int, *, leave: threading.Event | None = None) -
     run = cfg.run.name
     if cfg.redis.url is None:
         raise ConfigError(f"{run_dir / 'config.yaml'}: redis.url is not set (not a launched run's config?)")
-    client = connect(cfg.redis.url, reconnect_s=cfg.supervision.reconnect_s, socket_timeout=10)
     try:
-        client.ping()
-    except redis.RedisError as e:
-        print(f"[attach] the run's Redis at {redact(cfg.redis.url)} does not answer ({e}): has it ended?")
+        client = connect_run(cfg.redis.url, reconnect_s=cfg.supervision.reconnect_s, socket_timeout=10)
+    except RedisUnavailable as e:
+        print(f"[attach] the run's Redis at {e.url} does not answer ({e.reason}): has it ended?")
         return 1
     if client.exists(stop_key(run)):
         print(f"[attach] run {run} is stopping; nothing to join")
@@ -86,29 +86,31 @@ def attach(run_dir: Path, count: int, *, leave: threading.Event | None = None) -
     ids = fleet.allocate_ids(client, run, count, first=cfg.rollout.num_servers)
     plan = RunPlan(cfg, run_dir, run_dir / "config.yaml", server_roles(cfg, run_dir, ids))
     plan.env.update({"TANDEM_RUN_GROUP": run, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
-    children = plan_children(plan)
-    for c in children:
-        client.delete(ready_key(run, c.name))
-        c.start()
-    print(f"[attach] started {', '.join(c.name for c in children)} in run {run}; logs in {run_dir / 'logs'}")
+    for role in plan.roles:
+        client.delete(ready_key(run, role.name))
+    backend = LocalBackend(label="attach")
+    backend.start(plan, client, "")
+    names = ", ".join(c.name for c in backend.children)
+    print(f"[attach] started {names} in run {run}; logs in {run_dir / 'logs'}")
 
     leave = leave or threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: leave.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code, why = supervise(client, run, children, leave)
+        code, why = supervise(client, run, backend, leave)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        stop(children)
+        backend.stop(LEAVE_GRACE_S, ask=signal.SIGTERM)  # a graceful leave, then SIGKILL after the grace
         client.close()
     print(f"[attach] {why}")
     return code
 
 
 def supervise(
-    client: redis.Redis, run: str, children: list[Child], leave: threading.Event
+    client: redis.Redis, run: str, backend: LocalBackend, leave: threading.Event
 ) -> tuple[int, str]:
-    """Restart crashed servers until the run ends or we are told to leave; (exit code, why)."""
+    """Restart crashed servers (``backend.poll``) until the run ends or we are told to leave; (exit
+    code, why)."""
     silent_since: float | None = None
     while not leave.wait(TICK_S):
         try:
@@ -121,27 +123,7 @@ def supervise(
             continue
         if stopping:
             return 0, "the run stopped; its servers leave with it"
-        now = time.monotonic()
-        for c in children:
-            if c.running:
-                continue
-            step = c.tend(now)
-            if step == "refused":
-                return 1, f"{c.restarts.refusal()}; last lines of {c.log_path}:\n{c.log_tail()}"
-            if step == "restart":
-                client.delete(ready_key(run, c.name))
-                c.start(again=True)
-                print(f"[attach] restarted {c.name} (restart {c.restarts.total})", flush=True)
+        outcome = backend.poll(stopping=False)  # a server past its restart budget ends the attach
+        if outcome is not None:
+            return int(not outcome.ok), outcome.message
     return 0, "left the run: the attached servers handed back what they held"
-
-
-def stop(children: list[Child]) -> None:
-    """SIGTERM (a graceful leave), then SIGKILL for any server still there after the grace."""
-    for sig, wait in ((signal.SIGTERM, LEAVE_GRACE_S), (signal.SIGKILL, 5.0)):
-        for c in children:
-            c.signal(sig)
-        deadline = time.monotonic() + wait
-        while any(c.running for c in children) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not any(c.running for c in children):
-            return

@@ -5,6 +5,8 @@ The learner is ``python -m learner.train`` (``torchrun --nproc_per_node N`` for 
 when too few; on CPU, ``OMP_NUM_THREADS`` splits the cores. A crashed process (a server, also one that
 died before it was ready, or the learner, which comes back with ``--resume``) is restarted per its
 role's policy (``launcher/supervision.py``); children run in their own sessions and die with launch.py.
+``launch.py --attach`` runs its servers with this backend too: one restart state machine
+(``Restarts.tend``) and one stop ladder (:meth:`LocalBackend.stop`) for every local process.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from tandem.telemetry import ready_key
 
 log = logging.getLogger("launch")
 ROOT = Path(__file__).resolve().parents[2]
+TERM_S = 15.0  # after SIGTERM: a process exits (a learner may be mid-checkpoint) before SIGKILL
+KILL_S = 5.0  # after SIGKILL: the kernel reaps it
 
 
 @dataclass
@@ -133,7 +137,8 @@ def plan_children(plan: RunPlan) -> list[Child]:
 class LocalBackend:
     name = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "launch") -> None:
+        self.label = label  # the tag of its printed lines: [launch], or [attach] under --attach
         self.children: list[Child] = []
         self.cfg: Config | None = None
         self.client: redis.Redis | None = None
@@ -164,9 +169,10 @@ class LocalBackend:
             c.start()
 
     def poll(self, stopping: bool) -> Outcome | None:
-        """The learner's clean exit ends the run; any crash (before or after ready) is restarted per policy."""
-        learner = self.children[0]
-        if learner.proc.poll() == 0:
+        """The learner's clean exit ends the run; any other exit (before or after ready, a server's clean
+        one included) is restarted per policy. Without a learner (``--attach``) only the latter applies."""
+        learner = next((c for c in self.children if c.role.is_learner), None)
+        if learner is not None and learner.proc.poll() == 0:
             return Outcome(True, "learner finished")
         now = time.monotonic()
         for c in self.children:
@@ -191,7 +197,7 @@ class LocalBackend:
 
                 forget_dead_publisher(self.client, self.cfg.run.name)
         c.start(again=True)
-        print(f"[launch] restarted {c.name} (restart {c.restarts.total})", flush=True)
+        print(f"[{self.label}] restarted {c.name} (restart {c.restarts.total})", flush=True)
 
     @staticmethod
     def _tail(c: Child) -> str:
@@ -200,8 +206,14 @@ class LocalBackend:
     def placement(self) -> dict[str, str]:
         return {}  # one machine: nothing to record
 
-    def stop(self, grace_s: float) -> None:
-        for sig, wait in ((None, grace_s), (signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+    def stop(self, grace_s: float, *, ask: signal.Signals | None = None) -> None:
+        """The stop ladder: up to ``grace_s`` for the children to exit by themselves, then SIGTERM, then
+        SIGKILL, until none is left. ``ask``: a signal that asks them to exit at the start of the grace
+        (SIGTERM: an attached server leaves gracefully); None when ``{run}:stop`` already asked."""
+        ladder = [(ask, grace_s), (signal.SIGTERM, TERM_S), (signal.SIGKILL, KILL_S)]
+        if ask == signal.SIGTERM:
+            del ladder[1]  # asked with SIGTERM already: the next rung is SIGKILL
+        for sig, wait in ladder:
             if sig is not None:
                 for c in self.children:
                     c.signal(sig)
