@@ -8,7 +8,7 @@ trajectories. Tokens are real tokens (prompt + response) per second of the timed
 then timed with and without the proximal pass, and with and without DeepSpeed's gradient allreduce (a lone
 rank could skip it), each interleaved, to show what skipping each saves.
 
-    python bench/learner.py [--batch 32] [--iters 5] [--hidden 128] [--layers 4]
+    python bench/learner.py [--batch 32] [--iters 5] [--hidden 128] [--layers 4] [--chunked-head auto]
 
 The last line is one JSON object: tokens_per_s, bare_tokens_per_s, overhead_ratio, peak_rss_mb, and the
 per-layout figures.
@@ -121,6 +121,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument(
+        "--chunked-head", choices=("auto", "on", "off"), default="auto", help="learner.chunked_head"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
@@ -134,7 +137,7 @@ def main() -> None:
             "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
             "rollout": {"n_samples": 4},
             "algorithm": {"advantage": "grpo", "batch_size": args.batch, "minibatch_size": args.batch},
-            "learner": {"micro_batch_size": args.micro, "actor_lr": 1e-5},
+            "learner": {"micro_batch_size": args.micro, "actor_lr": 1e-5, "chunked_head": args.chunked_head},
             "logging": {"wandb_mode": "disabled"},
         }
         cfg = load_config(None, raw=raw)
