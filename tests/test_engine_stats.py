@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -279,3 +280,33 @@ def test_sampler_thread_survives_an_engine_without_metrics(stand_in, tmp_path, c
     assert sample_family(text, "tandem_engine_kv_cache_usage") == pytest.approx(0.3)
     warnings = [r for r in caplog.records if "engine stats unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "404" in warnings[0].getMessage()  # once per outage, not per sample
+
+
+# ---------------------------------------------------------------------- the rollout loop's telemetry
+
+
+def test_each_batch_row_carries_the_engine_stats(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+):
+    """A rollout loop over Redis with the sampler running: the rows it logs (mirrored to Redis) carry
+    ``server/*`` from the latest sample (the hf engine: bytes, rows, 0 preemptions; no usage share)."""
+    from tests.test_rollout_loop import Harness, Learner, make_cfg, queue_prompts
+    from weightsync import make_subscriber
+
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{"algorithm.max_staleness": 4})
+    weights = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, weights)
+    queue_prompts(learner.buffer, engine, 4)
+    harness = Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0"))
+    sampler = harness.loop.metrics.engine_stats
+    sampler.interval_s = 0.01
+    sampler.start()
+    try:
+        with harness:
+            learner.take(4)
+    finally:
+        sampler.stop()
+    rows = [json.loads(r) for r in redis_client.lrange(f"{run_id}:history:server-0", 0, -1)]
+    assert rows and all(r["server/preemptions"] == 0 for r in rows)
+    assert all(r["server/kv_cache_bytes_peak"] >= r["server/kv_cache_bytes"] >= 0 for r in rows)
+    assert all("server/requests_running" in r and "server/kv_cache_usage" not in r for r in rows)
