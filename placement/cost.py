@@ -139,6 +139,7 @@ class Sample:
     devices: int
     value: float
     longest: float = 0.0  # generation: the batch's longest response in tokens (0 where not logged)
+    at: float = 0.0  # when the measurement ended, on the run's clock (0 where not logged)
 
 
 @dataclass

@@ -244,7 +244,7 @@ class SimRun:
             t0 = time.perf_counter()
             time.sleep(dt)
             took = time.perf_counter() - t0
-        self.samples.append(Sample(name, tokens, len(devs), took, longest))
+        self.samples.append(Sample(name, tokens, len(devs), took, longest, time.perf_counter()))
 
     @contextmanager
     def resident(
@@ -445,6 +445,13 @@ def _together(jobs: list[Callable[[], object]]) -> None:
         raise errors[0]
 
 
+def within(samples: Sequence[Sample], start: float, end: float) -> list[Sample]:
+    """The phase times that ended between two step ends: those steps' own phases, and in a separated run
+    the batches their weight broadcasts waited for. A step time measured over ``(start, end]`` and a
+    prediction from these carry the same batches."""
+    return [s for s in samples if start < s.at <= end]
+
+
 def step_time(ends: Sequence[float], warmup: int = 2, drain: int = 0) -> float:
     """Mean seconds per step between the ends of steps ``warmup`` and ``len(ends) - 1 - drain``: leave out
     a separated run's last ``drain`` steps (:meth:`SimRun.drain`), which are not steady state."""
@@ -559,11 +566,13 @@ def run_auto(
     probed: dict[Plan, tuple[float, list[Sample], Workload]] = {}  # step time, phase times, work
     for probe in probe_plans(roles, devices):
         n0, s0 = len(sim.ends), len(sim.samples)
-        # At least three steady steps: a separated probe's first step ends once the pipeline has filled
+        # Two steady steps at least: a separated probe's first step ends once the pipeline has filled
         # (already past its warm-up) and its last ones are the drain.
         drain = sim.drain(probe)
         step += sim.run(probe, step, max(4, profile_steps // 2) + max(0, drain - 1))
-        probed[probe] = (step_time(sim.ends[n0:], 0, drain), sim.samples[s0:], sim.work_at(step - 1))
+        steady = sim.ends[n0 : len(sim.ends) - drain]
+        own = within(sim.samples[s0:], steady[0], steady[-1])
+        probed[probe] = (step_time(steady, 0), own, sim.work_at(step - 1))
 
     def refit() -> CostModel:
         return CostModel.from_samples(sim.samples[-window:], sim.memory[-window:])
@@ -595,13 +604,14 @@ def run_auto(
     def judge(i: int, current: Plan, since: tuple[int, int], done: int, switch_s: float) -> Future[Judgement]:
         ends_from, samples_from = since
         # Mid-run, the last step ended waiting for its next batch: no drain to leave out.
-        measured = step_time(sim.ends[ends_from:], warmup=0) if done > 3 else None
+        ends = sim.ends[ends_from:]
+        measured = step_time(ends, warmup=0) if done > 3 else None
         return planner.submit(
             _judge,
             Snapshot(
                 sim.samples[-window:],
                 sim.memory[-window:],
-                sim.samples[samples_from:],
+                within(sim.samples[samples_from:], ends[0], ends[-1]),
                 sim.work_at(i),
                 sim.work_at(i + 1),
             ),

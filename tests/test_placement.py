@@ -20,8 +20,8 @@ import pytest
 from placement.cost import CostModel, Law, Sample, Workload, fit, fit_paced, predict
 from placement.local import configured_plan, thread_split
 from placement.plan import Plan, Roles, candidates, validate
-from placement.planner import Replanner, rank
-from placement.sim import Cluster, GiB, PhaseTruth, SimOOM, SimRun, Truth, run_auto, step_time
+from placement.planner import Replanner, observed_ratio, rank
+from placement.sim import Cluster, GiB, PhaseTruth, SimOOM, SimRun, Truth, run_auto, step_time, within
 from tandem.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -342,6 +342,24 @@ def test_auto_probes_judge_a_separated_plan_by_its_steady_steps() -> None:
     assert colocated == pytest.approx(1.0, rel=0.1)  # colocated phases add, as the formula says
 
 
+def test_a_measured_step_is_priced_from_the_phases_of_the_same_steps() -> None:
+    # Batch 0 of seed 1 has a 320-token longest response (128 ms of decode), batches 1-4 30-89 tokens.
+    # Colocated steps 1-4 are measured (step 0 has no start mark); priced from their own phases the
+    # ratio is 1, priced from every phase of the run it would credit them with batch 0's long decode.
+    t = flat_truth()
+    heavy = Truth(t.phases, t.memory, decode_step_s=4e-4, tail=1.2, contention=0.0, colocated_slowdown=0.0,
+                  jitter=0.0, switch_jitter=0.0)  # fmt: skip
+    plan = Plan("colocate", 2, 2)
+    sim = SimRun(Cluster(2, 80 * GiB), heavy, GRPO, lambda i: WORK, seed=1)
+    assert [round(sim.batch_longest(i, WORK)) for i in range(5)] == [320, 30, 27, 30, 89]
+    sim.run(plan, 0, 5)
+    measured = step_time(sim.ends, warmup=0)
+    paired = observed_ratio(plan, GRPO, measured, within(sim.samples, sim.ends[0], sim.ends[-1]), WORK)
+    assert paired == pytest.approx(1.0, abs=0.05)
+    assert len(within(sim.samples, sim.ends[0], sim.ends[-1])) == 4 * 5  # four steps of five phases
+    assert observed_ratio(plan, GRPO, measured, sim.samples, WORK) < 0.93
+
+
 # ------------------------------------------------------------------------------------------ config and CLI
 
 
@@ -461,8 +479,6 @@ def test_correction_uses_plans_that_score_alike() -> None:
 
 
 def test_observed_ratio_prices_a_plan_by_its_own_steps_phase_times() -> None:
-    from placement.planner import observed_ratio
-
     def own(plan: Plan, **times: list[float]) -> list[Sample]:
         devs = {"generate": plan.generation, "switch": plan.generation}
         return [
