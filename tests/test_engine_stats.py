@@ -120,6 +120,9 @@ def vllm_payload(usage: list[float], preempted: list[int], running: list[int], w
     for i, v in enumerate(preempted):
         c.labels("tandem-actor", str(i)).inc(v)
     Gauge("vllm:cache_config_info", "info", ["block_size"], registry=r).labels("128").set(1)
+    by_reason = Gauge("vllm:num_requests_waiting_by_reason", "by reason", [*labels, "reason"], registry=r)
+    for i, v in enumerate(waiting):  # their sum is vllm:num_requests_waiting: not to be counted twice
+        by_reason.labels("tandem-actor", str(i), "capacity").set(v)
     return generate_latest(r).decode()
 
 
