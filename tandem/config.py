@@ -1152,6 +1152,16 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` for its owner only (mode 0600 from creation on: it holds a secret, a
+    Redis password), atomically: a reader sees the old file or the whole new one, never half a secret."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # O_EXCL below: a leftover must not lend its mode
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
     """(path, default, description) for every field; the README's config table is generated from this."""
     rows: list[tuple[str, str, str]] = []
@@ -1183,16 +1193,6 @@ def _describe_union(members: list[type[BaseModel]], prefix: str) -> list[tuple[s
     seen: dict[str, dict[tuple[str, str], list[str]]] = {}
     for member in members:
         recipe = get_args(member.model_fields["recipe"].annotation)[0]
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` for its owner only (mode 0600 from creation on: it holds a secret, a
-    Redis password), atomically: a reader sees the old file or the whole new one, never half a secret."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # O_EXCL below: a leftover must not lend its mode
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
         for path, default, desc in describe_fields(member, prefix):
             if path.endswith(".recipe"):
                 default, desc = "'ppo'", "Training recipe: ppo (default), sft, rm or dpo (docs/stages.md)."
