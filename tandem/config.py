@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -612,6 +621,12 @@ class LearnerConfig(Section):
         ge=1,
         description="Micro-batches by a token budget instead of micro_batch_size rows (pairs for rm and dpo): length-sorted rows share a forward pass while rows x longest (pad) or their total length (pack) stays within it. The loss is the same. Must hold the longest sequence the run can produce (checked); an over-budget trajectory that still arrives (an agent session has no cap) is masked out and counted in batch/over_budget (docs/design.md §4.8).",
     )
+
+    @field_validator("chunked_head", mode="before")
+    @classmethod
+    def _on_off(cls, value: Any) -> Any:
+        # YAML reads a bare on/off as true/false: `chunked_head: off` (or learner.chunked_head=off) means "off".
+        return ("on" if value else "off") if isinstance(value, bool) else value
 
 
 class PlacementConfig(Section):

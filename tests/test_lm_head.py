@@ -542,3 +542,10 @@ def test_learner_step_masks_out_an_over_budget_trajectory(padded_ckpt, tmp_path,
     # (with the long sample's 0 among them it would be (3/4, -1/4, -1/4) / 0.5).
     want = torch.tensor([2 / 3, -1 / 3, -1 / 3]) * 3**0.5
     torch.testing.assert_close(adv[[0, 2, 3]], want, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_head_reads_yaml_on_and_off(padded_ckpt, tmp_path) -> None:
+    """YAML reads a bare on/off as a boolean: `chunked_head: off` in a file or on the command line."""
+    for value, want in ((False, "off"), (True, "on"), ("off", "off"), ("auto", "auto")):
+        raw = raw_config(padded_ckpt, "redis://unused", "yaml", tmp_path, learner={"chunked_head": value})
+        assert load_config(None, raw=raw).learner.chunked_head == want
