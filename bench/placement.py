@@ -252,10 +252,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=8, help="pretend devices (a multiple of 4)")
     ap.add_argument("--points", type=int, default=9, help="regimes in the sweep")
-    ap.add_argument("--steps", type=int, default=14, help="measured steps per fixed placement")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=14,
+        help="auto runs 3x this; each fixed placement at least this, as many as auto's last plan ran",
+    )
     ap.add_argument("--drift-steps", type=int, default=60)
     ap.add_argument(
-        "--profile-steps", type=int, default=6, help="auto's profile window (split among its probes)"
+        "--profile-steps",
+        type=int,
+        default=6,
+        help="auto's profile window: each probe runs max(4, N/2) steps, a separated one a step more",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-placement")
