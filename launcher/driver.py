@@ -335,9 +335,10 @@ def _run(
 ) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_dir.name})})
     if resume is None or cfg.run.dir is not None:
-        # What a later run of the same command or --resume starts from (no secrets: the embedded URL is
-        # added below); a fixed run.dir keeps the config of its latest command.
-        (run_dir / "config.public.yaml").write_text(dump_config(cfg))
+        # What a later run of the same command or --resume starts from (without the embedded Redis's URL,
+        # added below); a fixed run.dir keeps the config of its latest command. Owner-only: a redis.url or
+        # API key the user gave is in it, as --resume needs it.
+        write_private(run_dir / "config.public.yaml", dump_config(cfg))
     print(f"[launch] run directory: {run_dir}")
 
     embedded = None

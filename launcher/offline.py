@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from launcher import driver
-from tandem.config import Config, dump_config
+from tandem.config import Config, dump_config, write_private
 
 
 def command(config: Path, run_dir: Path, resume: bool) -> list[str]:
@@ -33,7 +33,7 @@ def run(cfg: Config, *, resume: Path | None, fresh: bool, dry_run: bool) -> int:
     run_dir = driver.prepare_run_dir(cfg, resume, fresh=fresh)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if resume is None or cfg.run.dir is not None:
-        (run_dir / "config.public.yaml").write_text(dump_config(cfg))  # what the same command resumes
+        write_private(run_dir / "config.public.yaml", dump_config(cfg))  # what the same command resumes
     config = driver.write_process_config(cfg, run_dir)
     print(
         f"[launch] run directory: {run_dir} ({cfg.recipe}: the learner alone, no rollout servers)", flush=True
