@@ -84,18 +84,24 @@ class Replanner:
     margin: float = 2.0  # and save this many times the switch cost over the remaining steps
 
     def decide(
-        self, current: Plan, ranked: list[Prediction], remaining_steps: int, switch_s: float
+        self,
+        current: Plan,
+        ranked: list[Prediction],
+        remaining_steps: int,
+        switch_s: float,
+        noise: float = 0.0,
     ) -> Decision:
+        """``noise``: the relative standard error of the current plan's measured step time. A gain within
+        twice that is the luck of its last few batches (a heavy tail's few long ones), not the plan."""
         by_plan = {p.plan: p for p in ranked}
         best = ranked[0]
         now = by_plan.get(current)
         if now is None or not now.feasible:
             return Decision(best.plan, best.plan != current, best.step_s, "current plan infeasible")
         gain = now.step_s - best.step_s
-        if best.plan == current or gain < self.min_gain * now.step_s:
-            return Decision(
-                current, False, now.step_s, f"gain {gain / now.step_s:.1%} under {self.min_gain:.0%}"
-            )
+        needed = max(self.min_gain, 2.0 * noise)
+        if best.plan == current or gain < needed * now.step_s:
+            return Decision(current, False, now.step_s, f"gain {gain / now.step_s:.1%} under {needed:.0%}")
         saved = gain * remaining_steps
         if saved < self.margin * switch_s:
             return Decision(

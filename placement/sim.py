@@ -461,6 +461,14 @@ def step_time(ends: Sequence[float], warmup: int = 2, drain: int = 0) -> float:
     return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
+def relative_error(ends: Sequence[float]) -> float:
+    """The standard error of the mean step between ``ends``, relative to that mean."""
+    steps = np.diff(np.asarray(ends, dtype=float))
+    if len(steps) < 2 or steps.mean() <= 0:
+        return 0.0
+    return float(steps.std(ddof=1) / math.sqrt(len(steps)) / steps.mean())
+
+
 # ----------------------------------------------------------------------------------------- auto
 
 
@@ -519,10 +527,10 @@ def _judge(
     capacity: tuple[float, float],
     observed: dict[Plan, float],
     replanner: Replanner,
-    at: tuple[Plan, float | None, int, float],
+    at: tuple[Plan, float | None, int, float, float],
 ) -> Judgement:
     """One re-planning decision, in the planner's process: refit, correct, rank, apply hysteresis."""
-    current, measured, remaining, switch_s = at
+    current, measured, remaining, switch_s, noise = at
     model = CostModel.from_samples(snap.samples, snap.memory)
     ratio = None if measured is None else observed_ratio(current, roles, measured, snap.own, snap.work_now)
     if ratio is not None:
@@ -536,7 +544,7 @@ def _judge(
         host_bytes=capacity[1],
         observed=observed,
     )
-    return replanner.decide(current, ranked, remaining, switch_s), ratio
+    return replanner.decide(current, ranked, remaining, switch_s, noise), ratio
 
 
 def _ready() -> bool:
@@ -606,6 +614,7 @@ def run_auto(
         # Mid-run, the last step ended waiting for its next batch: no drain to leave out.
         ends = sim.ends[ends_from:]
         measured = step_time(ends, warmup=0) if done > 3 else None
+        noise = relative_error(ends) if done > 3 else 0.0
         return planner.submit(
             _judge,
             Snapshot(
@@ -620,7 +629,7 @@ def run_auto(
             (cluster.capacity, cluster.host_capacity),
             dict(observed),
             replanner,
-            (current, measured, steps - i - 1, switch_s),
+            (current, measured, steps - i - 1, switch_s, noise),
         )
 
     while step < steps:

@@ -8,6 +8,7 @@ that names the device.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -21,7 +22,18 @@ from placement.cost import CostModel, Law, Sample, Workload, fit, fit_paced, pre
 from placement.local import configured_plan, thread_split
 from placement.plan import Plan, Roles, candidates, validate
 from placement.planner import Replanner, observed_ratio, rank
-from placement.sim import Cluster, GiB, PhaseTruth, SimOOM, SimRun, Truth, run_auto, step_time, within
+from placement.sim import (
+    Cluster,
+    GiB,
+    PhaseTruth,
+    SimOOM,
+    SimRun,
+    Truth,
+    relative_error,
+    run_auto,
+    step_time,
+    within,
+)
 from tandem.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,6 +205,29 @@ def test_replanner_switches_only_for_a_clear_paid_for_gain() -> None:
     if near:  # within noise of the best: stay
         assert not r.decide(near[0].plan, ranked, remaining_steps=10_000, switch_s=0.0).switch
     assert not r.decide(best.plan, ranked, remaining_steps=10_000, switch_s=0.0).switch
+
+
+def test_replanner_does_not_chase_a_gain_within_the_measurement_noise() -> None:
+    model = constant_model(**TIMES)
+    ranked = rank(ALL, 4, model, WORK)
+    best = ranked[0]
+    # the current plan 8% slower than the best: a clear gain on a steady measurement...
+    slower = next(p for p in ranked if 1.07 * best.step_s < p.step_s < 1.5 * best.step_s)
+    gain = 1 - best.step_s / slower.step_s
+    r = Replanner(min_gain=0.05, margin=2.0)
+    assert r.decide(slower.plan, ranked, remaining_steps=10_000, switch_s=0.0).switch
+    # ...but not when its own steps scatter by more than half the gain (a heavy tail's few long batches)
+    stay = r.decide(slower.plan, ranked, remaining_steps=10_000, switch_s=0.0, noise=gain / 2 + 0.01)
+    assert not stay.switch and "under" in stay.reason
+    assert r.decide(slower.plan, ranked, remaining_steps=10_000, switch_s=0.0, noise=gain / 2 - 0.01).switch
+
+
+def test_relative_error_of_the_mean_step() -> None:
+    assert relative_error([0.0, 1.0, 2.0, 3.0]) == 0.0  # steady steps
+    steps = [1.0, 3.0, 1.0, 3.0]  # mean 2, sample std 1.1547, 4 steps
+    ends = [0.0, *itertools.accumulate(steps)]
+    assert relative_error(ends) == pytest.approx(1.1547005 / 2 / 2)
+    assert relative_error([0.0, 1.0]) == 0.0  # one step: no spread to measure
 
 
 def test_observed_slowdown_rescales_a_plan_that_disappointed() -> None:
