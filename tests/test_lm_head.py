@@ -199,6 +199,19 @@ def test_an_adapted_head_keeps_the_plain_path() -> None:
     assert output_head(model) is None
 
 
+def test_a_forward_without_logits_to_keep_keeps_the_plain_path() -> None:
+    """Asked per class, once: an older remote-code forward cannot give logits at one position only."""
+
+    class OlderForward(Qwen2ForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, use_cache=None, output_hidden_states=None):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+
+    plain = random_lm(tied=True)
+    assert output_head(plain) is plain.lm_head
+    assert output_head(OlderForward(plain.config)) is None
+    assert output_head(plain) is plain.lm_head
+
+
 # ------------------------------------------------------------------------------------- the learner step
 
 
