@@ -1,4 +1,5 @@
-"""Shared plumbing of the vLLM and SGLang adapters: a managed engine subprocess, an HTTP client, the API table.
+"""Shared plumbing of the vLLM and SGLang adapters: a managed engine subprocess, an HTTP client, the API table,
+and :class:`HttpEngine`, the Engine Protocol's half that does not depend on the engine.
 
 Both adapters drive an engine's own HTTP server (``vllm serve``, ``sglang.launch_server``) rather than an
 in-process engine object, for three reasons:
@@ -35,11 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rollout.engines._prometheus import StatSamples, parse_stats
+from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnToken, SamplingParams
+from tandem.config import Config, ServerConfig
 from tandem.net import EngineClient, EngineHTTPError, free_port
 from tandem.procs import DETACHED
-from weightsync.base import WeightSyncError
+from weightsync.base import Update, WeightSyncError
 
 ApiKind = Literal["route", "fields", "function", "literal", "name"]
+STATS_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -196,3 +201,128 @@ def wait_for_weight_version(
         f"{label} server {client.base_url}: GET {route} still reports weight_version {held!r}, not {version}, "
         f"after {timeout_s:.0f} s; is the learner's EnginePublisher feeding it?"
     )
+
+
+class HttpEngine:
+    """What the vLLM and SGLang adapters share around their engine-specific routes, bodies and parsing.
+
+    A subclass sets ``weight_info_route`` and ``stat_samples``, starts its server with :meth:`_start` (or
+    uses the one at ``settings.url``), connects with :meth:`_connect`, and implements ``_label_weights``,
+    ``_generate``, ``_load_weights``, ``pause`` and ``resume``.
+    """
+
+    continuous_batching = True  # the server's scheduler batches concurrent requests
+    weight_info_route: str  # GET route whose JSON has ``weight_version`` (the dist path)
+    stat_samples: StatSamples  # where the scheduler's state is in ``GET /metrics``
+    client: EngineClient
+
+    def __init__(self, cfg: Config, settings: ServerConfig, *, server_index: int) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        self.server_index = server_index
+        self.server: ManagedServer | None = None
+        self._version = 0
+        self._asleep = False
+
+    def _start(
+        self, name: str, argv: Callable[[int], list[str]], *, env: dict[str, str], log_path: Path
+    ) -> str:
+        """Start a managed server unless ``settings.url`` names a running one; return the URL to use.
+        ``argv(port)`` is its command line."""
+        s = self.settings
+        if s.url is not None:
+            return s.url
+        port = engine_port(s.port, self.server_index, s.host)
+        self.server = ManagedServer(
+            f"{name} (server {self.server_index})", argv(port), env=env, log_path=log_path
+        )
+        return engine_url(s.host, port)
+
+    def _connect(self, url: str, label: str) -> None:
+        """Open the client, wait for a managed server's ``/health``, label its weights; on failure, stop it."""
+        s = self.settings
+        self.client = EngineClient(url, label, timeout=s.request_timeout_s, api_key=s.api_key)
+        try:
+            if self.server is not None:
+                self.server.wait_healthy(self.client, "/health", s.startup_timeout_s)
+            self._label_weights()
+        except BaseException:
+            self.close()
+            raise
+
+    def _label_weights(self) -> None:
+        """Label the weights the server holds now version 0, like a fresh managed one."""
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        """The engine control URL the learner's EnginePublisher drives (register it in Redis)."""
+        return self.client.base_url
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def stats(self) -> EngineStats:
+        """The scheduler's gauges and preemption counter from ``GET /metrics``."""
+        text = self.client.get("/metrics", timeout=STATS_TIMEOUT_S)
+        return parse_stats(str(text), self.stat_samples)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        between_steps: BetweenSteps | None = None,
+        on_token: OnToken | None = None,
+    ) -> list[list[Completion]]:
+        """The whole batch in flight at once; the engine schedules it. Thread-safe (httpx pools connections).
+
+        The engine's decode steps are out of our reach, so ``between_steps`` runs once before the call (a
+        pending update then applies first) and ``on_token`` replays the tokens after it.
+        """
+        if not prompts:
+            return []
+        if between_steps is not None:
+            between_steps()
+        out = self._generate(prompts, sampling)
+        if on_token is not None:
+            replay_tokens(out, on_token)
+        return out
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def update_weights(self, update: Update) -> None:
+        """shm (``update.path`` set): pause, load, record the version, resume. dist: the learner pushed the
+        weights itself; wait until the engine reports ``update.version``."""
+        timeout = self.settings.update_timeout_s
+        if update.path is None:
+            self._version = wait_for_weight_version(
+                self.client, self.weight_info_route, update.version, timeout, self.client.label
+            )
+            return
+        # Asleep (weights woken, KV cache not): the sleep already stopped scheduling and dropped the KV
+        # cache, so there is nothing to pause or flush, and waking the KV cache resumes it.
+        asleep = self._asleep
+        if not asleep:
+            self.pause()
+        self._load_weights(update, asleep=asleep)
+        self._version = update.version
+        if not asleep:
+            self.resume()
+
+    def _load_weights(self, update: Update, *, asleep: bool) -> None:
+        """Load ``update.path`` into the paused (or asleep) server and label it ``update.version``."""
+        raise NotImplementedError
+
+    def pause(self) -> None:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()

