@@ -187,13 +187,20 @@ OpenGroup = Callable[[EngineKind, str, int, int, str], Broadcaster]
 
 
 @dataclasses.dataclass(frozen=True)
-class VLLMInitInfo:
-    """``vllm.distributed.weight_transfer.nccl_common.NCCLWeightTransferInitInfo`` (the fields we send)."""
+class GroupRendezvous:
+    """Where a server's ranks join the trainer's group and which ranks they take: what both engines'
+    group-init requests start with."""
 
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMInitInfo(GroupRendezvous):
+    """``vllm.distributed.weight_transfer.nccl_common.NCCLWeightTransferInitInfo`` (the fields we send)."""
+
     packed: bool
 
 
@@ -207,13 +214,9 @@ class VLLMUpdateInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class SGLangInitGroup:
+class SGLangInitGroup(GroupRendezvous):
     """``sglang.srt.managers.io_struct.InitWeightsUpdateGroupReqInput``."""
 
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
     group_name: str
     backend: str
 
@@ -227,6 +230,11 @@ class SGLangDistUpdate:
     shapes: list[list[int]]
     group_name: str
     flush_cache: bool
+
+
+def tensor_columns(metas: list[TensorMeta]) -> tuple[list[str], list[str], list[list[int]]]:
+    """A bucket's names, dtypes and shapes, the three lists both engines' update requests carry."""
+    return [t.name for t in metas], [t.dtype for t in metas], [list(t.shape) for t in metas]
 
 
 @dataclasses.dataclass
@@ -249,9 +257,7 @@ class _VLLMRoutes:
         m.client.post("/start_weight_update", context=f"version {version}")
 
     def send(self, m: _Member, metas: list[TensorMeta], group_name: str, version: int) -> None:
-        info = VLLMUpdateInfo(
-            [t.name for t in metas], [t.dtype for t in metas], [list(t.shape) for t in metas]
-        )
+        info = VLLMUpdateInfo(*tensor_columns(metas))
         m.client.post("/update_weights", {"update_info": to_json(info)}, context=f"version {version}")
 
     def end(self, m: _Member, version: int) -> None:
@@ -275,13 +281,7 @@ class _SGLangRoutes:
         m.client.post("/begin_weight_update", {}, context=f"version {version}")
 
     def send(self, m: _Member, metas: list[TensorMeta], group_name: str, version: int) -> None:
-        body = SGLangDistUpdate(
-            [t.name for t in metas],
-            [t.dtype for t in metas],
-            [list(t.shape) for t in metas],
-            group_name,
-            False,
-        )
+        body = SGLangDistUpdate(*tensor_columns(metas), group_name, False)
         m.client.post("/update_weights_from_distributed", to_json(body), context=f"version {version}")
 
     def end(self, m: _Member, version: int) -> None:
