@@ -56,6 +56,7 @@ def load_prompts(path: str | Path, prompt_field: str = "prompt") -> list[dict[st
 
 
 def write_prompts(path: str | Path, records: list[dict[str, Any]]) -> Path:
+    """Write ``records`` as JSONL, one object a line (prompts, demonstrations, preferences), making its folder."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -13,12 +13,12 @@ truncation, a swap), always scoring strictly lower under the task's own reward.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tandem.data import write_prompts
 from toy import calculator
 from toy.tasks import calc_tools, echo, reverse
 
@@ -59,16 +59,9 @@ def preference_records(task: str, n: int, seed: int = 0) -> list[dict[str, str]]
     return out
 
 
-def _write(path: str | Path, records: list[dict[str, Any]]) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return p
-
-
 def write_demonstrations(task: str, path: str | Path, n: int, seed: int = 0) -> Path:
-    return _write(path, demonstration_records(task, n, seed))
+    return write_prompts(path, demonstration_records(task, n, seed))
 
 
 def write_preferences(task: str, path: str | Path, n: int, seed: int = 0) -> Path:
-    return _write(path, preference_records(task, n, seed))
+    return write_prompts(path, preference_records(task, n, seed))
