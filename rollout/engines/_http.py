@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollout.engines._prometheus import StatSamples, parse_stats
-from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnToken, SamplingParams
+from rollout.engines.base import BetweenSteps, Completion, EngineStats, FinishReason, OnToken, SamplingParams
 from tandem.config import Config, ServerConfig
 from tandem.net import EngineClient, EngineHTTPError, free_port
 from tandem.procs import DETACHED
@@ -78,6 +78,29 @@ def engine_url(host: str, port: int) -> str:
     """The URL others use: a wildcard bind address is advertised as this host's name (for a remote learner)."""
     reachable = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     return f"http://{reachable}:{port}"
+
+
+# Both engines name finish reasons as we do.
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def shared_flags(cfg: Config, settings: ServerConfig) -> list[str]:
+    """The server flags both engines spell alike: the model's dtype, remote code, the API key."""
+    argv = []
+    if cfg.model.dtype != "auto":
+        argv += ["--dtype", cfg.model.dtype]
+    if cfg.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    if settings.api_key:
+        argv += ["--api-key", settings.api_key]
+    return argv
+
+
+def device_env(device: str | None, tp_size: int) -> dict[str, str]:
+    """A single-GPU server sees only its own device; a tensor-parallel one picks its GPUs itself."""
+    if device is not None and device.startswith("cuda:") and tp_size == 1:
+        return {"CUDA_VISIBLE_DEVICES": device.split(":", 1)[1]}
+    return {}
 
 
 class ManagedServer:

@@ -35,9 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.engines._http import Api, HttpEngine, expand_version_spans, payload_fields
+from rollout.engines._http import (
+    FINISH_REASONS,
+    Api,
+    HttpEngine,
+    device_env,
+    expand_version_spans,
+    payload_fields,
+    shared_flags,
+)
 from rollout.engines._prometheus import StatSamples
-from rollout.engines.base import Completion, FinishReason, SamplingParams
+from rollout.engines.base import Completion, SamplingParams
 from tandem.config import Config
 from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
@@ -194,8 +202,6 @@ SGLANG_API: tuple[Api, ...] = (
     Api("name", "sglang.launch_server", "__main__"),
 )
 
-_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-
 
 def check_sampling(top_p: float, top_k: int, allow_truncated: bool, where: str) -> None:
     """Refuse truncated sampling, whose logprobs SGLang reports without the truncation (module docstring)."""
@@ -221,12 +227,7 @@ def launch_argv(cfg: Config, model_path: str, host: str, port: int) -> list[str]
         "--sampling-defaults", "openai",
         "--enable-metrics",  # GET /metrics, read by stats()
     ]  # fmt: skip
-    if cfg.model.dtype != "auto":
-        argv += ["--dtype", cfg.model.dtype]
-    if cfg.model.trust_remote_code:
-        argv.append("--trust-remote-code")
-    if s.api_key:
-        argv += ["--api-key", s.api_key]
+    argv += shared_flags(cfg, s)
     if releases(cfg):  # torch_memory_saver: what release/resume_memory_occupation act on
         argv.append("--enable-memory-saver")
     return argv + list(s.extra_args)
@@ -277,7 +278,7 @@ def parse_generate(body: Any, n_prompts: int, n: int, where: str) -> list[list[C
         if "output_ids" in item and [int(t) for t in item["output_ids"]] != ids:
             raise EngineHTTPError(f"{where}: result {k}: output_ids and output_token_logprobs disagree")
         fr = meta.get("finish_reason")
-        reason = _FINISH.get(fr["type"]) if isinstance(fr, dict) else None
+        reason = FINISH_REASONS.get(fr["type"]) if isinstance(fr, dict) else None
         if reason is None:
             raise EngineHTTPError(f"{where}: result {k} finished with {fr!r}")
         spans = meta.get("weight_versions") or [
@@ -302,9 +303,7 @@ class SGLangEngine(HttpEngine):
         super().__init__(cfg, s, server_index=server_index)
         self._pause_mode = s.pause_mode
         self.supports_sleep = releases(cfg)
-        env = {}
-        if device is not None and device.startswith("cuda:") and s.tp_size == 1:
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        env = device_env(device, s.tp_size)
         log = Path(cfg.run.output_dir) / f"sglang-server{server_index}.log"
         url = self._start(
             "sglang.launch_server",

