@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoTokenizer
 
-from learner.batch import Batch, MicroBatch, make_batch, pair_micro_batches
+from learner.batch import Batch, MicroBatch, make_batch
 from learner.examples import Pair, as_trajectory, load_pairs
 from learner.models import load_frozen, load_policy, make_engine, resolve_dtype
 from learner.offline import OfflineRuntime
@@ -88,15 +88,6 @@ class DPOTrainer(OfflineRuntime):
         trajs += [as_trajectory(p.prompt, p.rejected, f"r{i}") for i, p in enumerate(pairs)]
         return make_batch(trajs, 0).to(self.device)
 
-    def pair_micro(self, batch: Batch) -> list[MicroBatch]:
-        """This rank's micro-batches, each holding both sequences of whole pairs (``micro_batch_size``
-        pairs, or by ``learner.max_tokens_per_micro_batch``)."""
-        lc = self.cfg.learner
-        return pair_micro_batches(
-            batch, self.rank, self.world, self.layout, self.device,
-            size=lc.micro_batch_size, budget=lc.max_tokens_per_micro_batch,
-        )  # fmt: skip
-
     def micro_logps(self, model: nn.Module, batch: Batch, mb: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
         """Summed response log-probabilities of the micro-batch's pairs: (pair ids, chosen, rejected)."""
         b, mask = len(batch) // 2, batch.mask[mb.rows]
@@ -128,8 +119,7 @@ class DPOTrainer(OfflineRuntime):
             loss, metrics = dpo_loss(logp_c, logp_r, ref[ids, 0], ref[ids, 1], a.beta, a.label_smoothing)
             n = torch.tensor(float(len(ids)))
             stats.add("loss/dpo", loss, n)
-            for k, v in metrics.items():
-                stats.add(f"dpo/{k}", v, n)
+            stats.add_sums("dpo", metrics, n)
             self.actor.backward(loss / len(examples) * self.world)  # a mean over the batch's pairs
         self.actor.step()
         return stats.reduce()
@@ -143,10 +133,7 @@ class DPOTrainer(OfflineRuntime):
             logp_c, logp_r = self.sequence_logps(self.actor, [p for p, _, _ in chunk])
             ref = torch.tensor([[c, r] for _, c, r in chunk], device=self.device)
             loss, metrics = dpo_loss(logp_c, logp_r, ref[:, 0], ref[:, 1], a.beta, a.label_smoothing)
-            n = torch.tensor(float(len(chunk)))
-            stats.add("eval/loss", loss, n)
-            for k, v in metrics.items():
-                stats.add(f"eval/{k}", v, n)
+            stats.add_sums("eval", {"loss": loss, **metrics}, torch.tensor(float(len(chunk))))
         return stats.reduce()
 
     def save_final(self, out: Path) -> None:

@@ -46,8 +46,9 @@ class Pair:
     rejected_text: str
 
 
-def _records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    return read_jsonl(path, "dataset", ExampleError)
+def _records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` for each line: ``where`` is ``path:line``, for the errors that name it."""
+    return [(f"{path}:{lineno}", rec) for lineno, rec in read_jsonl(path, "dataset", ExampleError)]
 
 
 def _text(rec: dict[str, Any], key: str, where: str) -> str:
@@ -99,8 +100,7 @@ def load_demonstrations(
 ) -> list[Demonstration]:
     eos = tokenizer.eos_token_id
     out = []
-    for lineno, rec in _records(path):
-        where = f"{path}:{lineno}"
+    for where, rec in _records(path):
         if "messages" in rec:
             messages = _messages(rec["messages"], where, "messages")
             if len(messages) < 2 or messages[-1]["role"] != "assistant":
@@ -120,8 +120,7 @@ def load_pairs(
 ) -> list[Pair]:
     eos = tokenizer.eos_token_id
     out = []
-    for lineno, rec in _records(path):
-        where = f"{path}:{lineno}"
+    for where, rec in _records(path):
         prompt, prompt_text = _prompt_ids(tokenizer, rec.get("prompt"), where, chat_template=chat_template)
         chosen, rejected = _text(rec, "chosen", where), _text(rec, "rejected", where)
         pair = Pair(

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from learner import checkpoint
-from learner.batch import Layout, MicroBatch, response_view
+from learner.batch import Batch, Layout, MicroBatch, pair_micro_batches, response_view
 from learner.lm_head import chunk_tokens, chunked_logprobs_top1, use_chunked_head
 from learner.losses import logprobs_from_logits
 from learner.models import output_head, policy_logits, policy_logprobs, response_head
@@ -90,6 +90,15 @@ class OfflineRuntime(Runtime):
     def pass_tokens(self, example: Any) -> int:
         """Tokens one forward pass reads for ``example`` alone (both sequences of a pair)."""
         raise NotImplementedError
+
+    def pair_micro(self, batch: Batch) -> list[MicroBatch]:
+        """This rank's micro-batches of a pair recipe (rm, dpo), each holding both sequences of whole
+        pairs (``micro_batch_size`` pairs, or by ``learner.max_tokens_per_micro_batch``)."""
+        lc = self.cfg.learner
+        return pair_micro_batches(
+            batch, self.rank, self.world, self.layout, self.device,
+            size=lc.micro_batch_size, budget=lc.max_tokens_per_micro_batch,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ the loop
 

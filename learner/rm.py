@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoTokenizer
 
-from learner.batch import Batch, MicroBatch, make_batch, pair_micro_batches
+from learner.batch import Batch, MicroBatch, make_batch
 from learner.examples import Pair, as_trajectory, load_pairs
 from learner.models import load_scalar_head, make_engine, resolve_dtype, values
 from learner.offline import OfflineRuntime
@@ -76,15 +76,6 @@ class RewardModelTrainer(OfflineRuntime):
         c, r = map(len, example)
         return 2 * max(c, r) if self.layout == "pad" else c + r
 
-    def pair_micro(self, batch: Batch) -> list[MicroBatch]:
-        """This rank's micro-batches, each holding both sequences of whole pairs (``micro_batch_size``
-        pairs, or by ``learner.max_tokens_per_micro_batch``)."""
-        lc = self.cfg.learner
-        return pair_micro_batches(
-            batch, self.rank, self.world, self.layout, self.device,
-            size=lc.micro_batch_size, budget=lc.max_tokens_per_micro_batch,
-        )  # fmt: skip
-
     def scores(self, mb: MicroBatch, b: int) -> tuple[Tensor, Tensor]:
         """Scores of the micro-batch's chosen and rejected sequences, pair-aligned. Shapes: (k,), (k,)."""
         per_position = values(self.model, mb)  # (rows, N)
@@ -103,8 +94,7 @@ class RewardModelTrainer(OfflineRuntime):
             loss, metrics = bradley_terry_loss(chosen, rejected)
             n = torch.tensor(float(len(chosen)))
             stats.add("loss/rm", loss, n)
-            for k, v in metrics.items():
-                stats.add(f"rm/{k}", v, n)
+            stats.add_sums("rm", metrics, n)
             self.model.backward(loss / len(examples) * self.world)  # a mean over the batch's pairs
         self.model.step()
         return stats.reduce()
@@ -120,10 +110,8 @@ class RewardModelTrainer(OfflineRuntime):
             for mb in self.pair_micro(batch):
                 chosen, rejected = self.scores(mb, len(chunk))
                 loss, metrics = bradley_terry_loss(chosen, rejected)
-                n = torch.tensor(float(len(chosen)))
-                stats.add("eval/loss", loss, n)
-                stats.add("eval/accuracy", metrics["accuracy"], n)
-                stats.add("eval/margin", metrics["margin"], n)
+                metrics = {"accuracy": metrics["accuracy"], "margin": metrics["margin"]}
+                stats.add_sums("eval", {"loss": loss, **metrics}, torch.tensor(float(len(chosen))))
         return stats.reduce()
 
     def save_final(self, out: Path) -> None:

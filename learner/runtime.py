@@ -55,6 +55,11 @@ class Stats:
         self.totals.append(total.detach().float().reshape(1))
         self.weights.append(weight.detach().float().reshape(1))
 
+    def add_sums(self, prefix: str, sums: dict[str, Tensor], weight: Tensor) -> None:
+        """Several sums over the same ``weight`` items, each kept as ``prefix/name``."""
+        for name, total in sums.items():
+            self.add(f"{prefix}/{name}", total, weight)
+
     def add_means(self, metrics: dict[str, Tensor], weight: Tensor) -> None:
         """Several means of the same weight (``metrics`` holds 0-d tensors)."""
         if not metrics:
