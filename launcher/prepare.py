@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from tandem.config import Config, ConfigError, PrepareStep, _format_validation_error
+from tandem.config import Config, ConfigError, PrepareStep, format_validation_error
 from tandem.procs import alive
 from tandem.timing import timed
 
@@ -255,7 +255,7 @@ def load_steps(path: str | Path) -> list[PrepareStep]:
     try:
         return TypeAdapter(list[PrepareStep]).validate_python(raw.get("prepare") or [])
     except ValidationError as e:
-        head, *lines = _format_validation_error(e, str(p)).splitlines()
+        head, *lines = format_validation_error(e, str(p)).splitlines()
         raise ConfigError("\n".join([head, *(f"  prepare.{ln.strip()}" for ln in lines)])) from None
 
 

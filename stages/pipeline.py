@@ -39,9 +39,9 @@ from tandem.config import (
     ConfigError,
     PrepareStep,
     Section,
-    _format_validation_error,
     apply_overrides,
     dump_config,
+    format_validation_error,
     load_config,
 )
 from tandem.telemetry import setup_logging
@@ -173,7 +173,7 @@ def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, str(p))) from None
+        raise ConfigError(format_validation_error(e, str(p))) from None
 
 
 class Pipeline:

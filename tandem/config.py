@@ -1046,7 +1046,9 @@ class Config(Section):
 # --------------------------------------------------------------------------------------------- loading
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """pydantic's errors as the user wrote the config: one line per field (its dotted path, the reason
+    and the value given), under a head naming ``source``. Every config loader raises it as ConfigError."""
     lines = []
     for e in err.errors():
         loc = list(e["loc"])
@@ -1129,7 +1131,7 @@ def load_config(
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source)) from None
     return cfg.resolve_paths(Path.cwd())
 
 
