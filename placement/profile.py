@@ -1,8 +1,8 @@
 """A run's profile window, read back: per-phase samples for the planner from a run directory's histories.
 
 Every learner step logs ``time/<phase>`` for its scoring forwards, its training passes and the weight
-sync, and ``batch/tokens``; every server batch logs ``time/generate`` and ``time/reward_model``
-(``tandem/timing.py``). The devices each phase ran on follow from the run's config and the cores it had
+sync, and ``batch/tokens``; every server batch logs ``time/generate``, ``time/reward_model``
+(``tandem/timing.py``) and ``rollout/longest_response``, generation's ``L`` (``placement/cost.py``). The devices each phase ran on follow from the run's config and the cores it had
 (``placement/local.py``). The colocated switch has no timer of its own: it is what a colocated step
 spends outside every phase (the hand-off through admission and weight sync), measured as the step's
 wall time less the two sides' busy time.
@@ -80,7 +80,9 @@ def read_run(run_dir: Path, cores: int, *, skip: int = 2, window: int = 10) -> R
         for phase in SERVER_PHASES:
             if f"time/{phase}" in r:
                 w = generated if phase == "generate" else tokens
-                samples.append(Sample(phase, w, plan.generation, r[f"time/{phase}"] * per_step))
+                # per_step batches one after another: their longest responses' decode steps add up
+                longest = r.get("rollout/longest_response", 0.0) * per_step if phase == "generate" else 0.0
+                samples.append(Sample(phase, w, plan.generation, r[f"time/{phase}"] * per_step, longest))
     window_step = _seconds_per_step(win)
     if plan.mode == "colocate":
         busy = sum(

@@ -448,6 +448,8 @@ class RolloutLoop:
                 "rollout/uniform_groups_dropped": self.uniform_dropped,
                 "rollout/version": self.engine.version,
                 "rollout/response_len": tokens / len(trajs),
+                # What sets a batch's decode time, whatever its devices (the planner's L, §11.2).
+                "rollout/longest_response": max(int(t.loss_mask.sum()) for t in trajs),
                 "rollout/stop_frac": sum(t.finish_reason == "stop" for t in trajs) / len(trajs),
                 "reward/mean": sum(t.reward for t in trajs) / len(trajs),
                 "rollout/episodes_per_s": len(trajs) / max(timers.get("time/generate", 0.0), 1e-9),

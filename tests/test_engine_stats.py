@@ -313,3 +313,6 @@ def test_each_batch_row_carries_the_engine_stats(
     assert rows and all(r["server/preemptions"] == 0 for r in rows)
     assert all(r["server/kv_cache_bytes_peak"] >= r["server/kv_cache_bytes"] >= 0 for r in rows)
     assert all("server/requests_running" in r and "server/kv_cache_usage" not in r for r in rows)
+    # the batch's longest response, generation's pace for the planner: at least the mean, at most the cap
+    cap = cfg.rollout.max_new_tokens
+    assert all(r["rollout/response_len"] <= r["rollout/longest_response"] <= cap for r in rows)

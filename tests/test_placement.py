@@ -458,7 +458,10 @@ def test_read_run_turns_histories_into_phase_samples_and_the_colocated_switch(tm
          "time/weight_sync": 0.005}
         for i in range(8)
     ]  # fmt: skip
-    servers = [{"time/generate": 0.025, "rollout/tokens_per_s": 400.0} for _ in range(8)]
+    servers = [
+        {"time/generate": 0.025, "rollout/tokens_per_s": 400.0, "rollout/longest_response": 6}
+        for _ in range(8)
+    ]
     write_run(tmp_path / "sync", "sync", learner, servers)
     prof = read_run(tmp_path / "sync", cores=2, skip=1, window=4)
     assert prof.plan == Plan("colocate", 2, 2)
@@ -466,6 +469,8 @@ def test_read_run_turns_histories_into_phase_samples_and_the_colocated_switch(tm
     by = {s.name: s for s in prof.samples}
     assert by["actor_train"] == Sample("actor_train", 300.0, 2, 0.03)
     assert by["generate"].tokens == pytest.approx(10.0) and by["generate"].devices == 2
+    assert by["generate"].longest == 6  # one server batch per learner step here
+    assert by["actor_train"].longest == 0
     assert by["sync_local"].value == 0.005
     # the switch: what a colocated step spends outside every phase, 0.1 - (0.02 + 0.03 + 0.005 + 0.025)
     assert by["switch"].value == pytest.approx(0.02)
