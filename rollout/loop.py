@@ -40,14 +40,11 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, nullcontext
-from pathlib import Path
 
 import redis
-import torch
-from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase
 
 from buffer.admission import Admission
@@ -517,7 +514,7 @@ class RolloutLoop:
         before a newer one arrived. Its files are still in shm, which keeps every version a live server holds
         (docs/design.md §5.3); before any update, the checkpoint the engine was loaded from."""
         if self.asleep:
-            self.apply(held_update(self.held_path, self.engine.version))
+            self.apply(Update.from_directory(self.held_path, self.engine.version))
 
     def poll_weights(self, *, block: bool = True) -> None:
         """Apply a new version if one is on offer, without waiting for one. ``block=False``: not at all
@@ -600,21 +597,6 @@ class RolloutLoop:
             if returned:
                 log.info("server-%d: handed back %d held prompt(s)", self.server_index, returned)
         log.info("server-%d: rollout loop stopped after %d groups", self.server_index, self.groups)
-
-
-def held_update(path: str, version: int) -> Update:
-    """The weights in a HF directory (a shm version, a checkpoint) as an Update of ``version``."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise WeightSyncError(f"{path} holds no *.safetensors files to wake the engine with (v{version})")
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield name, sf.get_tensor(name)
-
-    return Update(version, [], tensors, path=path)
 
 
 class BusyClock:

@@ -22,11 +22,13 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import msgpack
 import redis
 import torch
+from safetensors import safe_open
 
 
 class WeightSyncError(RuntimeError):
@@ -74,6 +76,22 @@ class Update:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._iter()
+
+    @classmethod
+    def from_directory(cls, path: str, version: int) -> Update:
+        """The weights of a HF directory (a shm version, a checkpoint) as ``version``, read lazily: what a
+        woken engine reloads when no newer version arrived while it slept."""
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise WeightSyncError(f"{path} holds no *.safetensors files to wake the engine with (v{version})")
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for f in files:
+                with safe_open(str(f), framework="pt") as sf:
+                    for name in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                        yield name, sf.get_tensor(name)
+
+        return cls(version, [], tensors, path=path)
 
 
 # Queues writes on the publisher's own announce transaction, given the version: the learner's
