@@ -52,6 +52,14 @@ def _seconds_per_step(rows: list[dict]) -> float:
     return (rows[-1]["time"] - rows[0]["time"]) / (len(rows) - 1)
 
 
+def _generated(row: dict) -> float:
+    """A server batch's generated tokens (histories written before ``rollout/tokens`` was logged: the
+    batch's rate times its generation time, which held while one batch was in flight at a time)."""
+    if "rollout/tokens" in row:
+        return row["rollout/tokens"]
+    return row["rollout/tokens_per_s"] * row["time/generate"]
+
+
 def read_run(run_dir: Path, cores: int, *, skip: int = 2, window: int = 10) -> RunProfile:
     """The profile of ``run_dir``: its first ``window`` steps after ``skip`` warm-up steps are the window;
     the steps after it are what the window predicts."""
@@ -68,7 +76,7 @@ def read_run(run_dir: Path, cores: int, *, skip: int = 2, window: int = 10) -> R
     # A server batch of prompts_per_batch groups is this fraction of a learner step's samples.
     per_step = cfg.algorithm.batch_size / (cfg.rollout.prompts_per_batch * cfg.rollout.n_samples)
     srv = servers[skip : skip + max(1, round(window / per_step))]
-    generated = statistics.mean(r["rollout/tokens_per_s"] * r["time/generate"] for r in srv) * per_step
+    generated = statistics.mean(_generated(r) for r in srv) * per_step
     samples: list[Sample] = []
     for r in win:
         for phase in LEARNER_PHASES:

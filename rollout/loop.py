@@ -141,7 +141,9 @@ class RolloutLoop:
         self.timers = Timers()  # seconds spent in each phase since the last log (written by every thread)
         self.totals = Timers()  # the same, summed over every log, with time/engine_busy and time/wall
         self.busy = BusyClock()  # wall time with at least one generation running
-        self.engine_busy, self._busy_window = 0.0, (0.0, 0.0)  # its share of wall time (logged)
+        # Its share of wall time, and the tokens and episodes per second it generates while busy (logged).
+        self.engine_busy = self.tokens_per_s = self.episodes_per_s = 0.0
+        self._window = [0.0, 0.0, 0, 0]  # busy s, wall s, tokens, trajectories since the last window closed
         self._weights_lock = threading.Lock()  # one poll-and-apply at a time (main and generation threads)
         self._last_poll = 0.0
         self.window = inflight_window(cfg)
@@ -430,14 +432,18 @@ class RolloutLoop:
         busy, wall = self.busy.lap()
         for k, v in (*timers.items(), ("time/engine_busy", busy), ("time/wall", wall)):
             self.totals[k] += v
-        # Batches harvested together would each see a sliver of the clock: the fraction is over >= 1 s.
-        self._busy_window = (self._busy_window[0] + busy, self._busy_window[1] + wall)
-        if self._busy_window[1] >= BUSY_WINDOW_S or self.steps == 1:
-            self.engine_busy = self._busy_window[0] / max(self._busy_window[1], 1e-9)
-            self._busy_window = (0.0, 0.0)
+        # Batches harvested together would each see a sliver of the clock, and overlapping batches would
+        # each count the others' time as theirs: rates and the busy share are over >= 1 s of wall time.
+        w = self._window
+        w[0], w[1], w[2], w[3] = w[0] + busy, w[1] + wall, w[2] + tokens, w[3] + len(trajs)
+        if w[1] >= BUSY_WINDOW_S or self.steps == 1:
+            self.engine_busy = w[0] / max(w[1], 1e-9)
+            self.tokens_per_s, self.episodes_per_s = w[2] / max(w[0], 1e-9), w[3] / max(w[0], 1e-9)
+            self._window = [0.0, 0.0, 0, 0]
         self.telemetry.log(
             {
-                "rollout/tokens_per_s": tokens / max(timers.get("time/generate", 0.0), 1e-9),
+                "rollout/tokens": tokens,
+                "rollout/tokens_per_s": self.tokens_per_s,
                 "rollout/engine_busy": self.engine_busy,
                 "rollout/inflight_batches": len(self.inflight),
                 "rollout/groups": self.groups,
@@ -449,7 +455,7 @@ class RolloutLoop:
                 "rollout/longest_response": max(int(t.loss_mask.sum()) for t in trajs),
                 "rollout/stop_frac": sum(t.finish_reason == "stop" for t in trajs) / len(trajs),
                 "reward/mean": sum(t.reward for t in trajs) / len(trajs),
-                "rollout/episodes_per_s": len(trajs) / max(timers.get("time/generate", 0.0), 1e-9),
+                "rollout/episodes_per_s": self.episodes_per_s,
                 **{k: sum(v) / len(v) for k, v in self.env_metrics.items()},
                 **timers,
                 **self.metrics.engine_row(),  # server/kv_cache_usage, server/preemptions, ...

@@ -7,6 +7,7 @@ running at once, so the overlap is certain rather than a matter of timing.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -20,7 +21,7 @@ from buffer.streams import ReplayBuffer
 from rollout.engines.hf import HFEngine
 from rollout.loop import RolloutLoop, inflight_window
 from tandem.rewards import RewardFunctions
-from tandem.telemetry import Telemetry
+from tandem.telemetry import Telemetry, history_key
 from tests.test_rollout_loop import TIMEOUT, Harness, Learner, make_cfg, queue_prompts
 from weightsync import make_subscriber
 from weightsync.base import Update
@@ -117,6 +118,14 @@ def test_batches_overlap_and_every_prompt_is_answered_once_within_the_staleness_
     stats = redis_client.hgetall(f"{run_id}:stats:server-0")
     assert 0.0 < float(stats[b"rollout/engine_busy"]) <= 1.0 + 1e-6
     assert b"time/score" in stats and b"time/put" in stats
+    # The engine's rate is over its busy time, not over each batch's own generation time, which counts the
+    # other batches' overlapping time too (the console sums this over servers).
+    rows = [json.loads(r) for r in redis_client.lrange(history_key(run_id, "server-0"), 0, -1)]
+    assert sum(r["rollout/tokens"] for r in rows) == sum(int(t.loss_mask.sum()) for t in trajs)
+    per_batch = sum(r["rollout/tokens"] for r in rows) / sum(r.get("time/generate", 0.0) for r in rows)
+    rates = [r["rollout/tokens_per_s"] for r in rows]
+    assert max(rates) > 1.5 * per_batch  # three batches generated at once
+    assert max(rates) < 4 * per_batch  # and no batch harvested beside another read as a sliver of time
 
 
 def test_sync_mode_holds_one_batch_whatever_the_window_says(
