@@ -17,7 +17,10 @@ In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per
       process on the same token-id prompts and sampling (``logprobs=0``, processed logprobs, like the
       server); ``overhead_ratio`` = direct / loop (> 1: the loop is slower), ``loop_ratio`` = loop / direct;
   The three run in turns of ``--chunk`` batches each (the loop's batches in flight finish within its turn),
-  so load from other processes hits them alike.
+  so load from other processes hits them alike. Each turn also counts the CPU seconds of every process
+  (this one, and for vllm the server's HTTP front, its scheduler and its worker), per 1,000 tokens: on a
+  CPU build the worker computes on one core and everything else shares the one vLLM reserves, so a
+  busier front slows the engine itself;
   (d) ``update_pause_s``: median time the generation thread spends on one weight update through the
       real shm transport (hf: poll, map and verify the files, copy into the model; vllm: poll and verify,
       then pause → reload in the server's worker → reset the prefix cache → label → resume).
@@ -40,6 +43,7 @@ from pathlib import Path
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
+import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -148,20 +152,24 @@ def main() -> None:
         loop.totals.clear()
         seconds = {"loop": 0.0, "engine": 0.0, "direct": 0.0}
         tokens = {"engine": 0, "direct": 0}
+        cpu: dict[str, dict[str, float]] = {key: {} for key in seconds}
         groups_before, done = loop.groups, 0
         while done < args.steps:
             k = min(args.chunk, args.steps - done)
-            t0 = time.perf_counter()
+            c0, t0 = cpu_seconds(), time.perf_counter()
             for _ in range(k):
                 loop.step()  # claims one batch; with several in flight, returns while it generates
             loop.drain()
-            t1 = time.perf_counter()
+            c1, t1 = cpu_seconds(), time.perf_counter()
             for _ in range(k):
                 tokens["engine"] += sum(len(c.token_ids) for g in engine.generate(batch, sampling) for c in g)
-            t2 = time.perf_counter()
+            c2, t2 = cpu_seconds(), time.perf_counter()
             for _ in range(k):
                 tokens["direct"] += direct()
-            t3 = time.perf_counter()
+            c3, t3 = cpu_seconds(), time.perf_counter()
+            for key, (a, b) in zip(seconds, ((c0, c1), (c1, c2), (c2, c3)), strict=True):
+                for proc in b:
+                    cpu[key][proc] = cpu[key].get(proc, 0.0) + b[proc] - a.get(proc, 0.0)
             for key, dt in zip(seconds, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 seconds[key] += dt
             done += k
@@ -194,6 +202,11 @@ def main() -> None:
     figures["loop_s"] = seconds["loop"]
     for stage in STAGES:
         figures[f"{stage}_s"] = stages.get(f"time/{stage}", 0.0)
+    # CPU seconds per 1,000 tokens of each process, in each measurement (the other side's idle processes
+    # spend next to nothing: a sleeping vLLM server, or the offline LLM between its calls)
+    for key in seconds:
+        for proc, secs in cpu[key].items():
+            figures[f"cpu_{key}_{proc}_s_per_ktok"] = 1000 * secs / tokens[key]
     bare = "model.generate" if args.engine == "hf" else "LLM.generate"
     print(
         f"rollout loop   {figures['tokens_per_s']:9.0f} tok/s  (Redis, scoring, writes included)\n"
@@ -203,7 +216,39 @@ def main() -> None:
         f"loop stages    {loop.window} batch(es) in flight; engine busy {figures['engine_busy']:.2f} of "
         f"{seconds['loop']:.1f} s; " + ", ".join(f"{stage} {figures[f'{stage}_s']:.2f} s" for stage in STAGES)
     )
+    for key, label in (("loop", "rollout loop"), ("engine", f"{args.engine} engine"), ("direct", bare)):
+        spent = ", ".join(
+            f"{proc} {1000 * secs / tokens[key]:.3f}" for proc, secs in sorted(cpu[key].items())
+        )
+        print(f"cpu s / 1k tok {label:<15} {spent}")
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
+
+
+def cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds of this process and its descendants, summed by role: ``bench`` (this
+    process: the loop, the HTTP client, the offline LLM's front), the vLLM server's ``server_front`` (its
+    API process), ``server_scheduler`` (``VLLM::EngineCore``) and ``server_worker`` (``VLLM::Worker``),
+    and the offline LLM's ``offline_scheduler`` and ``offline_worker``."""
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    server: set[int] = set()  # the vLLM server's process tree
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t, cmd = p.cpu_times(), " ".join(p.cmdline())
+            if "vllm.entrypoints" in cmd:
+                server |= {p.pid, *(c.pid for c in p.children(recursive=True))}
+        except psutil.Error:  # gone between the listing and the read
+            continue
+        side = "server" if p.pid in server else "offline"
+        name = (
+            "bench" if p.pid == me.pid
+            else "server_front" if "vllm.entrypoints" in cmd
+            else f"{side}_scheduler" if "EngineCore" in cmd
+            else f"{side}_worker" if "Worker" in cmd
+            else "other"
+        )  # fmt: skip
+        out[name] = out.get(name, 0.0) + t.user + t.system
+    return out
 
 
 # The loop's phases (time/<stage> in its logged stats); generate overlaps itself with several in flight.
