@@ -28,13 +28,22 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    DynamicLayer,
+    PreTrainedTokenizerBase,
+)
 
 from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnToken, SamplingParams
+from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv
 from weightsync.adapters import apply_adapter, is_adapter_tensor
 from weightsync.base import Update, WeightSyncError
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX_CACHE_MB = 256  # rollout.hf_prefix_cache_mb's default: a few thousand turns of a small model
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -113,6 +122,7 @@ class HFEngine:
         dtype: str = "auto",
         trust_remote_code: bool = False,
         seed: int = 0,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         self.device = resolve_device(str(device) if device is not None else None)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
@@ -144,6 +154,27 @@ class HFEngine:
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
         self._released: set[str] = set()  # what sleep() freed and wake_up() has not restored
         self._unfilled = False  # weights re-allocated by wake_up, not yet filled by a full update
+        self.prefix_cache = self._make_prefix_cache(prefix_cache_mb)
+        self.prefilled_tokens = 0  # real tokens fed by prefills (cached prefixes not counted)
+
+    def _make_prefix_cache(self, mb: float) -> PrefixCache | None:
+        """None when ``mb`` is 0, or when a layer's cache is not plain (a sliding window keeps only its
+        window's KV, so a row's whole KV cannot be read back)."""
+        if mb < 0:
+            raise ValueError(f"rollout.hf_prefix_cache_mb must be >= 0 (got {mb})")
+        if mb == 0:
+            return None
+        layers = DynamicCache(config=self.model.config).layers
+        if any(type(layer) is not DynamicLayer for layer in layers):
+            log.info(
+                "hf engine: no prefix cache for %s (not every layer caches all positions)", type(layers[0])
+            )
+            return None
+        return PrefixCache(int(mb * (1 << 20)))
+
+    def prefix_stats(self) -> PrefixStats | None:
+        """Lookups, hits and reused tokens of the prefix cache; None when it is off."""
+        return self.prefix_cache.stats if self.prefix_cache is not None else None
 
     @property
     def version(self) -> int:
@@ -217,21 +248,25 @@ class HFEngine:
         between_steps: BetweenSteps | None,
         on_token: OnToken | None,
     ) -> list[Completion]:
-        """Prefill, then one token per step; finished rows leave the batch (and the KV cache)."""
+        """Prefill, then one token per step; finished rows leave the batch (and the KV cache).
+
+        A row whose earlier tokens are in the prefix cache prefills only the rest; each finished row's KV
+        goes back into it."""
         stop_ids = self.eos_token_ids | set(sampling.stop_token_ids)
         out = [Completion([], [], "length", []) for _ in rows]
-        step_ids, mask = self._left_pad(rows)  # (B, P)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P): left padding does not shift positions
-        # Prompts of one length (a GRPO group shares its prompt) need no mask: plain causal attention, and
-        # transformers skips building a 4-D mask at every step. Rows that finish leave no padding behind.
-        padded = len({len(r) for r in rows}) > 1
-        cache = DynamicCache(config=self.model.config)
-        with self._caches_lock:
-            self._caches.add(cache)  # weakly: an exception's unwinding drops it as surely as the return
         active = list(range(len(rows)))  # row index of each batch entry
         for step in range(sampling.max_new_tokens):
             self._running.wait()  # pause() holds generation here, outside the lock, until resume()
             with self._lock:  # per step, so HTTP requests and weight updates interleave with long calls
+                if step == 0:  # under the lock: the cached KV and this forward see the same weights
+                    epoch = self.prefix_cache.epoch if self.prefix_cache is not None else 0
+                    step_ids, mask, positions, cache = self._prefill_inputs(rows)
+                    # Rows of one length (a GRPO group shares its prompt) need no mask: plain causal
+                    # attention, and transformers skips building a 4-D mask at every step. Rows that
+                    # finish leave no padding behind.
+                    padded = not bool(mask.all())
+                    with self._caches_lock:
+                        self._caches.add(cache)  # weakly: an exception's unwinding drops it too
                 logits = self._forward(step_ids, mask if padded else None, positions, cache)  # (b, V)
                 version = self._version
                 tokens, logps = sample_tokens(logits, sampling, generator)  # (b,), (b,)
@@ -242,7 +277,11 @@ class HFEngine:
                     on_token(row, token, logp)
                 if not done:
                     keep.append(j)
-            if not keep or step == sampling.max_new_tokens - 1:
+            last = not keep or step == sampling.max_new_tokens - 1
+            finished = range(len(active)) if last else sorted(set(range(len(active))) - set(keep))
+            for j in finished:
+                self._keep_prefix(rows[active[j]] + out[active[j]].token_ids[:-1], cache, mask[j], j, epoch)
+            if last:
                 break
             if between_steps is not None:
                 between_steps()  # may apply a weight update: the next forward uses the new weights
@@ -251,13 +290,49 @@ class HFEngine:
                 cache.batch_select_indices(idx)
                 mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
                 active = [active[j] for j in keep]
-            if padded:
-                mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)  # (b, T + 1)
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)  # (b, T + 1)
             positions = positions[:, -1:] + 1  # (b, 1)
             step_ids = tokens[:, None]  # (b, 1)
         with self._caches_lock:
             self._caches.discard(cache)
         return out
+
+    def _prefill_inputs(
+        self, rows: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
+        """The prefill's ids (B, S), mask (B, C + S), positions (B, S) and cache (C columns).
+
+        Each row's cached prefix (``c_i`` tokens) sits left-padded in the cache and the rest of the row
+        (its suffix) left-padded in the ids: ``[pad, cached, pad, suffix]``, both paddings masked, positions
+        ``c_i + index in the suffix`` (real tokens only). No hit: C = 0, plain left padding."""
+        cache = self.prefix_cache
+        hits = [cache.longest(r) for r in rows] if cache is not None else [None] * len(rows)
+        if any(hit is not None for hit in hits):
+            kv, cached = left_padded_kv(hits)
+            kv_cache = DynamicCache(kv, config=self.model.config)
+            cache_mask = torch.zeros((len(rows), kv[0][0].shape[2]), dtype=torch.long)
+            for i, c in enumerate(cached):
+                cache_mask[i, cache_mask.shape[1] - c :] = 1
+        else:
+            cached = [0] * len(rows)
+            kv_cache = DynamicCache(config=self.model.config)
+            cache_mask = torch.zeros((len(rows), 0), dtype=torch.long)
+        ids, suffix_mask = self._left_pad([r[c:] for r, c in zip(rows, cached, strict=True)])
+        offset = torch.tensor(cached, device=self.device)[:, None]  # (B, 1)
+        positions = offset + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # (B, S): padding shifts nothing
+        self.prefilled_tokens += int(suffix_mask.sum())
+        return ids, torch.cat([cache_mask.to(self.device), suffix_mask], dim=-1), positions, kv_cache
+
+    def _keep_prefix(
+        self, tokens: list[int], cache: DynamicCache, mask: torch.Tensor, j: int, epoch: int
+    ) -> None:
+        """Store batch entry ``j``'s KV (its real columns: ``mask`` (T,)) for ``tokens`` in the prefix
+        cache; refused there if a weight update came since ``epoch``."""
+        if self.prefix_cache is None or self.prefix_cache.epoch != epoch:
+            return
+        cols = mask.bool()
+        kv: LayerKV = [(layer.keys[j][:, cols], layer.values[j][:, cols]) for layer in cache.layers]
+        self.prefix_cache.insert(tokens, kv, epoch)
 
     def _append(
         self, c: Completion, token: int, logp: float, version: int, stop_ids: set[int], stop: list[str]
@@ -313,6 +388,7 @@ class HFEngine:
         """
         start = time.perf_counter()
         with self._lock:
+            self._clear_prefix_cache()  # computed by the old weights (a failed update leaves them mixed)
             seen: set[int] = set()
             adapter: dict[str, torch.Tensor] = {}
             for name, tensor in update.tensors():
@@ -365,6 +441,7 @@ class HFEngine:
                 for p in self._parameters_only():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._released = {"weights", "kv_cache"}
+            self._clear_prefix_cache()
         release_freed_memory(self.device)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -386,6 +463,10 @@ class HFEngine:
     def asleep(self) -> bool:
         return bool(self._released)
 
+    def _clear_prefix_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def _parameters_only(self) -> list[torch.nn.Parameter]:
         return [p for _, p in self._parameters]
 
@@ -403,5 +484,6 @@ class HFEngine:
         with self._lock:
             self.model = None  # type: ignore[assignment]
             self._tensors, self._parameters = {}, []
+            self._clear_prefix_cache()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
