@@ -35,7 +35,7 @@ from buffer.schema import Trajectory
 from placement.local import thread_split
 from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams
-from rollout.engines.hf import HFEngine
+from rollout.engines.hf import DEFAULT_PREFIX_CACHE_MB, HFEngine
 from rollout.http.app import create_app
 from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
@@ -155,7 +155,9 @@ def serve_standalone(args: argparse.Namespace, stop: threading.Event) -> int:
     seed_everything(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = HFEngine(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    engine = HFEngine(
+        args.model, device=args.device, dtype=args.dtype, seed=args.seed, prefix_cache_mb=args.prefix_cache_mb
+    )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     warm_up(engine, tokenizer)
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY")
@@ -258,6 +260,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=0, help="standalone: CPU threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="standalone: MiB for the KV of finished sequences that later requests extend (0: off)",
+    )
     args = ap.parse_intermixed_args(argv)
     if args.standalone and not args.model:
         ap.error("--standalone needs --model DIR")

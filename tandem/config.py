@@ -254,6 +254,13 @@ class RolloutConfig(Section):
         True,
         description="hf engine: apply a pending weight update between decode steps, not only between batches.",
     )
+    hf_prefix_cache_mb: float = Field(
+        256,
+        ge=0,
+        description="hf engine: memory (MiB) for the KV of finished sequences, reused by a later call whose "
+        "prompt extends one, so a multi-turn episode's next turn prefills only its new tokens (vLLM and SGLang "
+        "cache prefixes themselves); least recently used first out, emptied by every weight update; 0 disables.",
+    )
     max_inflight_batches: int = Field(
         0,
         ge=0,

@@ -189,3 +189,21 @@ def test_prefix_hashes_tell_prefixes_apart() -> None:
     h = prefix_hashes([1, 2, 3])
     assert h[0] == 0 and len(set(h)) == 4
     assert prefix_hashes([1, 2])[:3] == h[:3] and prefix_hashes([0, 2, 3])[3] != h[3]
+
+
+@pytest.mark.parametrize(("mb", "max_bytes"), [(0, None), (1.5, 3 << 19)])
+def test_the_budget_comes_from_the_config(
+    tiny_ckpt: dict[str, Path], mb: float, max_bytes: int | None
+) -> None:
+    from rollout.engines import make_engine
+    from tandem.config import load_config
+
+    raw = {
+        "run": {"name": "prefix", "device": "cpu"},
+        "model": {"actor": str(tiny_ckpt["actor"])},
+        "data": {"prompts": "unused.jsonl"},
+        "rollout": {"hf_prefix_cache_mb": mb},
+        "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
+    }
+    engine = make_engine(load_config(None, raw=raw), str(tiny_ckpt["actor"]))
+    assert (engine.prefix_cache.max_bytes if engine.prefix_cache is not None else None) == max_bytes

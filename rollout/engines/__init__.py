@@ -30,6 +30,7 @@ def make_engine(cfg: Config, model_path: str, *, server_index: int = 0, device: 
             dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code,
             seed=cfg.run.seed + server_index,
+            prefix_cache_mb=cfg.rollout.hf_prefix_cache_mb,
         )
     return cls(cfg, model_path, server_index=server_index, device=device)
 

@@ -38,12 +38,13 @@ from transformers import (
 
 from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnToken, SamplingParams
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv
+from tandem.config import RolloutConfig
 from weightsync.adapters import apply_adapter, is_adapter_tensor
 from weightsync.base import Update, WeightSyncError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFIX_CACHE_MB = 256  # rollout.hf_prefix_cache_mb's default: a few thousand turns of a small model
+DEFAULT_PREFIX_CACHE_MB: float = RolloutConfig.model_fields["hf_prefix_cache_mb"].default
 
 
 def resolve_device(device: str | None) -> torch.device:
