@@ -8,8 +8,9 @@ those with the same sampling settings as one engine call (``n`` of each kept), h
 rows. Calls that arrive meanwhile form the next batch, so the engine always takes whatever is ready.
 
 A caller's ``between_steps`` hook (the API's client-disconnect check) runs on every decode step of its
-batch; one that raises drops that caller only (it gets the hook's exception), and the batch goes on while
-any caller still waits. The run's own hooks apply weight updates between decode steps (in flight) and
+batch, and every ``WAIT_POLL_S`` while the caller waits; one that raises drops that caller only (it gets
+the hook's exception, and a call still queued is withdrawn), and the batch goes on while any caller still
+waits. So a caller that is gone never waits on an engine that has stopped taking steps. The run's own hooks apply weight updates between decode steps (in flight) and
 between batches. Sampling is the run's where it says so (``sampling``: the learner scores the tokens at
 the run's temperature, whatever an agent asks), and ``max_new_tokens`` caps a call's length. A streamed call (``on_token``) goes to the engine directly.
 
@@ -32,6 +33,8 @@ from rollout.engines.base import BetweenSteps, Completion, Engine, OnToken, Samp
 from weightsync.base import Update
 
 log = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.2  # how often a waiting caller's own hook is asked whether it is still there
 
 
 class _AllGone(Exception):
@@ -113,11 +116,26 @@ class BatchingEngine:
                 raise RuntimeError("the agents' engine front is closed")
             self._queue.append(call)
             self._cv.notify()
-        call.done.wait()
+        self._wait(call)
         if call.error is not None:
             raise call.error
         assert call.out is not None
         return call.out
+
+    def _wait(self, call: _Call) -> None:
+        """Wait for ``call``, asking its own hook every ``WAIT_POLL_S``: a caller that is gone (its client
+        disconnected, its episode timed out) stops waiting even while the engine takes no step at all (a
+        hung batch ahead of it), and a call still queued is withdrawn."""
+        while not call.done.wait(WAIT_POLL_S):
+            if call.between_steps is None:
+                continue
+            try:
+                call.between_steps()
+            except Exception as e:
+                with self._cv:
+                    if call in self._queue:
+                        self._queue.remove(call)
+                call.finish(error=e)
 
     def update_weights(self, update: Update) -> None:
         self.engine.update_weights(update)
