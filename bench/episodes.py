@@ -4,6 +4,7 @@ generation at the same token budget.
     python bench/episodes.py [--engine hf|vllm] [--episodes 32] [--turns 4] [--turn-tokens 16]
                              [--obs-tokens 4] [--repeats 3] [--slow-ms 200] [--slow-share 0.1] [--fast-ms 2]
                              [--gather-ms 2] [--hidden 64] [--layers 2] [--threads 1]
+                             [--prefix-cache-mb 256]
 
 In one run, on the same tiny checkpoint (CPU), the same prompts and the same budget of ``turns ×
 turn_tokens`` generated tokens per episode (no stop string; EOS ignored on hf):
@@ -13,8 +14,12 @@ turn_tokens`` generated tokens per episode (no stop string; EOS ignored on hf):
       its own step returns. Figure: episodes/s of each and their ratio.
   (b) **instant environment** against single-turn: each progression's generated tokens/s against one
       ``engine.generate`` call of ``turns × turn_tokens`` new tokens per prompt. Below 1, multi-turn is
-      slower per generated token: every turn prefills the whole context again on the hf engine, and each
-      turn is an engine call of its own.
+      slower per generated token: each turn is an engine call of its own, and its prefill covers the
+      context's new tokens (the hf engine's prefix cache, ``rollout.hf_prefix_cache_mb``, holds the earlier
+      turns' KV) or, with the cache off, the whole context again.
+  (c) on hf, (b)'s two progressions again on a second engine with the prefix cache off
+      (``*_nocache``), in the same interleaved runs: the cache's gain is ``*_cache_vs_nocache``, and
+      ``prefix_*`` says how many rows hit and what share of context tokens came from the cache.
 ``--engine hf`` decodes each engine call on its own, so independent episodes go through the engine front
 that gathers the turns ready within ``--gather-ms`` (``env.gather_ms``); ``--engine vllm`` (run it with
 ``.venv-vllm/bin/python``; a head_dim-32 checkpoint) sends each turn as its own request into the server's
@@ -43,7 +48,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rollout.engines.base import Engine, SamplingParams
-from rollout.engines.hf import HFEngine
+from rollout.engines.hf import DEFAULT_PREFIX_CACHE_MB, HFEngine
 from rollout.envs.base import Action, Env, StepResult, Task
 from rollout.envs.episode import Episode, EpisodeRunner
 from toy.tiny import make_tiny
@@ -89,9 +94,12 @@ def run_multi(
     return time.perf_counter() - t0, sum(sum(e.mask) for e in eps)
 
 
-def make_engine(args: argparse.Namespace, path: str, tmp: str) -> Engine:
+def make_engine(
+    args: argparse.Namespace, path: str, tmp: str, prefix_cache_mb: float | None = None
+) -> Engine:
     if args.engine == "hf":
-        engine = HFEngine(path, device="cpu", seed=0)
+        mb = args.prefix_cache_mb if prefix_cache_mb is None else prefix_cache_mb
+        engine = HFEngine(path, device="cpu", seed=0, prefix_cache_mb=mb)
         engine.eos_token_ids = set()  # EOS ignored, so every side generates exactly the budget
         return engine
     from rollout.engines.vllm import VLLMEngine
@@ -133,6 +141,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="hf: rollout.hf_prefix_cache_mb",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -146,6 +160,7 @@ def main() -> None:
         engine = make_engine(args, path, tmp)
         prompts = [tok(f"{i % 90 + 10}+{i % 7 + 3}=")["input_ids"] for i in range(args.episodes)]
         run_single(engine, prompts[:2], args)  # warm-up
+        plain = make_engine(args, path, tmp, prefix_cache_mb=0) if args.engine == "hf" else None
         kinds = {
             "tail_rounds": lambda: run_multi(engine, tok, prompts, args, "rounds", heavy_tail(args, rng)),
             "tail_independent": lambda: run_multi(engine, tok, prompts, args, "independent", heavy_tail(args, rng)),
@@ -153,18 +168,27 @@ def main() -> None:
             "instant_independent": lambda: run_multi(engine, tok, prompts, args, "independent", instant),
             "single": lambda: run_single(engine, prompts, args),
         }  # fmt: skip
+        if plain is not None:
+            kinds["instant_rounds_nocache"] = lambda: run_multi(plain, tok, prompts, args, "rounds", instant)
+            kinds["instant_independent_nocache"] = lambda: run_multi(
+                plain, tok, prompts, args, "independent", instant
+            )
         try:
             for _ in range(args.repeats):  # interleaved, so a change of machine load hits every kind alike
                 for kind, run in kinds.items():
                     runs.setdefault(kind, []).append(run())
         finally:
-            engine.close()
+            prefix = engine.prefix_stats() if isinstance(engine, HFEngine) else None
+            prefilled = engine.prefilled_tokens if isinstance(engine, HFEngine) else 0
+            for e in (engine, plain):
+                if e is not None:
+                    e.close()
 
     out: dict[str, float] = {}
     for kind, rs in runs.items():
         out[f"{kind}_episodes_per_s"] = statistics.median(args.episodes / dt for dt, _ in rs)
         out[f"{kind}_tokens_per_s"] = statistics.median(n / dt for dt, n in rs)
-        print(f"{kind:>20}: {out[f'{kind}_episodes_per_s']:8.2f} episodes/s  "
+        print(f"{kind:>27}: {out[f'{kind}_episodes_per_s']:8.2f} episodes/s  "
               f"{out[f'{kind}_tokens_per_s']:9.1f} generated tok/s  "
               f"({statistics.median(n for _, n in rs):.0f} generated tokens per run)")  # fmt: skip
     out["tail_independent_vs_rounds"] = (
@@ -176,6 +200,19 @@ def main() -> None:
           f"independent / rounds {out['tail_independent_vs_rounds']:.2f}x episodes/s")  # fmt: skip
     print(f"instant environment, multi-turn / single-turn tokens/s: rounds {out['instant_rounds_vs_single_tokens']:.2f}x, "
           f"independent {out['instant_independent_vs_single_tokens']:.2f}x")  # fmt: skip
+    if plain is not None:
+        for p in ("rounds", "independent"):
+            out[f"instant_{p}_cache_vs_nocache"] = (
+                out[f"instant_{p}_tokens_per_s"] / out[f"instant_{p}_nocache_tokens_per_s"]
+            )
+        print(f"hf prefix cache on / off, generated tokens/s: rounds {out['instant_rounds_cache_vs_nocache']:.2f}x, "
+              f"independent {out['instant_independent_cache_vs_nocache']:.2f}x")  # fmt: skip
+    if prefix is not None and prefix.lookups:
+        out["prefix_hit_rows"] = prefix.hits / prefix.lookups
+        out["prefix_reused_share"] = prefix.reused_tokens / (prefix.reused_tokens + prefilled)
+        print(f"prefix cache (every run of the cached engine): {prefix.hits}/{prefix.lookups} rows hit, "
+              f"{out['prefix_reused_share']:.0%} of context tokens reused rather than prefilled, "
+              f"{prefix.evicted} entries evicted")  # fmt: skip
     print(json.dumps({"bench": "episodes", **vars(args), **{k: round(v, 4) for k, v in out.items()}}))
 
 
