@@ -43,6 +43,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, nullcontext
+from functools import partial
 
 import redis
 from transformers import PreTrainedTokenizerBase
@@ -76,12 +77,18 @@ def inflight_window(cfg: Config) -> int:
     """How many batches a server holds at once (claimed, not yet appended): ``rollout.max_inflight_batches``,
     or by default 1 for ``hf`` (in-process: a second batch competes for the same CPU) and
     ``OWN_PROCESS_INFLIGHT`` for vllm/sglang. Always 1 in sync mode (``max_staleness`` 0, exactly the
-    synchronous algorithm), with an environment, without ``inflight_updates`` (a weight update between
-    batches would land inside the others) and with a pause mode that aborts requests in flight."""
+    synchronous algorithm), with environment episodes played in rounds (a round is one engine call for its
+    batch, docs/design.md §10.3), without ``inflight_updates`` (a weight update between batches would land
+    inside the others) and with a pause mode that aborts requests in flight. Episodes that progress
+    independently (agents, ``env.progression`` independent) send every turn as its own call, so the next
+    batch's first turns fill the engine while this batch's slowest episodes are still running."""
     r = cfg.rollout
     pause = r.vllm.pause_mode if r.engine == "vllm" else r.sglang.pause_mode if r.engine == "sglang" else None
-    episodic = cfg.env.path is not None or cfg.agent.path is not None
-    if cfg.max_staleness == 0 or episodic or not r.inflight_updates or pause == "abort":
+    progression = cfg.env.progression
+    rounds = cfg.env.path is not None and (
+        progression == "rounds" or (progression == "auto" and r.engine == "hf")  # auto: rounds on hf
+    )
+    if cfg.max_staleness == 0 or rounds or not r.inflight_updates or pause == "abort":
         return 1
     return r.max_inflight_batches or (1 if r.engine == "hf" else OWN_PROCESS_INFLIGHT)
 
@@ -216,19 +223,22 @@ class RolloutLoop:
         """Steps 4 to 6 of one batch. With several batches in flight this runs in a generation thread and
         hands scoring and the append to the scoring thread; ``held`` (the claim heartbeat) ends with it."""
         with held or nullcontext():
-            if self.episodes is not None:
-                return self.put(*self.drop_uninformative(prompts, self.run_episodes(prompts)))
-            if self.agents is not None:
-                return self.put(*self.drop_uninformative(prompts, self.run_agents(prompts)))
-            completions = self.generate(prompts)
-            if self.window == 1:
-                return self.score_and_put(prompts, completions)
-            return self.scorer.submit(self.score_and_put, prompts, completions).result()
+            if self.episodes is not None or self.agents is not None:  # scored as they play (§10)
+                groups = self.run_episodes(prompts) if self.episodes is not None else self.run_agents(prompts)
+                finish = partial(self.put_scored, prompts, groups)
+            else:
+                finish = partial(self.score_and_put, prompts, self.generate(prompts))
+            return finish() if self.window == 1 else self.scorer.submit(finish).result()
 
     def score_and_put(
         self, prompts: list[TakenPrompt], completions: list[list[Completion]]
     ) -> list[list[Trajectory]]:
-        return self.put(*self.drop_uninformative(prompts, self.score(prompts, completions)))
+        return self.put_scored(prompts, self.score(prompts, completions))
+
+    def put_scored(
+        self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]
+    ) -> list[list[Trajectory]]:
+        return self.put(*self.drop_uninformative(prompts, groups))
 
     def harvest(self, *, block: bool = False) -> int:
         """Log the batches in flight that are done (after waiting for one, with ``block``); returns their

@@ -267,7 +267,7 @@ class RolloutConfig(Section):
         description="Batches a server holds at once (claimed, not yet appended): with more than 1 the next "
         "batch generates while the last is scored and appended. 0: 1 for hf (in-process, it shares the "
         "CPU), 3 for vllm/sglang (their own process). Always 1 when max_staleness is 0 (sync mode), with "
-        "an environment, or without inflight_updates.",
+        "environment episodes played in rounds (env.progression), or without inflight_updates.",
     )
     threads: int = Field(
         0,

@@ -19,6 +19,7 @@ import torch
 from buffer.admission import Admission
 from buffer.streams import ReplayBuffer
 from rollout.engines.hf import HFEngine
+from rollout.envs.base import Action, Env, StepResult, Task
 from rollout.loop import RolloutLoop, inflight_window
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry, history_key
@@ -205,3 +206,50 @@ def test_a_batch_that_fails_in_flight_ends_the_loop_and_its_prompts_are_handed_b
     assert not answered & {p.prompt.prompt_id for p in handed}
     assert int(redis_client.get(f"{run_id}:admitted")) == appended + 2 * len(handed)
     assert loop.admission.held_credits() == 0
+
+
+GATE = (
+    threading.Event()
+)  # held shut: the episodes of the prompts in HELD wait on it in their environment step
+HELD: set[str] = set()
+
+
+class GatedEnv(Env):
+    """One environment step, then done; a held prompt's step waits for ``GATE`` (a slow tool call)."""
+
+    def step(self, action: Action) -> StepResult:
+        if self.task_id in HELD:
+            GATE.wait(TIMEOUT)
+        return StepResult("", 1.0, True)
+
+    def reset(self, task: Task) -> None:
+        self.task_id = str(task.record["id"])
+
+
+def test_independent_episodes_of_the_next_batches_run_while_a_batch_waits_on_its_slowest(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"algorithm.max_staleness": 4, "rollout.max_inflight_batches": 3, "algorithm.batch_size": 4,
+           "env.path": "tests.test_pipelined_loop:GatedEnv", "env.progression": "independent"},
+    )  # fmt: skip
+    assert inflight_window(cfg) == 3
+    rounds = cfg.model_copy(update={"env": cfg.env.model_copy(update={"progression": "rounds"})})
+    assert inflight_window(rounds) == 1  # a round is one engine call for its batch
+    learner = Learner(cfg, redis_client, weights(hf))
+    prompts = queue_prompts(learner.buffer, hf, 6)
+    HELD.clear()
+    HELD.add(str(prompts[0].record["id"]))  # the first batch's first prompt: its episodes hang
+    GATE.clear()
+    try:
+        with Harness(cfg, redis_client, hf, make_subscriber(cfg, redis_client, "server-0")):
+            later = learner.take(4)  # the second batch, and not the first, while the first one hangs
+            assert prompts[0].prompt_id not in {t.prompt_id for t in later}
+            GATE.set()
+            rest = learner.take(8)
+    finally:
+        GATE.set()
+    trajs = later + rest
+    assert Counter(t.prompt_id for t in trajs) == {p.prompt_id: 2 for p in prompts}  # each once, n = 2
+    assert all(t.reward == 1.0 for t in trajs)
