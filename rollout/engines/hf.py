@@ -12,6 +12,11 @@ of the tokens already generated stays as the old weights computed it, as in Pipe
 would cost a prefill of every running sequence per update, and the learner corrects for the mismatch
 with the importance weight like for any other stale token.
 
+Each finished row's KV stays in a prefix cache (:mod:`rollout.engines.hf_prefix`, sized by
+``rollout.hf_prefix_cache_mb``): a later call whose row extends a cached sequence prefills only the rest,
+as vLLM's prefix cache does, so a multi-turn episode's next turn feeds just its new tokens. Every weight
+update and ``sleep`` empty it.
+
 One lock serialises the model between the rollout loop, the HTTP API and weight updates. It is held per
 decode step, not per call, so an HTTP request interleaves its steps with a long rollout batch instead of
 waiting for it, and an update lands between two steps of any running call.
@@ -432,9 +437,9 @@ class HFEngine:
         """Free the parameters' storage while the learner trains (docs/design.md §11.1).
 
         Only the parameters go: non-persistent buffers (rotary ``inv_freq``) stay, and a tied weight is
-        one Parameter under two names, so it stays tied. The KV cache lives only inside a ``generate``
-        call, so there is none to free between batches. Nothing is kept aside: the next version's full
-        weights refill the storage after :meth:`wake_up`.
+        one Parameter under two names, so it stays tied. The decode KV cache lives only inside a
+        ``generate`` call, so there is none to free between batches, and the prefix cache is emptied.
+        Nothing is kept aside: the next version's full weights refill the storage after :meth:`wake_up`.
         """
         with self._lock:
             if "weights" not in self._released:
@@ -449,7 +454,8 @@ class HFEngine:
         """Re-allocate what ``tags`` names (``weights``, ``kv_cache``; None: both), vLLM's ``wake_up``.
 
         The weights come back uninitialised: ``generate`` is refused until a full ``update_weights``
-        fills them. ``kv_cache`` only ends the sleep (the hf cache is per call)."""
+        fills them. ``kv_cache`` only ends the sleep (the decode cache is per call; the prefix cache refills as
+        calls finish)."""
         with self._lock:
             for tag in tags or ("weights", "kv_cache"):
                 if tag not in ("weights", "kv_cache"):
