@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,28 @@ def test_rows_of_one_call_hitting_alike_need_no_mask(cached: HFEngine, plain: HF
         assert torch.allclose(
             torch.tensor(c.logprobs), full_forward_logprobs(plain, row, c.token_ids), atol=TOL
         )
+
+
+def test_calls_decoding_at_once_share_the_cache(cached: HFEngine, plain: HFEngine) -> None:
+    """Two threads' calls interleave their decode steps (and cache lookups and inserts) on one engine."""
+    prompts, turns = first_turn(cached)
+    rows = second_turn_rows(cached, prompts, turns)
+    out: dict[int, list] = {}
+    threads = [
+        threading.Thread(target=lambda i=i, part=part: out.setdefault(i, cached.generate(part, GREEDY)))
+        for i, part in enumerate((rows[:3], rows[3:]))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    got = [c for i in (0, 1) for (c,) in out[i]]
+    for row, c in zip(rows, got, strict=True):
+        assert torch.allclose(
+            torch.tensor(c.logprobs), full_forward_logprobs(plain, row, c.token_ids), atol=TOL
+        )
+    assert cached.prefix_stats().hits == 3
+    assert len(cached.prefix_cache) == 4 - 3 + 5  # the hit entries superseded by their rows' new turns
 
 
 def test_an_episode_keeps_one_entry_its_latest_turn(cached: HFEngine) -> None:
