@@ -25,6 +25,7 @@ predicted-against-measured figures show.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -151,6 +152,10 @@ class CostModel:
     # A batch's longest response per generated token, averaged over every measured batch whatever its
     # devices: the pace-setting tail, which predictions price at every device count alike.
     pace: float = 0.0
+    # Each phase's spread about its law: the standard deviation of measured / predicted. A separated
+    # step waits for the slower of two sides, and two sides that scatter lose more to that than their
+    # means say (:func:`expected_max`).
+    spread: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_samples(cls, times: Iterable[Sample], memory: Iterable[Sample] = ()) -> CostModel:
@@ -161,12 +166,25 @@ class CostModel:
         for s in memory:
             by_role.setdefault(s.name, []).append(s)
         paced = [s for s in by_phase.get("generate", []) if s.longest > 0 and s.tokens > 0]
-        return cls(
+        model = cls(
             {p: _fit_phase(ss) for p, ss in by_phase.items()},
             # bytes per device * g = M + m * W: a line in W
             {r: fit((s.tokens for s in ss), (s.value * s.devices for s in ss)) for r, ss in by_role.items()},
             float(np.mean([s.longest / s.tokens for s in paced])) if paced else 0.0,
         )
+        model.spread = {p: model._spread(p, ss) for p, ss in by_phase.items()}
+        return model
+
+    def _spread(self, phase: str, samples: list[Sample]) -> float:
+        """Standard deviation of measured / predicted over ``samples``, each priced as a prediction is
+        (generation at the mean tail, ``pace``): a batch's long response is part of the scatter."""
+        law = self.time[phase]
+        ratios = []
+        for s in samples:
+            pred = law.time(s.tokens, max(1, s.devices), self.pace * s.tokens if phase == "generate" else 0.0)
+            if pred > 0:
+                ratios.append(s.value / pred)
+        return float(np.std(ratios, ddof=1)) if len(ratios) > 2 else 0.0
 
     def t(self, phase: str, work: Workload, devices: int) -> float:
         law = self.time.get(phase)
@@ -175,15 +193,27 @@ class CostModel:
         tokens = work.tokens(phase)
         return law.time(tokens, max(1, devices), self.pace * tokens if phase == "generate" else 0.0)
 
+    def sd(self, phase: str, work: Workload, devices: int) -> float:
+        """A phase's standard deviation in seconds: its spread about the law, at this prediction."""
+        return self.spread.get(phase, 0.0) * self.t(phase, work, devices)
+
     def m(self, role: str, work: Workload, devices: int) -> float:
         law = self.memory.get(role)
         return 0.0 if law is None else law.bytes(work.tokens("train"), max(1, devices))
+
+
+# Phases that move the actor's weights: their bytes, not the batch's tokens, set their cost.
+WEIGHT_PHASES = ("sync", "sync_local")
 
 
 def _fit_phase(samples: list[Sample]) -> Law:
     x = [s.tokens / s.devices for s in samples]
     if any(s.longest > 0 for s in samples):
         return fit_paced(x, (s.longest for s in samples), (s.value for s in samples))
+    if samples[0].name in WEIGHT_PHASES and np.ptp(x) <= 1e-12 * max(1.0, max(x)):
+        # Measured on one device count, a weight broadcast is a fixed cost: through the origin in W / g,
+        # a broadcast timed from 4 learning devices would be priced twice as long from 2.
+        return Law(float(np.mean([s.value for s in samples])), 0.0)
     return fit(x, (s.value for s in samples))
 
 
@@ -208,6 +238,29 @@ _SCORER_ROLE = {
     "critic_values": "critic",
     "reward_model": "reward_model",
 }
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """A span of a step: mean seconds, and its variance (independent phases add both)."""
+
+    mean: float = 0.0
+    var: float = 0.0
+
+    def __add__(self, other: Span) -> Span:
+        return Span(self.mean + other.mean, self.var + other.var)
+
+
+def expected_max(a: Span, b: Span) -> float:
+    """E[max(A, B)] of two independent normal spans (Clark, 1961): ``max`` of the means when neither
+    scatters, more when they are close and do. A separated step waits for the slower side each time."""
+    theta = math.sqrt(a.var + b.var)
+    if theta <= 1e-12 * max(a.mean, b.mean, 1e-12):
+        return max(a.mean, b.mean)
+    z = (a.mean - b.mean) / theta
+    cdf = 0.5 * (1 + math.erf(z / math.sqrt(2)))
+    pdf = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+    return a.mean * cdf + b.mean * (1 - cdf) + theta * pdf
 
 
 def _split(devices: int, k: int) -> list[int]:
@@ -239,36 +292,41 @@ def _predict(
     gen_devs, learn_devs, aux = plan.generation, plan.learning, plan.aux
     own = plan.own(roles)
 
+    def phase(name: str, devices: int) -> Span:
+        return Span(t(name, work, devices), model.sd(name, work, devices) ** 2)
+
     # The servers' side: generation, then what is scored next to it.
-    server = t("generate", work, gen_devs)
+    server = phase("generate", gen_devs)
     if roles.reference and plan.reference == "server":
-        server += t("reference", work, gen_devs)
+        server += phase("reference", gen_devs)
     if roles.reward_model and plan.reward_model == "server":
-        server += t("reward_model", work, gen_devs)
+        server += phase("reward_model", gen_devs)
 
     # The learner's side: scoring on the learning group (and the own group beside it), then training.
     forwards = plan.learner_scoring(roles)
     if plan.scoring == "serial" or not forwards:
-        scoring = sum(t(f, work, learn_devs) for f in forwards)
+        scoring = sum((phase(f, learn_devs) for f in forwards), Span())
     else:
-        scoring = max(t(f, work, g) for f, g in zip(forwards, _split(learn_devs, len(forwards)), strict=True))
+        scoring = max(phase(f, g) for f, g in zip(forwards, _split(learn_devs, len(forwards)), strict=True))
     if roles.reference and plan.reference == "learner_cpu":
-        scoring += t("reference_reload", work, learn_devs)
-    own_scoring = sum(t({"critic": "critic_values"}.get(r, r), work, aux) for r in own)
-    train = t("actor_train", work, learn_devs)
-    own_train = 0.0
+        scoring += phase("reference_reload", learn_devs)
+    own_scoring = sum((phase({"critic": "critic_values"}.get(r, r), aux) for r in own), Span())
+    train, own_train = phase("actor_train", learn_devs), Span()
     if roles.critic:
         if plan.critic == "learner":
-            train += t("critic_train", work, learn_devs)
+            train += phase("critic_train", learn_devs)
         else:
-            own_train = t("critic_train", work, aux)
+            own_train = phase("critic_train", aux)
     sync = t("sync_local" if plan.mode == "colocate" else "sync", work, learn_devs)
-    learning = max(scoring, own_scoring) + max(train, own_train) + sync
+    rest = max(scoring, own_scoring) + max(train, own_train)
+    learning = rest.mean + sync
 
     if plan.mode == "colocate":
-        step = server + t("switch", work, gen_devs) + learning
+        step = server.mean + t("switch", work, gen_devs) + learning
     else:
-        step = max(server, learning)
+        # The weight broadcast holds the servers too (they pause to load it), so it is on both sides'
+        # path: each step both sides do their work, then the broadcast.
+        step = expected_max(server, rest) + sync
 
     # Memory per device of each group; colocated sides take turns, so only the larger is resident.
     server_roles = ["engine"]
@@ -291,4 +349,4 @@ def _predict(
         why = f"needs {peak / 2**30:.2f} GiB per device, {device_bytes / 2**30:.2f} available"
     elif host > host_bytes:
         why = f"parks {host / 2**30:.2f} GiB in host memory, {host_bytes / 2**30:.2f} available"
-    return Prediction(plan, step, server, learning, peak, host, why)
+    return Prediction(plan, step, server.mean, learning, peak, host, why)

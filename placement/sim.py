@@ -234,8 +234,10 @@ class SimRun:
         *,
         concurrent: int = 1,
         longest: float = 0.0,
+        counted: int | None = None,
     ) -> None:
-        """Sleep for the phase's cost while holding ``devs``; record what it took."""
+        """Sleep for the phase's cost while holding ``devs``; record what it took, on ``counted`` devices
+        (default: ``devs``)."""
         tokens = work.tokens(name)
         dt = self._draw(
             name, tokens, devs, concurrent=concurrent, colocated=plan.mode == "colocate", longest=longest
@@ -244,7 +246,7 @@ class SimRun:
             t0 = time.perf_counter()
             time.sleep(dt)
             took = time.perf_counter() - t0
-        self.samples.append(Sample(name, tokens, len(devs), took, longest, time.perf_counter()))
+        self.samples.append(Sample(name, tokens, counted or len(devs), took, longest, time.perf_counter()))
 
     @contextmanager
     def resident(
@@ -324,8 +326,8 @@ class SimRun:
             self.cluster.unpark(self.truth.memory["reference"][0])
         if plan.mode == "colocate":
             self.phase("sync_local", work, learn, plan)
-        else:  # the broadcast pauses the servers too
-            self.phase("sync", work, sorted({*learn, *groups.generation}), plan)
+        else:  # the broadcast pauses the servers too; logged, as a run logs it, at the learner's devices
+            self.phase("sync", work, sorted({*learn, *groups.generation}), plan, counted=len(learn))
 
     # ----------------------------------------------------------------------------------- a plan
 
