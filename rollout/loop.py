@@ -141,6 +141,7 @@ class RolloutLoop:
             self.agents = AgentRunner(
                 cfg, engine, tokenizer, metrics=self.metrics, between_batches=self.poll_weights,
                 between_steps=self.poll_inflight if r.inflight_updates else None,
+                batches=inflight_window(cfg),
             )  # fmt: skip
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.admission = Admission.from_config(buffer.client, cfg, buffer.consumer)  # and its credits

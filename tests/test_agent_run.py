@@ -253,6 +253,33 @@ def test_agent_groups_go_through_admission_and_the_append(
     assert float(stats[b"agent/calls"]) == 2.0 and float(stats[b"agent/aborted"]) == 0.0
 
 
+def test_agent_batches_play_at_once_within_the_servers_request_limit(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, engine
+) -> None:
+    """With batches in flight (max_staleness 2), the next batch's agents play while the last one finishes:
+    the runner's API admits every episode of every batch in flight, and each prompt is answered once."""
+    from collections import Counter
+
+    from tests.test_rollout_loop import Harness, Learner, make_cfg, queue_prompts
+    from weightsync import make_subscriber
+
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{
+        "agent.path": "tests.test_agent_run:talk_agent", "agent.timeout_s": 60, "reward.functions": [],
+        "algorithm.max_staleness": 2, "rollout.max_inflight_batches": 2, "rollout.n_samples": 3,
+        "rollout.prompts_per_batch": 3, "algorithm.batch_size": 9, "algorithm.minibatch_size": 9, "learner.micro_batch_size": 9,
+    })  # fmt: skip
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    prompts = queue_prompts(learner.buffer, engine, 6)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
+        assert h.loop.window == 2
+        episodes_in_flight = 2 * cfg.rollout.prompts_per_batch * cfg.rollout.n_samples
+        assert h.loop.agents.http.max_concurrent_requests >= 2 * episodes_in_flight
+        trajs = learner.take(18)
+    assert Counter(t.prompt_id for t in trajs) == {p.prompt_id: 3 for p in prompts}
+    assert all(t.meta["end_reason"] == "done" and t.meta["calls"] == 2 for t in trajs)
+
+
 @pytest.fixture(scope="module")
 def tools_ckpt(tmp_path_factory) -> Path:
     from toy.tiny import make_tiny

@@ -180,7 +180,9 @@ class AgentRunner:
         metrics: ServerMetrics,
         between_steps: BetweenSteps | None = None,
         between_batches: Callable[[], None] | None = None,
+        batches: int = 1,
     ) -> None:
+        """``batches``: how many batches of episodes may play at once (the loop's batches in flight)."""
         import openai  # only agent runs need the SDK
 
         a, r = cfg.agent, cfg.rollout
@@ -195,10 +197,10 @@ class AgentRunner:
         )  # fmt: skip
         self.model_name = Path(cfg.model.actor).name
         self.api_key = secrets.token_hex(16)
-        episodes = r.prompts_per_batch * r.n_samples
+        episodes = r.prompts_per_batch * r.n_samples * batches
         # An agent does not know the run's limits: a longer max_tokens is cut to rollout.max_new_tokens
         # (by the engine front), not refused; the model's context still bounds a call.
-        http = HTTPConfig(api_key=self.api_key, max_tokens_limit=1 << 30, max_total_tokens_per_request=1 << 30,
+        self.http = http = HTTPConfig(api_key=self.api_key, max_tokens_limit=1 << 30, max_total_tokens_per_request=1 << 30,
                           max_concurrent_requests=max(16, 2 * episodes))  # fmt: skip
         max_context = AutoConfig.from_pretrained(
             cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code
