@@ -14,10 +14,13 @@ role on its own subset or all of them in turns. Every printed table and the figu
    colocate_critic_reward (actor and reference on one group, critic and reward model on another);
    ``split`` scoring (colocated, the scoring forwards on disjoint quarters). Every placement at a point
    meets the same batches (the simulator deals each step its own), over the same steps as ``auto``'s
-   last plan. One point is added after the sweep (``EXTRA``): a small batch of long-context samples with
-   long-tailed responses (16 samples of 2048 prompt + 1024 response tokens, tail 1.4), as in agentic or
-   multi-turn RL. Its decode is held by its longest response, not by its tokens, which is where
-   overlapping generation with training pays most and where taking turns costs most.
+   last plan. Two points are added after the sweep (``EXTRA``): a small batch of long-context samples
+   with long-tailed responses (16 samples of 2048 prompt + 1024 response tokens, tail 1.4), as in agentic
+   or multi-turn RL. Its decode is held by its longest response, not by its tokens, which is where
+   overlapping generation with training pays most and where taking turns costs most. And a small async
+   batch on a 7B model (16 samples of 512 + 512 tokens, tail 2.0), whose colocated switch and weight
+   copies are priced from that model's bytes at the cost table's rates (``sized_truth``): there the
+   per-step switch is a large share of a short step, the regime where colocation loses.
 2. **Drift.** The mean response length grows 4x during a run: the best plan at the start held fixed,
    the best at the end held fixed, and ``auto`` re-planning.
 3. **Predicted against measured** step time for every plan run, from the model ``auto`` fitted.
@@ -44,7 +47,16 @@ sys.path.insert(0, str(ROOT))
 
 from placement.cost import Workload, predict  # noqa: E402
 from placement.plan import Plan, Roles  # noqa: E402
-from placement.sim import Cluster, GiB, SimRun, example_truth, run_auto, step_time  # noqa: E402
+from placement.sim import (  # noqa: E402
+    EXAMPLE_PARAMS,
+    Cluster,
+    GiB,
+    SimRun,
+    example_truth,
+    run_auto,
+    sized_truth,
+    step_time,
+)
 
 ROLES = Roles(reference=True, critic=True, reward_model=True)
 SAMPLES = 64
@@ -65,8 +77,13 @@ def fixed_plans(devices: int) -> dict[str, Plan]:
     }
 
 
-# (label, samples, prompt_len, response_len, tail): regimes outside the sweep's fixed 1024 tokens a sample
-EXTRA = [("small batch, long context, long tail", 16, 2048.0, 1024.0, 1.4)]
+# (label, samples, prompt_len, response_len, tail, parameters): regimes outside the sweep's fixed 1024 tokens
+# a sample; parameters None is the sweep's ~1.5B model (example_truth), a number a model of that size whose
+# switch and weight copies are priced from its bytes (sized_truth)
+EXTRA = [
+    ("small batch, long context, long tail", 16, 2048.0, 1024.0, 1.4, None),
+    ("small async batch, 7B model", 16, 512.0, 512.0, 2.0, 7e9),
+]
 
 
 def regimes(points: int) -> list[tuple[float, float, float]]:
@@ -96,9 +113,10 @@ def sweep_point(
     seed: int,
     profile_steps: int,
     samples: int = SAMPLES,
+    params: float | None = None,
 ) -> dict:
     work = Workload(samples, prompt, response)
-    truth = example_truth(tail=tail)
+    truth = example_truth(tail=tail) if params is None else sized_truth(params, devices, tail=tail)
     sim = SimRun(Cluster(devices, 80 * GiB), truth, ROLES, lambda i: work, seed=seed)
     auto = run_auto(sim, steps * 3, profile_steps=profile_steps, replan_every=5)
     chosen = auto.switches[-1]
@@ -108,6 +126,7 @@ def sweep_point(
     n = max(steps, auto.steps - chosen.step)
     first = auto.steps - n
     row: dict = {"samples": samples, "prompt_len": round(prompt), "response_len": round(response)}
+    row["params"] = params or EXAMPLE_PARAMS
     row["tail"] = round(tail, 2)
     measured, predicted = {}, {}
     for name, plan in fixed_plans(devices).items():
@@ -287,10 +306,12 @@ def main() -> int:
         return 0
     print(f"[placement] SIMULATION on {args.devices} pretend devices (placement/sim.py)", flush=True)
     rows = []
-    points = [("sweep", SAMPLES, *r) for r in regimes(args.points)] + EXTRA
-    for i, (label, samples, prompt, response, tail) in enumerate(points):
+    points = [("sweep", SAMPLES, *r, None) for r in regimes(args.points)] + EXTRA
+    for i, (label, samples, prompt, response, tail, params) in enumerate(points):
         seed = args.seed + i
-        row = sweep_point(args.devices, prompt, response, tail, args.steps, seed, args.profile_steps, samples)
+        row = sweep_point(
+            args.devices, prompt, response, tail, args.steps, seed, args.profile_steps, samples, params
+        )
         row["regime"] = label
         rows.append(row)
         fixed = "  ".join(
@@ -299,7 +320,7 @@ def main() -> int:
         )
         print(
             f"[placement] {label + ': ' if label != 'sweep' else ''}gen share {row['generation_share']:.2f}  "
-            f"B={samples} P={row['prompt_len']} R={row['response_len']} tail {row['tail']}  "
+            f"{row['params'] / 1e9:.1f}B B={samples} P={row['prompt_len']} R={row['response_len']} tail {row['tail']}  "
             f"auto={row['auto_vs_best_fixed']:.2f} pick={row['auto_pick_vs_best_fixed']:.2f} ({row['auto_plan']})  {fixed}",
             flush=True,
         )

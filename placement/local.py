@@ -21,6 +21,9 @@ from tandem.config import Config
 # Nominal sustained speeds: dense bf16 matmuls at realistic utilisation, and memory bandwidth.
 CUDA_FLOPS, CUDA_BANDWIDTH = 300e12, 2.0e12  # an H100-class device
 CPU_FLOPS, CPU_BANDWIDTH = 20e9, 10e9  # one core of a server CPU (fp32)
+# Bytes moved per second: between devices or to the host (PCIe / NVLink), and a copy within a device.
+CUDA_LINK, CUDA_COPY = 25e9, 1e12
+CPU_LINK, CPU_COPY = 2e9, 10e9
 
 
 def roles_of(cfg: Config) -> Roles:
@@ -90,6 +93,7 @@ def prior_model(cfg: Config, *, cuda: bool) -> CostModel:
     """Laws from FLOPs and bytes: ~2N FLOPs a token forward, ~6N to train, decode bound by reading the
     weights once per step of a batch of ``prompts_per_batch * n_samples`` sequences."""
     flops, bandwidth = (CUDA_FLOPS, CUDA_BANDWIDTH) if cuda else (CPU_FLOPS, CPU_BANDWIDTH)
+    link, copy = (CUDA_LINK, CUDA_COPY) if cuda else (CPU_LINK, CPU_COPY)
     n_actor, kv = _params(cfg.model.actor)
     n_ref = _params(cfg.model.reference or cfg.model.actor)[0]
     n_critic = _params(cfg.model.critic or cfg.model.actor)[0]
@@ -109,10 +113,10 @@ def prior_model(cfg: Config, *, cuda: bool) -> CostModel:
             "reward_model": fwd(n_rm),
             "actor_train": Law(3 * call, epochs * 6 * n_actor / flops),
             "critic_train": Law(3 * call, epochs * 6 * n_critic / flops),
-            "sync": Law(weight_bytes / (25e9 if cuda else 2e9), 0.0),  # across devices (NVLink / shm copy)
-            "sync_local": Law(weight_bytes / (1e12 if cuda else 10e9), 0.0),  # within a device
-            "switch": Law(2 * weight_bytes / (25e9 if cuda else 10e9), 0.0),  # sleep/wake + offload/reload
-            "reference_reload": Law(2 * n_ref * 2 / (25e9 if cuda else 10e9), 0.0),
+            "sync": Law(weight_bytes / link, 0.0),  # across devices (NVLink / shm copy)
+            "sync_local": Law(weight_bytes / copy, 0.0),  # within a device
+            "switch": Law(2 * weight_bytes / (link if cuda else copy), 0.0),  # sleep/wake + offload/reload
+            "reference_reload": Law(2 * n_ref * 2 / (link if cuda else copy), 0.0),
         },
         memory={
             "engine": Law(weight_bytes, kv),

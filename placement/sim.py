@@ -29,11 +29,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from placement.cost import CostModel, Sample, Workload
+from placement.local import CUDA_COPY, CUDA_FLOPS, CUDA_LINK
 from placement.plan import Plan, Roles, validate
 from placement.planner import Decision, Replanner, observed_ratio, rank
 
@@ -180,6 +181,58 @@ def example_truth(*, tail: float = 2.5, decode_step_s: float = 8e-6) -> Truth:
         decode_step_s=decode_step_s,
         tail=tail,
     )
+
+
+EXAMPLE_PARAMS = 1.5e9  # the model example_truth is shaped like
+
+
+def sim_scale() -> float:
+    """Simulated seconds per real second: :func:`example_truth`'s training cost per token over the cost
+    table's (6 FLOPs a parameter a token at ``CUDA_FLOPS``, placement/local.py). Its forwards give the same."""
+    return example_truth().phases["actor_train"].beta / (6 * EXAMPLE_PARAMS / CUDA_FLOPS)
+
+
+def sized_truth(params: float, devices: int, *, tail: float = 2.5) -> Truth:
+    """:func:`example_truth` for a model of ``params`` parameters (actor, critic, reference and reward
+    model alike) on ``devices``, its switch priced from the bytes it moves.
+
+    - **compute** per token grows with the parameters: :func:`example_truth`'s per-token costs and decode
+      step times ``params / EXAMPLE_PARAMS`` as large; its fixed costs stay;
+    - **memory**: actor and critic 16 bytes a parameter (bf16 weights, fp32 master weights, Adam), the
+      engine, reference and reward model 2;
+    - **bytes moved**, at the cost table's rates (``CUDA_LINK``, ``CUDA_COPY``) on the simulator's time
+      scale (:func:`sim_scale`), on top of :func:`example_truth`'s fixed costs. The colocated switch: the
+      learner offloads, then reloads, the actor's and critic's optimizer state and master weights (12
+      bytes a parameter each, ZeRO-sharded over ``devices``) over the host link; the engine's level-2
+      sleep frees its weights and KV cache and moves nothing (its weights come back by ``sync_local``).
+      ``sync_local`` copies a device's share of the bf16 weights within it; ``sync`` broadcasts them
+      across devices; ``reference_reload`` moves the reference's share there and back.
+    """
+    base, k, size = example_truth(tail=tail), sim_scale(), params / EXAMPLE_PARAMS
+    weights = 2 * params
+    moved = {
+        "switch": 2 * 2 * 12 * params / devices / CUDA_LINK,  # actor + critic, there and back
+        "sync": weights / CUDA_LINK,
+        "sync_local": weights / devices / CUDA_COPY,
+        "reference_reload": 2 * weights / devices / CUDA_LINK,
+    }
+    phases = {
+        name: PhaseTruth(p.alpha + k * moved[name], 0.0, p.comm)
+        if name in moved
+        else PhaseTruth(p.alpha, p.beta * size, p.comm)
+        for name, p in base.phases.items()
+    }
+    memory = {
+        role: (per_param * params, base.memory[role][1])
+        for role, per_param in (
+            ("engine", 2),
+            ("actor", 16),
+            ("reference", 2),
+            ("critic", 16),
+            ("reward_model", 2),
+        )
+    }
+    return replace(base, phases=phases, memory=memory, decode_step_s=base.decode_step_s * size)
 
 
 @dataclass
