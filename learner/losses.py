@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from learner.advantages import masked_mean, masked_sum, masked_var, masked_whiten
+from tandem.logprobs import FULL_PRECISION, logprobs_from_logits  # shared with the rollout servers
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -52,35 +53,12 @@ _MAX_LOG_RATIO = 20.0
 
 
 # ---------------------------------------------------------------------------------------------------
-# Log-probabilities and entropy from logits
+# Entropy from logits (log-probabilities: ``tandem/logprobs.py``, shared with the rollout servers)
 # ---------------------------------------------------------------------------------------------------
-
-
-_FULL_PRECISION = (torch.float32, torch.float64)
-
-
-def _logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def _entropy(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
-
-
-def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
-    """``log softmax(logits)[labels]`` as ``gather − logsumexp``, without a second (B, T, V) log_softmax.
-
-    ``logits[:, t]`` must already be the distribution of ``labels[:, t]`` (shift by one before calling)
-    and divided by the sampling temperature, so the result is comparable to ``behav_logp``. Half-precision
-    logits are upcast to float32 one sequence at a time: a bf16 logprob carries ~3 significant digits,
-    which is ratio noise of about 1%, while a float32 copy of the whole (B, T, V) batch may not fit.
-
-    Shape: logits (B, T, V), labels (B, T) -> (B, T); float32 for half-precision logits.
-    """
-    labels = labels.long()
-    if logits.dtype in _FULL_PRECISION:
-        return _logprobs(logits, labels)
-    return torch.stack([_logprobs(row.float(), lab) for row, lab in zip(logits, labels, strict=True)])
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
@@ -90,7 +68,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
     Shape: logits (B, T, V) -> (B, T); float32 for half-precision logits.
     """
-    if logits.dtype in _FULL_PRECISION:
+    if logits.dtype in FULL_PRECISION:
         return _entropy(logits)
     return torch.stack([_entropy(row.float()) for row in logits])
 

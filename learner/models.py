@@ -52,6 +52,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from learner.batch import MicroBatch, response_view
 from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
 from tandem.config import Config
+from tandem.logprobs import temper
 from tandem.net import free_port
 from tandem.prebuild import prepare_extensions
 
@@ -257,8 +258,8 @@ def load_models(cfg: Config, device: torch.device) -> Models:
 
 def policy_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
     """float32 logits of the tempered policy at every position. Shape: (rows, N, V)."""
-    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits.float()
-    return logits / temperature if temperature > 0 else logits
+    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+    return temper(logits, temperature)  # as the rollout servers' reference does (rollout/reference.py)
 
 
 def output_head(model: nn.Module) -> nn.Linear | None:
