@@ -4,6 +4,8 @@ Encoding is msgpack; numpy arrays travel as raw little-endian bytes plus dtype a
 lists, never pickle). Every record carries its schema version ``v``: version 2 added the trajectory's
 ``loss_mask`` (multi-turn episodes, docs/design.md §10.1); a version-1 trajectory still decodes, as the
 single-turn episode it was (every response token generated). Any other version is refused naming ``v``.
+A trajectory's ``ref_logp`` is an optional key: present only when a rollout server scored the reference
+(``placement.reference: server``), so records without it, older ones included, decode as before.
 :func:`decode_trajectory` and :func:`decode_prompt` are the only places that turn bytes back into records, and they validate types, dtypes, shapes and sizes, raising :class:`SchemaError`
 that names the field. The buffer moves entries that fail here to the dead-letter stream.
 :class:`Turns` is how every producer builds a trajectory's response, a turn at a time.
@@ -49,6 +51,8 @@ class Trajectory:
     the environment wrote it (context, never trained on). On generated tokens ``behav_logp[i]`` is the
     engine's log-probability of the token under the distribution it actually sampled from and
     ``token_versions[i]`` the policy version that produced it; on environment tokens they are 0 and −1.
+    ``ref_logp`` (R,), when a rollout server scored the frozen reference (``placement.reference: server``),
+    is log π_ref of each generated token at the sampling temperature, 0 on environment tokens.
     """
 
     traj_id: str
@@ -65,6 +69,7 @@ class Trajectory:
     created_at: float = field(default_factory=time.time)
     meta: dict[str, Any] = field(default_factory=dict)
     loss_mask: np.ndarray | None = None  # None: every response token was generated (single turn)
+    ref_logp: np.ndarray | None = None  # None: the learner scores the reference itself (or there is none)
 
     def __post_init__(self) -> None:
         self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32)
@@ -74,6 +79,8 @@ class Trajectory:
         if self.loss_mask is None:
             self.loss_mask = np.ones(len(self.response_tokens), dtype=np.uint8)
         self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
+        if self.ref_logp is not None:
+            self.ref_logp = np.ascontiguousarray(self.ref_logp, dtype=np.float32)
 
     @property
     def generated(self) -> np.ndarray:
@@ -241,26 +248,26 @@ def _packb(record: dict[str, Any], free_form: str) -> bytes:
 
 
 def encode_trajectory(t: Trajectory) -> bytes:
-    return _packb(
-        {
-            "v": SCHEMA_VERSION,
-            "traj_id": t.traj_id,
-            "group_id": t.group_id,
-            "prompt_id": t.prompt_id,
-            "prompt_tokens": _pack_array(t.prompt_tokens),
-            "response_tokens": _pack_array(t.response_tokens),
-            "behav_logp": _pack_array(t.behav_logp),
-            "token_versions": _pack_array(t.token_versions),
-            "reward": float(t.reward),
-            "reward_parts": {str(k): float(v) for k, v in t.reward_parts.items()},
-            "finish_reason": t.finish_reason,
-            "server_id": t.server_id,
-            "created_at": float(t.created_at),
-            "meta": t.meta,
-            "loss_mask": _pack_array(t.loss_mask),
-        },
-        "meta",
-    )
+    record = {
+        "v": SCHEMA_VERSION,
+        "traj_id": t.traj_id,
+        "group_id": t.group_id,
+        "prompt_id": t.prompt_id,
+        "prompt_tokens": _pack_array(t.prompt_tokens),
+        "response_tokens": _pack_array(t.response_tokens),
+        "behav_logp": _pack_array(t.behav_logp),
+        "token_versions": _pack_array(t.token_versions),
+        "reward": float(t.reward),
+        "reward_parts": {str(k): float(v) for k, v in t.reward_parts.items()},
+        "finish_reason": t.finish_reason,
+        "server_id": t.server_id,
+        "created_at": float(t.created_at),
+        "meta": t.meta,
+        "loss_mask": _pack_array(t.loss_mask),
+    }
+    if t.ref_logp is not None:  # optional: absent unless a server scored the reference
+        record["ref_logp"] = _pack_array(t.ref_logp)
+    return _packb(record, "meta")
 
 
 def _get(d: dict[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
@@ -306,6 +313,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
             raise SchemaError("loss_mask", f"length {len(loss_mask)} != len(response_tokens) {n}")
     else:
         loss_mask = np.ones(n, dtype=np.uint8)
+    ref_logp = _decode_ref_logp(d, n, max_tokens)
     mask_lo, mask_hi = value_range(loss_mask) if n else (1, 1)
     if mask_hi > 1:
         raise SchemaError("loss_mask", "values must be 0 (environment token) or 1 (generated token)")
@@ -353,7 +361,20 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
         created_at=float(_get(d, "created_at", (int, float))),
         meta=_get(d, "meta", dict),
         loss_mask=loss_mask,
+        ref_logp=ref_logp,
     )
+
+
+def _decode_ref_logp(d: dict[str, Any], n: int, max_tokens: int) -> np.ndarray | None:
+    """The optional ``ref_logp``: None when absent; else one finite log-probability <= 0 per response token."""
+    if "ref_logp" not in d:
+        return None
+    ref = _unpack_array("ref_logp", _get(d, "ref_logp", list), "float32", max_tokens)
+    if len(ref) != n:
+        raise SchemaError("ref_logp", f"length {len(ref)} != len(response_tokens) {n}")
+    if n and not _logprobs_valid(ref):
+        raise SchemaError("ref_logp", "log-probabilities must be finite and <= 0")
+    return ref
 
 
 def encode_prompt(p: PromptRecord) -> bytes:

@@ -52,6 +52,7 @@ class Batch:
     seq_lens: Tensor  # (B,) int64, prompt + response
     turn_rewards: Tensor | None = None  # (B, R) float32: each turn's reward on its last generated token
     dropped: Tensor | None = None  # (B,) bool: over the token budget, masked out (make_batch's max_tokens)
+    ref_logp: Tensor | None = None  # (B, R) float32: the servers' reference scores, when every row has them
 
     def __len__(self) -> int:
         return len(self.trajs)
@@ -65,6 +66,7 @@ class Batch:
             rewards=self.rewards.to(device),
             group_index=self.group_index.to(device),
             turn_rewards=None if self.turn_rewards is None else self.turn_rewards.to(device),
+            ref_logp=None if self.ref_logp is None else self.ref_logp.to(device),
         )
 
     @property
@@ -94,7 +96,8 @@ def make_batch(
 
     A trajectory longer than ``max_tokens`` (prompt + response; the token budget of a forward pass) is
     dropped as an aborted one is, masked out and a group of its own, and its forward passes read one
-    token instead of it (``Batch.dropped``; docs/design.md §4.8).
+    token instead of it (``Batch.dropped``; docs/design.md §4.8). ``Batch.ref_logp`` holds the rollout
+    servers' reference log-probabilities when every trajectory carries them (``placement.reference: server``).
     """
     width = max([1, *(len(t.response_tokens) for t in trajs)])
     b = len(trajs)
@@ -113,6 +116,10 @@ def make_batch(
         # targets, all of which read this mask (docs/design.md §10.1).
         mask[i, :r] = 0.0 if aborted else t.loss_mask
         group_index[i] = -1 - i if aborted else groups.setdefault(t.group_id, len(groups))
+    # placement.reference: server: the servers scored the reference (all rows or none are usable).
+    ref = np.zeros((b, width), dtype=np.float32) if all(t.ref_logp is not None for t in trajs) else None
+    for i, t in enumerate(trajs if ref is not None else ()):
+        ref[i, : len(t.response_tokens)] = t.ref_logp
     turns = np.zeros((b, width), dtype=np.float32) if per_turn else None
     for i, t in enumerate(trajs if per_turn else ()):
         for pos, reward in t.meta.get("turn_credit") or ():
@@ -127,6 +134,7 @@ def make_batch(
         seq_lens=torch.from_numpy(np.where(dropped, 1, lens)),  # what a forward pass reads
         turn_rewards=None if turns is None else torch.from_numpy(turns),
         dropped=torch.from_numpy(dropped),
+        ref_logp=None if ref is None else torch.from_numpy(ref),
     )
 
 
