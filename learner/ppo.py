@@ -61,6 +61,22 @@ def episode_metric_means(trajs: list[Trajectory]) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in sums.items()}
 
 
+def served_ref_logp(batch: Batch) -> Tensor:
+    """The reference logprobs the rollout servers scored (``placement.reference: server``), 0 off the mask.
+
+    Shape: (B, R). A trajectory without them came from a server that does not score the reference.
+    """
+    if batch.ref_logp is None:
+        t = next(t for t in batch.trajs if t.ref_logp is None)
+        raise ValueError(
+            f"trajectory {t.traj_id} (from {t.server_id or 'an unnamed producer'}) carries no ref_logp, but "
+            "placement.reference=server has the learner read the reference's log-probabilities from the "
+            "rollout servers: every server of the run must score them (placement.reference=server and "
+            "kl_coef > 0 in its config)"
+        )
+    return batch.ref_logp * batch.mask
+
+
 class PPOLearner(OnlineRuntime):
     """The PPO recipe on the online runtime: actor, optional critic (gae) and reference (kl_coef > 0)."""
 
@@ -80,6 +96,8 @@ class PPOLearner(OnlineRuntime):
         # actor's own (detached) and a separate no-grad pass would compute the same numbers again. Not
         # when the KL is folded into the reward: advantages need it before the first backward.
         self.prox_is_current = not a.proximal_pass
+        # placement.reference: server: the rollout servers score the reference; each trajectory brings it.
+        self.served_reference = cfg.placement.reference == "server" and a.kl_coef > 0
         self.models: Models | None = None
 
     def load_models(self) -> Models:
@@ -91,7 +109,7 @@ class PPOLearner(OnlineRuntime):
         token = tok.eos_token_id if tok.eos_token_id is not None else 0
         dummy = Trajectory(
             traj_id="smoke", group_id="smoke", prompt_id="smoke", prompt_tokens=[token], response_tokens=[token],
-            behav_logp=[0.0], token_versions=[0], reward=0.0,
+            behav_logp=[0.0], token_versions=[0], reward=0.0, ref_logp=[0.0] if self.served_reference else None,
         )  # fmt: skip
         prox_logp, ref_logp, old_values = self.score(make_batch([dummy] * self.world, 0).to(self.device))
         for name, t in (("actor", prox_logp), ("reference", ref_logp), ("critic", old_values)):
@@ -196,10 +214,14 @@ class PPOLearner(OnlineRuntime):
         self, batch: Batch, *, actor: bool = True
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """``prox_logp`` (None unless ``actor``), reference logprobs and critic values of every response
-        token. Shape: (B, R) each."""
+        token. Shape: (B, R) each.
+
+        With ``placement.reference: server`` the reference logprobs are the batch's own, scored by the
+        rollout servers with the same model, dtype and temperature (``rollout/reference.py``)."""
         m = self.models
+        served = served_ref_logp(batch) if self.served_reference else None  # fails before any pass
         if not actor and m.reference is None and m.critic is None:  # GRPO, one optimizer step: no pass
-            return None, None, None
+            return None, served, None
         prox_logp = torch.zeros_like(batch.behav_logp) if actor else None
         ref_logp = None if m.reference is None else torch.zeros_like(batch.behav_logp)
         old_values = None if m.critic is None else torch.zeros_like(batch.behav_logp)
@@ -219,9 +241,10 @@ class PPOLearner(OnlineRuntime):
                 with timed("time/critic_values"):
                     old_values[mb.rows] = response_view(values(m.critic, mb), mb)
         # Each row was filled by exactly one rank (zeros elsewhere): a sum assembles the whole batch.
-        return tuple(
+        prox_logp, ref_logp, old_values = (
             None if t is None else self.all_sum(t * batch.mask) for t in (prox_logp, ref_logp, old_values)
         )
+        return prox_logp, (ref_logp if served is None else served), old_values
 
     def logprobs(
         self,

@@ -20,8 +20,10 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
 5. **score** with the reward functions (and the reward model, if any), shaped for over-long responses
    (``algorithm.overlong_buffer``); with ``algorithm.dynamic_sampling`` a group of equal rewards is dropped
    here and its admission given back (``rollout/shaping.py``);
-6. **put** each group contiguously, acknowledging its prompt in the same atomic step. Steps 5 and 6 of
-   every batch run in one scoring thread, in the order batches finish generating, off the submission path.
+6. **put** each group contiguously, acknowledging its prompt in the same atomic step (with
+   ``placement.reference: server``, after scoring every trajectory's reference log-probabilities). Steps 5
+   and 6 of every batch run in one scoring thread, in the order batches finish generating, off the
+   submission path.
 
 With an environment (``env.path``), steps 4 and 5 are one: :meth:`RolloutLoop.run_episodes` plays ``n``
 multi-turn episodes per prompt, all batched in the engine turn by turn, and the episode's return (the sum of
@@ -56,6 +58,7 @@ from rollout.envs.base import Task, load_env_factory
 from rollout.envs.episode import Episode, EpisodeRunner
 from rollout.evaluate import Evaluator
 from rollout.metrics import ServerMetrics
+from rollout.reference import ReferenceModel
 from rollout.reward_model import RewardModel
 from rollout.shaping import is_informative, overlong_penalty
 from tandem.config import Config
@@ -106,11 +109,17 @@ class RolloutLoop:
         server_index: int,
         rewards: RewardFunctions,
         reward_model: RewardModel | None = None,
+        reference: ReferenceModel | None = None,
         metrics: ServerMetrics | None = None,
         stop_event: threading.Event | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
+        if reference is None and cfg.placement.reference == "server" and cfg.algorithm.kl_coef > 0:
+            raise ValueError(
+                "placement.reference=server: the rollout loop needs the reference model to score"
+            )
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.reference = reference  # placement.reference: server (rollout/reference.py)
         self.buffer, self.subscriber, self.telemetry = buffer, subscriber, telemetry
         self.server_index, self.rewards, self.reward_model = server_index, rewards, reward_model
         self.evaluator = evaluator
@@ -414,6 +423,7 @@ class RolloutLoop:
 
         Returns the groups appended: a group whose prompt another server already answered is refused.
         """
+        self.score_reference(groups)
         with self.timers("time/put"):
             appended = []
             ids = self.buffer.put_groups(
@@ -561,6 +571,14 @@ class RolloutLoop:
             return self.reward_model.score(
                 [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
             )
+
+    def score_reference(self, groups: list[list[Trajectory]]) -> None:
+        """``placement.reference: server``: every trajectory's ``ref_logp``, scored where it is appended, the
+        one place single-turn groups, environment episodes and agent sessions all pass."""
+        if self.reference is None or not groups:
+            return
+        with self.timers("time/reference"):
+            self.reference.fill([t for g in groups for t in g])
 
     def clip(self, reward: float) -> float:
         c = self.cfg.reward.clip

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     from buffer.streams import ReplayBuffer
     from rollout.loop import RolloutLoop
+    from rollout.reference import load_reference
     from rollout.reward_model import RewardModel
     from tandem.rewards import RewardFunctions
     from weightsync import make_subscriber
@@ -95,13 +96,14 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
             dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code,
         )
+    reference = load_reference(cfg)  # placement.reference: server (docs/design.md §11.1)
     metrics = ServerMetrics(engine)
     http = None
     if cfg.rollout.http.enabled:
         port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
         # A black-box agent's finished session is a trajectory of its own group (docs/design.md §10.6).
         http = start_http(engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port,
-                          sink=lambda t: buffer.put([t]))  # fmt: skip
+                          sink=lambda t: buffer.put(reference.fill([t]) if reference else [t]))  # fmt: skip
     telemetry = Telemetry(cfg, name, client, run_dir=args.run_dir)
     evaluator = None
     if cfg.eval.prompts is not None:
@@ -119,6 +121,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         server_index=sid,
         rewards=rewards,
         reward_model=reward_model,
+        reference=reference,
         metrics=metrics,
         stop_event=stop,
         evaluator=evaluator,

@@ -654,7 +654,7 @@ class PlacementConfig(Section):
     )
     reference: Literal["learner", "learner_cpu", "server", "own"] = Field(
         "learner",
-        description="Where the reference runs: learner (resident), learner_cpu (offloaded between uses); server and own are predicted by the planner only.",
+        description="Where the reference runs (with kl_coef > 0): learner (resident on the learner's devices), learner_cpu (on the learner's CPU, moved to its devices for each pass), server (each rollout server holds a second model, the frozen reference, and scores every trajectory's ref_logp next to generation; the learner loads none); own is predicted by the planner only.",
     )
     critic: Literal["learner", "own"] = Field(
         "learner", description="Where the critic trains: learner; own (its own ranks) is predicted only."
@@ -675,7 +675,7 @@ class PlacementConfig(Section):
     def _runnable(self) -> PlacementConfig:
         # The planner ranks every placement; these are the ones the processes can run today.
         for name, value, runnable in (
-            ("reference", self.reference, ("learner", "learner_cpu")),
+            ("reference", self.reference, ("learner", "learner_cpu", "server")),
             ("critic", self.critic, ("learner",)),
             ("reward_model", self.reward_model, ("server",)),
             ("scoring", self.scoring, ("serial",)),

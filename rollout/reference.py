@@ -1,0 +1,109 @@
+"""The frozen reference policy scored on the rollout server (``placement.reference: server``).
+
+With a KL penalty (``algorithm.kl_coef > 0``) the learner needs log π_ref of every trained token. Scored
+here, next to generation as the reward model is (OpenRLHF's and verl's reference on the rollout side),
+each trajectory carries its ``ref_logp`` and the learner loads no reference: its devices are spared the
+reference's weights and its forward pass, and the server holds a second copy of a model instead
+(docs/design.md §11.1).
+
+The numbers are the learner's own: the same checkpoint (``model.reference``, else the actor's initial
+weights), the same dtype (``model.dtype``), logits tempered by the sampling temperature and turned into
+log-probabilities by the same function (``tandem/logprobs.py``). Rows are right-padded without an
+attention mask, the learner's ``pad`` layout: under a causal mask a real token never attends to the
+padding after it, so padding changes no number. Environment tokens of a multi-turn episode get 0, as the
+learner's ``loss_mask`` gives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from buffer.schema import Trajectory
+from rollout.engines.hf import resolve_device, resolve_dtype
+from tandem.config import Config
+from tandem.logprobs import logprobs_from_logits, temper
+
+# Tokens (rows x longest row) of one forward pass: bounds the (rows, L, V) logits a pass holds.
+TOKENS_PER_PASS = 4096
+
+
+class ReferenceModel:
+    """A frozen causal LM (eval mode, no gradients) that scores sampled tokens at the sampling temperature."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        temperature: float,
+        device: str | torch.device | None = None,
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+        tokens_per_pass: int = TOKENS_PER_PASS,
+    ) -> None:
+        self.device = resolve_device(str(device) if device is not None else None)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype, self.device), trust_remote_code=trust_remote_code
+        )
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.temperature = temperature
+        self.tokens_per_pass = tokens_per_pass
+
+    @torch.inference_mode()
+    def logprobs(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        """log π_ref(response token | prompt, earlier response tokens) of each ``(prompt, response)`` row.
+
+        Shape: rows of (P,), (R,) token ids -> one float32 (R,) per row, in order.
+        """
+        seqs = [np.concatenate([np.asarray(p), np.asarray(r)]).astype(np.int64) for p, r in rows]
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # longest first: little padding
+        for chunk in _passes(order, [len(s) for s in seqs], self.tokens_per_pass):
+            longest = len(seqs[chunk[0]])
+            ids = torch.zeros((len(chunk), longest), dtype=torch.long)  # (b, L) right-padded
+            for k, i in enumerate(chunk):
+                ids[k, : len(seqs[i])] = torch.from_numpy(seqs[i])
+            logits = self.model(input_ids=ids.to(self.device), use_cache=False).logits  # (b, L, V)
+            for k, i in enumerate(chunk):
+                p, r = len(rows[i][0]), len(rows[i][1])
+                # Logits at position t predict token t + 1: response token j is read at p - 1 + j.
+                z = temper(logits[k, p - 1 : p - 1 + r], self.temperature)[None]  # (1, R, V)
+                labels = ids[k, p : p + r].to(self.device)[None]  # (1, R)
+                out[i] = logprobs_from_logits(z, labels)[0].cpu().numpy()
+        return out
+
+    def fill(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
+        """Set each trajectory's ``ref_logp`` (0 on environment tokens); returns them."""
+        scored = self.logprobs([(t.prompt_tokens, t.response_tokens) for t in trajs])
+        for t, logp in zip(trajs, scored, strict=True):
+            t.ref_logp = np.where(t.generated, logp, 0.0).astype(np.float32)
+        return list(trajs)
+
+
+def _passes(order: list[int], lens: list[int], budget: int) -> list[list[int]]:
+    """Rows (sorted longest first) grouped so that rows x longest stays within ``budget`` tokens; a row
+    longer than the budget gets a pass of its own."""
+    passes: list[list[int]] = []
+    for i in order:
+        if passes and (len(passes[-1]) + 1) * lens[passes[-1][0]] <= budget:
+            passes[-1].append(i)
+        else:
+            passes.append([i])
+    return passes
+
+
+def load_reference(cfg: Config) -> ReferenceModel | None:
+    """The server's reference when this run scores it there (``placement.reference: server`` with a KL
+    penalty), else None."""
+    if cfg.placement.reference != "server" or cfg.algorithm.kl_coef <= 0:
+        return None
+    return ReferenceModel(
+        cfg.model.reference or cfg.model.actor,
+        temperature=cfg.rollout.temperature,
+        device=cfg.run.device,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
