@@ -206,12 +206,16 @@ def test_left_padded_kv_places_each_row_at_the_right() -> None:
     assert keys.shape == (3, 2, 3, 4)
     assert keys[0, :, 0].eq(0).all() and keys[0, :, 1:].eq(1).all()
     assert keys[1].eq(0).all() and keys[2].eq(3).all()
+    kv, lengths = left_padded_kv([(2, kv_of(2, fill=1.0)), (2, kv_of(2, fill=3.0))])  # alike: stacked
+    assert lengths == [2, 2] and kv[0][0].shape == (2, 2, 2, 4)
+    assert kv[0][0][0].eq(1).all() and kv[0][1][1].eq(3.5).all()
 
 
 def test_prefix_hashes_tell_prefixes_apart() -> None:
     h = prefix_hashes([1, 2, 3])
     assert h[0] == 0 and len(set(h)) == 4
     assert prefix_hashes([1, 2])[:3] == h[:3] and prefix_hashes([0, 2, 3])[3] != h[3]
+    assert prefix_hashes([1, 2, 3, 4], known=prefix_hashes([1, 2])) == prefix_hashes([1, 2, 3, 4])
 
 
 @pytest.mark.parametrize(("mb", "max_bytes"), [(0, None), (1.5, 3 << 19)])

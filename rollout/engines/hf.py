@@ -42,7 +42,7 @@ from transformers import (
 )
 
 from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnToken, SamplingParams
-from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv
+from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
 from tandem.config import RolloutConfig
 from weightsync.adapters import apply_adapter, is_adapter_tensor
 from weightsync.base import Update, WeightSyncError
@@ -266,7 +266,7 @@ class HFEngine:
             with self._lock:  # per step, so HTTP requests and weight updates interleave with long calls
                 if step == 0:  # under the lock: the cached KV and this forward see the same weights
                     epoch = self.prefix_cache.epoch if self.prefix_cache is not None else 0
-                    step_ids, mask, positions, cache = self._prefill_inputs(rows)
+                    step_ids, mask, positions, cache, hashes = self._prefill_inputs(rows)
                     # Rows of one length (a GRPO group shares its prompt) need no mask: plain causal
                     # attention, and transformers skips building a 4-D mask at every step. Rows that
                     # finish leave no padding behind.
@@ -286,7 +286,8 @@ class HFEngine:
             last = not keep or step == sampling.max_new_tokens - 1
             finished = range(len(active)) if last else sorted(set(range(len(active))) - set(keep))
             for j in finished:
-                self._keep_prefix(rows[active[j]] + out[active[j]].token_ids[:-1], cache, mask[j], j, epoch)
+                row = active[j]
+                self._keep_prefix(rows[row] + out[row].token_ids[:-1], hashes[row], cache, mask[j], j, epoch)
             if last:
                 break
             if between_steps is not None:
@@ -305,14 +306,19 @@ class HFEngine:
 
     def _prefill_inputs(
         self, rows: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
-        """The prefill's ids (B, S), mask (B, C + S), positions (B, S) and cache (C columns).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache, list[list[int]]]:
+        """The prefill's ids (B, S), mask (B, C + S), positions (B, S), cache (C columns), and each row's
+        prefix hashes (for storing it later; empty without a prefix cache).
 
         Each row's cached prefix (``c_i`` tokens) sits left-padded in the cache and the rest of the row
         (its suffix) left-padded in the ids: ``[pad, cached, pad, suffix]``, both paddings masked, positions
         ``c_i + index in the suffix`` (real tokens only). No hit: C = 0, plain left padding."""
         cache = self.prefix_cache
-        hits = [cache.longest(r) for r in rows] if cache is not None else [None] * len(rows)
+        hashes: list[list[int]] = [[] for _ in rows]
+        hits: list[tuple[int, LayerKV] | None] = [None] * len(rows)
+        if cache is not None:
+            hashes = [prefix_hashes(r) for r in rows]
+            hits = [cache.longest(r, h) for r, h in zip(rows, hashes, strict=True)]
         if any(hit is not None for hit in hits):
             kv, cached = left_padded_kv(hits)
             kv_cache = DynamicCache(kv, config=self.model.config)
@@ -327,18 +333,29 @@ class HFEngine:
         offset = torch.tensor(cached, device=self.device)[:, None]  # (B, 1)
         positions = offset + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # (B, S): padding shifts nothing
         self.prefilled_tokens += int(suffix_mask.sum())
-        return ids, torch.cat([cache_mask.to(self.device), suffix_mask], dim=-1), positions, kv_cache
+        mask = torch.cat([cache_mask.to(self.device), suffix_mask], dim=-1)
+        return ids, mask, positions, kv_cache, hashes
 
     def _keep_prefix(
-        self, tokens: list[int], cache: DynamicCache, mask: torch.Tensor, j: int, epoch: int
+        self,
+        tokens: list[int],
+        row_hashes: list[int],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        j: int,
+        epoch: int,
     ) -> None:
-        """Store batch entry ``j``'s KV (its real columns: ``mask`` (T,)) for ``tokens`` in the prefix
-        cache; refused there if a weight update came since ``epoch``."""
+        """Store batch entry ``j``'s KV (its real columns: ``mask`` (T,)) for ``tokens`` (whose row's prefix
+        hashes are ``row_hashes``) in the prefix cache; refused there if a weight update came since
+        ``epoch``."""
         if self.prefix_cache is None or self.prefix_cache.epoch != epoch:
             return
-        cols = mask.bool()
-        kv: LayerKV = [(layer.keys[j][:, cols], layer.values[j][:, cols]) for layer in cache.layers]
-        self.prefix_cache.insert(tokens, kv, epoch)
+        if len(tokens) == mask.shape[0]:  # no padding: a plain copy, cheaper than gathering columns
+            kv = [(layer.keys[j].clone(), layer.values[j].clone()) for layer in cache.layers]
+        else:
+            cols = mask.bool()
+            kv = [(layer.keys[j][:, cols], layer.values[j][:, cols]) for layer in cache.layers]
+        self.prefix_cache.insert(tokens, kv, epoch, prefix_hashes(tokens, row_hashes))
 
     def _append(
         self, c: Completion, token: int, logp: float, version: int, stop_ids: set[int], stop: list[str]

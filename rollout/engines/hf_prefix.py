@@ -34,13 +34,16 @@ _MOD = (1 << 61) - 1  # a Mersenne prime: the rolling hash's modulus
 _BASE = 1_000_003
 
 
-def prefix_hashes(tokens: Sequence[int]) -> list[int]:
-    """``h[i]`` is the rolling hash of ``tokens[:i]`` (``h[0] = 0``); length ``len(tokens) + 1``."""
-    h = [0] * (len(tokens) + 1)
-    acc = 0
-    for i, t in enumerate(tokens):
+def prefix_hashes(tokens: Sequence[int], known: Sequence[int] = (0,)) -> list[int]:
+    """``h[i]`` is the rolling hash of ``tokens[:i]`` (``h[0] = 0``); length ``len(tokens) + 1``.
+
+    ``known``: the hashes of a prefix of ``tokens`` already computed (a row's, for the row and its
+    continuation), extended rather than recomputed."""
+    h = list(known)
+    acc = h[-1]
+    for t in tokens[len(h) - 1 :]:
         acc = (acc * _BASE + t + 1) % _MOD
-        h[i + 1] = acc
+        h.append(acc)
     return h
 
 
@@ -93,10 +96,11 @@ class PrefixCache:
             self.nbytes = 0
             self.epoch += 1
 
-    def longest(self, row: Sequence[int]) -> tuple[int, LayerKV] | None:
+    def longest(self, row: Sequence[int], hashes: list[int] | None = None) -> tuple[int, LayerKV] | None:
         """The longest cached prefix of ``row`` shorter than it (at least one token is left to feed):
-        ``(n, kv)`` with ``kv`` the first ``n`` columns of the entry's KV, or None."""
-        h = prefix_hashes(row)
+        ``(n, kv)`` with ``kv`` the first ``n`` columns of the entry's KV, or None. ``hashes``: the row's
+        :func:`prefix_hashes`, when the caller has them."""
+        h = hashes if hashes is not None else prefix_hashes(row)
         with self._lock:
             self.stats.lookups += 1
             for n in range(len(row) - 1, 0, -1):
@@ -112,15 +116,15 @@ class PrefixCache:
                 return n, [(k[:, :n], v[:, :n]) for k, v in entry.kv]
         return None
 
-    def insert(self, tokens: Sequence[int], kv: LayerKV, epoch: int) -> bool:
+    def insert(self, tokens: Sequence[int], kv: LayerKV, epoch: int, hashes: list[int] | None = None) -> bool:
         """Keep ``kv`` (per layer, ``(heads, len(tokens), head_dim)``) for ``tokens``; False when it was
-        computed under an older ``epoch`` or alone exceeds the budget."""
+        computed under an older ``epoch`` or alone exceeds the budget. ``hashes`` as in :meth:`longest`."""
         if not tokens or any(k.shape[1] != len(tokens) or v.shape[1] != len(tokens) for k, v in kv):
             raise ValueError(
                 f"prefix cache: KV of {[tuple(k.shape) for k, _ in kv]} for {len(tokens)} tokens"
             )
         nbytes = kv_nbytes(kv)
-        h = prefix_hashes(tokens)
+        h = hashes if hashes is not None else prefix_hashes(tokens)
         with self._lock:
             if epoch != self.epoch or nbytes > self.max_bytes:
                 return False
@@ -166,6 +170,11 @@ def left_padded_kv(hits: Sequence[tuple[int, LayerKV] | None]) -> tuple[LayerKV,
     lengths = [hit[0] if hit is not None else 0 for hit in hits]
     width = max(lengths)
     ref = next(hit[1] for hit in hits if hit is not None)
+    if min(lengths) == width:  # every row hit, alike (an episode round): no padding, one copy per layer
+        rows = [hit[1] for hit in hits if hit is not None]
+        keys = [torch.stack([kv[layer][0] for kv in rows]) for layer in range(len(ref))]
+        values = [torch.stack([kv[layer][1] for kv in rows]) for layer in range(len(ref))]
+        return list(zip(keys, values, strict=True)), lengths
     out: LayerKV = []
     for layer, (k0, v0) in enumerate(ref):
         keys = k0.new_zeros((len(hits), k0.shape[0], width, k0.shape[2]))
