@@ -20,6 +20,7 @@ from learner.batch import make_batch
 from learner.models import load_models
 from learner.ppo import PPOLearner
 from rollout.engines.hf import HFEngine
+from rollout.envs.base import Action, Env, StepResult, Task
 from rollout.loop import RolloutLoop
 from rollout.reference import ReferenceModel, _passes, load_reference
 from tandem.config import load_config
@@ -142,14 +143,28 @@ def test_learner_under_server_loads_no_reference_and_refuses_a_batch_without_ref
     assert np.isfinite(stats["policy/kl"]) and np.isfinite(stats["loss/kl"])
 
 
+class TwoTurnEnv(Env):
+    """A second model turn after an environment turn: the episode's response holds environment tokens."""
+
+    def reset(self, task: Task) -> None:
+        self.turn = 0
+
+    def step(self, action: Action) -> StepResult:
+        self.turn += 1
+        return StepResult(" ok 7\n", 1.0, self.turn == 2)
+
+
+@pytest.mark.parametrize("episodes", ["single-turn", "multi-turn"])
 def test_rollout_loop_scores_the_reference_next_to_generation(
-    redis_server, redis_client, run_id, tiny_ckpt, tmp_path
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, episodes: str
 ) -> None:
     """A server with ``placement.reference: server`` appends trajectories carrying ``ref_logp`` of their
     response's length, and logs ``time/reference``. The reference is the actor's initial weights and
-    nothing trains, so at temperature 1 with no truncation it equals the engine's own ``behav_logp``."""
+    nothing trains, so at temperature 1 with no truncation it equals the engine's own ``behav_logp``: on
+    generated tokens the same numbers, on environment tokens 0."""
+    env = {"env.path": "tests.test_reference_placement:TwoTurnEnv"} if episodes == "multi-turn" else {}
     cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{
-        "placement.reference": "server", "algorithm.kl_coef": 0.1, "rollout.temperature": 1.0,
+        "placement.reference": "server", "algorithm.kl_coef": 0.1, "rollout.temperature": 1.0, **env,
     })  # fmt: skip
     engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0)
     v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
@@ -177,6 +192,7 @@ def test_rollout_loop_scores_the_reference_next_to_generation(
     for t in got:
         assert t.ref_logp is not None and t.ref_logp.shape == t.response_tokens.shape
         np.testing.assert_allclose(t.ref_logp, t.behav_logp, atol=1e-4)
+    assert any(not t.generated.all() for t in got) == (episodes == "multi-turn")
     stats = redis_client.hgetall(f"{run_id}:stats:server-0")
     assert b"time/reference" in stats
 
