@@ -16,7 +16,9 @@ predicted-against-measured figures show.
 
 - **colocated phases add**: generate, switch, score, train, sync, switch back, all on every device;
 - **separated sides overlap**: the servers' side (generation and what is scored there) against the
-  learner's (scoring, training, sync); the slower sets the pace;
+  learner's (scoring, training); the slower sets the pace, priced as the expected maximum of two sides
+  that scatter as their phases do (:attr:`CostModel.spread`). Then the weight broadcast, which both wait
+  out (the servers pause to load it);
 - **scoring** is a sum (``serial``) or the slowest of disjoint subsets (``split``); roles on the ``own``
   group score and train beside the learning group;
 - **memory is a hard limit**: a plan whose predicted peak exceeds a device's (or the host's) memory is
@@ -193,10 +195,6 @@ class CostModel:
         tokens = work.tokens(phase)
         return law.time(tokens, max(1, devices), self.pace * tokens if phase == "generate" else 0.0)
 
-    def sd(self, phase: str, work: Workload, devices: int) -> float:
-        """A phase's standard deviation in seconds: its spread about the law, at this prediction."""
-        return self.spread.get(phase, 0.0) * self.t(phase, work, devices)
-
     def m(self, role: str, work: Workload, devices: int) -> float:
         law = self.memory.get(role)
         return 0.0 if law is None else law.bytes(work.tokens("train"), max(1, devices))
@@ -293,7 +291,8 @@ def _predict(
     own = plan.own(roles)
 
     def phase(name: str, devices: int) -> Span:
-        return Span(t(name, work, devices), model.sd(name, work, devices) ** 2)
+        mean = t(name, work, devices)
+        return Span(mean, (model.spread.get(name, 0.0) * mean) ** 2)
 
     # The servers' side: generation, then what is scored next to it.
     server = phase("generate", gen_devs)
