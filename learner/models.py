@@ -37,8 +37,6 @@ Known limit: under ZeRO-3 the weights are loaded whole on every rank and partiti
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -54,7 +52,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from learner.batch import MicroBatch, response_view
 from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
 from tandem.config import Config
-from tandem.logprobs import temper
+from tandem.logprobs import plain_output_head, temper
 from tandem.net import free_port
 from tandem.prebuild import prepare_extensions
 
@@ -267,31 +265,13 @@ def policy_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tenso
 
 def output_head(model: nn.Module) -> nn.Linear | None:
     """The causal LM's output layer when the chunked head (``learner/lm_head.py``) can stand in for its
-    logits, else None.
-
-    None for a head that is not a plain ``nn.Linear`` (a LoRA-adapted or ``modules_to_save`` head: its
-    weight is not the one the forward uses), for models that post-process their logits (soft-capping,
-    a logit scale), which only the model's own forward computes faithfully, and for models whose forward
-    takes no ``logits_to_keep``. A LoRA actor whose head is
+    logits, else None (:func:`tandem.logprobs.plain_output_head` says when). A LoRA actor whose head is
     frozen (the default) qualifies: its trunk runs with the adapters, the head is the plain base layer.
     """
     module = model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model
     if hasattr(module, "peft_config"):  # peft: the adapters are injected into the base model in place
         module = module.get_base_model()
-    head = module.get_output_embeddings()
-    config = getattr(module, "config", None)
-    if type(head) is not nn.Linear or any(
-        getattr(config, k, None) is not None for k in ("final_logit_softcapping", "logit_scale")
-    ):
-        return None
-    # policy_logprobs asks the model for logits at one position only; older remote-code models cannot.
-    return head if _keeps_logits(type(module)) else None
-
-
-@functools.cache
-def _keeps_logits(cls: type) -> bool:
-    # Once per model class: reading a signature costs ~70 µs, asked on every micro-batch.
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return plain_output_head(module)
 
 
 def policy_logprobs(

@@ -25,10 +25,11 @@ from transformers import AutoModelForCausalLM
 from buffer.schema import Trajectory
 from rollout.engines.hf import resolve_device, resolve_dtype
 from tandem.config import Config
-from tandem.logprobs import logprobs_from_logits, temper
+from tandem.logprobs import logprobs_from_logits, plain_output_head, temper
 
-# Tokens (rows x longest row) of one forward pass: bounds the (rows, L, V) logits a pass holds.
+# Tokens (rows x longest row) of one forward pass: bounds the (rows, L, H) hidden states a pass holds.
 TOKENS_PER_PASS = 4096
+CHUNK_LOGITS = 1 << 24  # logits made at once from hidden states (64 MB in float32), whatever the vocabulary
 
 
 class ReferenceModel:
@@ -51,6 +52,7 @@ class ReferenceModel:
         self.model.to(self.device).eval().requires_grad_(False)
         self.temperature = temperature
         self.tokens_per_pass = tokens_per_pass
+        self.head = plain_output_head(self.model)  # None: the model post-processes its logits
 
     @torch.inference_mode()
     def logprobs(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
@@ -66,14 +68,29 @@ class ReferenceModel:
             ids = torch.zeros((len(chunk), longest), dtype=torch.long)  # (b, L) right-padded
             for k, i in enumerate(chunk):
                 ids[k, : len(seqs[i])] = torch.from_numpy(seqs[i])
-            logits = self.model(input_ids=ids.to(self.device), use_cache=False).logits  # (b, L, V)
+            ids = ids.to(self.device)
+            if self.head is None:  # the model's own forward: its logits may be post-processed
+                states = self.model(input_ids=ids, use_cache=False).logits  # (b, L, V)
+            else:  # the last hidden states (b, L, H): logits are made per chunk of response tokens below
+                states = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
             for k, i in enumerate(chunk):
                 p, r = len(rows[i][0]), len(rows[i][1])
-                # Logits at position t predict token t + 1: response token j is read at p - 1 + j.
-                z = temper(logits[k, p - 1 : p - 1 + r], self.temperature)[None]  # (1, R, V)
-                labels = ids[k, p : p + r].to(self.device)[None]  # (1, R)
-                out[i] = logprobs_from_logits(z, labels)[0].cpu().numpy()
+                # Position t predicts token t + 1: response token j is read at p - 1 + j.
+                out[i] = self.score(states[k, p - 1 : p - 1 + r], ids[k, p : p + r]).cpu().numpy()
         return out
+
+    def score(self, states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Tempered log-probabilities of ``labels`` from logits, or from hidden states through the head a
+        chunk of tokens at a time, so a pass never holds more than ``CHUNK_LOGITS`` logits of a real
+        vocabulary. Shape: states (R, V) or (R, H), labels (R,) -> (R,) float32."""
+        if self.head is None:
+            return logprobs_from_logits(temper(states, self.temperature)[None], labels[None])[0]
+        step = max(1, CHUNK_LOGITS // self.head.out_features)
+        scored = [
+            logprobs_from_logits(temper(self.head(h), self.temperature)[None], y[None])[0]
+            for h, y in zip(states.split(step), labels.split(step), strict=True)
+        ]
+        return torch.cat(scored) if scored else torch.zeros(0)
 
     def fill(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
         """Set each trajectory's ``ref_logp`` (0 on environment tokens); returns them."""

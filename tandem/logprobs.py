@@ -8,8 +8,11 @@ rollout servers score the reference next to generation with it when ``placement.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 FULL_PRECISION = (torch.float32, torch.float64)
 
@@ -43,3 +46,27 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     if logits.dtype in FULL_PRECISION:
         return _logprobs(logits, labels)
     return torch.stack([_logprobs(row.float(), lab) for row, lab in zip(logits, labels, strict=True)])
+
+
+def plain_output_head(model: nn.Module) -> nn.Linear | None:
+    """A causal LM's output layer when its logits are exactly ``head(last hidden state)``, so they can be
+    made a chunk of tokens at a time from the hidden states; else None.
+
+    None for a head that is not a plain ``nn.Linear`` (a LoRA-adapted or ``modules_to_save`` head: its
+    weight is not the one the forward uses), for models that post-process their logits (soft-capping, a
+    logit scale), which only the model's own forward computes faithfully, and for models whose forward
+    takes no ``logits_to_keep`` (older remote-code models, which cannot be asked for one position only).
+    """
+    head = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    if type(head) is not nn.Linear or any(
+        getattr(config, k, None) is not None for k in ("final_logit_softcapping", "logit_scale")
+    ):
+        return None
+    return head if _keeps_logits(type(model)) else None
+
+
+@functools.cache
+def _keeps_logits(cls: type) -> bool:
+    # Once per model class: reading a signature costs ~70 µs, asked on every micro-batch.
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters

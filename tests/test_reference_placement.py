@@ -204,11 +204,20 @@ def _run(loop: RolloutLoop, errors: list[BaseException]) -> None:
         errors.append(e)
 
 
-def test_reference_model_scores_rows_without_trajectories(tiny_ckpt) -> None:
-    """``logprobs`` takes (prompt, response) rows; by hand: one row's log-softmax at temperature 0.5."""
+@pytest.mark.parametrize("path", ["hidden states, 2 tokens of logits at a time", "the model's logits"])
+def test_reference_model_scores_rows_without_trajectories(tiny_ckpt, monkeypatch, path: str) -> None:
+    """``logprobs`` takes (prompt, response) rows; by hand: one row's log-softmax at temperature 0.5, made
+    from the last hidden states a chunk at a time (a plain head) or from the model's own logits."""
     from transformers import AutoModelForCausalLM
 
+    import rollout.reference
+
     ref = ReferenceModel(str(tiny_ckpt["actor"]), temperature=0.5, device="cpu")
+    assert ref.head is not None  # the tiny model's head is a plain Linear
+    if path.startswith("hidden"):
+        monkeypatch.setattr(rollout.reference, "CHUNK_LOGITS", 2 * ref.head.out_features)
+    else:
+        ref.head = None
     prompt, response = [5, 9, 12], [7, 30, 4, 4]
     (got,) = ref.logprobs([(prompt, response)])
     model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"])
