@@ -124,6 +124,15 @@ def run_single(engine: HFEngine, prompts: list[list[int]], args) -> tuple[float,
     return time.perf_counter() - t0, sum(len(c.token_ids) for (c,) in out)
 
 
+def run_order(kinds: list[str], repeat: int) -> list[str]:
+    """``kinds`` in order, except that in every other repeat each ``*_nocache`` kind runs just before its
+    cached neighbour rather than just after it."""
+    order: list[str] = []
+    for kind in kinds:
+        order.insert(len(order) - 1 if kind.endswith("_nocache") and repeat % 2 else len(order), kind)
+    return order
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -161,22 +170,25 @@ def main() -> None:
         prompts = [tok(f"{i % 90 + 10}+{i % 7 + 3}=")["input_ids"] for i in range(args.episodes)]
         run_single(engine, prompts[:2], args)  # warm-up
         plain = make_engine(args, path, tmp, prefix_cache_mb=0) if args.engine == "hf" else None
-        kinds = {
+        # Two phases, each interleaved over the repeats so a change of machine load hits its kinds alike.
+        # Single-turn and the instant kinds run back to back; the heavy-tailed kinds, which mostly sleep,
+        # come after them: a run that follows an idle second measured 10-20% slower (a shared 2-core
+        # machine, 2026-11-25), which would bias whichever kind came next. Cache on and off run as
+        # neighbours, taking turns at going first.
+        busy = {"single": lambda: run_single(engine, prompts, args)}
+        for p in ("rounds", "independent"):
+            busy[f"instant_{p}"] = lambda p=p: run_multi(engine, tok, prompts, args, p, instant)
+            if plain is not None:
+                busy[f"instant_{p}_nocache"] = lambda p=p: run_multi(plain, tok, prompts, args, p, instant)
+        tail = {
             "tail_rounds": lambda: run_multi(engine, tok, prompts, args, "rounds", heavy_tail(args, rng)),
             "tail_independent": lambda: run_multi(engine, tok, prompts, args, "independent", heavy_tail(args, rng)),
-            "instant_rounds": lambda: run_multi(engine, tok, prompts, args, "rounds", instant),
-            "instant_independent": lambda: run_multi(engine, tok, prompts, args, "independent", instant),
-            "single": lambda: run_single(engine, prompts, args),
         }  # fmt: skip
-        if plain is not None:
-            kinds["instant_rounds_nocache"] = lambda: run_multi(plain, tok, prompts, args, "rounds", instant)
-            kinds["instant_independent_nocache"] = lambda: run_multi(
-                plain, tok, prompts, args, "independent", instant
-            )
         try:
-            for _ in range(args.repeats):  # interleaved, so a change of machine load hits every kind alike
-                for kind, run in kinds.items():
-                    runs.setdefault(kind, []).append(run())
+            for phase in (busy, tail):
+                for r in range(args.repeats):
+                    for kind in run_order(list(phase), r):
+                        runs.setdefault(kind, []).append(phase[kind]())
         finally:
             prefix = engine.prefix_stats() if isinstance(engine, HFEngine) else None
             prefilled = engine.prefilled_tokens if isinstance(engine, HFEngine) else 0
