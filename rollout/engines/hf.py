@@ -267,7 +267,8 @@ class HFEngine:
                 if step == 0:  # under the lock: the cached KV and this forward see the same weights
                     epoch = self.prefix_cache.epoch if self.prefix_cache is not None else 0
                     step_ids, mask, positions, cache, hashes = self._prefill_inputs(rows)
-                    # Rows of one length (a GRPO group shares its prompt) need no mask: plain causal
+                    # A batch with no padding (prompts of one length, as a GRPO group's; or rows whose
+                    # cached and new parts are alike, as an episode round's) needs no mask: plain causal
                     # attention, and transformers skips building a 4-D mask at every step. Rows that
                     # finish leave no padding behind.
                     padded = not bool(mask.all())
