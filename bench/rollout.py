@@ -184,7 +184,7 @@ def main() -> None:
         for v in range(1, args.updates + 1):
             publisher.publish(weights.items(), v)
             t0 = time.perf_counter()
-            loop.apply(subscriber.poll(0.0))
+            loop.weights.apply(subscriber.poll(0.0))
             pauses.append(time.perf_counter() - t0)
             assert engine.version == v
         engine.close()

@@ -18,6 +18,8 @@ capacity, claims of dead consumers' entries); what one refuses goes to :mod:`buf
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -51,6 +53,8 @@ for i = 5, #ARGV do redis.call('XADD', KEYS[1], '*', 'd', ARGV[i]) end
 redis.call('HSET', KEYS[2], 'epoch', ARGV[3], 'index', ARGV[4])
 return #ARGV - 4
 """
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -313,3 +317,33 @@ class ReplayBuffer:
         }
         out.update({f"staleness/hist_{s}": float(c) for s, c in sorted(self._staleness.items())})
         return out
+
+
+class ClaimHeartbeat:
+    """While a server works on claimed prompts, re-claims them every ``claim_idle_ms / 3`` (XCLAIM JUSTID).
+
+    Without it, a generation that outlasts ``redis.claim_idle_ms`` looks like a dead server's, and another
+    server claims the prompt and generates it again. The buffer's put refuses the second answer anyway;
+    the heartbeat saves the work.
+    """
+
+    def __init__(self, buffer: ReplayBuffer, ids: list[str]) -> None:
+        self.buffer, self.ids = buffer, ids
+        self.every_s = buffer.claim_idle_ms / 3000
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="claim-heartbeat", daemon=True)
+
+    def __enter__(self) -> ClaimHeartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.buffer.keep_prompts(self.ids)
+            except redis.RedisError as e:  # a missed beat only risks a duplicate, which put refuses
+                log.warning("could not refresh the claim on %d prompts: %s", len(self.ids), e)

@@ -11,7 +11,8 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
    claimed prompts while it waits (they would be re-claimed by another server after ``claim_idle_ms``).
    A redelivered prompt (from a crashed server) carries that server's admission and takes none;
 3. **fresh weights**: hold ``engine.version >= learner version - max_staleness`` (blocking on the weight
-   subscriber if not), so ``max_staleness = 0`` is exactly the synchronous algorithm;
+   subscriber if not), so ``max_staleness = 0`` is exactly the synchronous algorithm. Every change to the
+   engine's weights, here, in flight and on a colocated sleep or wake, goes through ``rollout/weights.py``;
 4. **generate** all groups in one engine call; with ``rollout.inflight_updates`` a weight update that
    arrives mid-call is applied between decode steps (PipelineRL) and later tokens carry its version.
    With one batch in flight, steps 4 to 6 run here, in turn. With several (an engine in its own process,
@@ -39,10 +40,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, nullcontext
 from functools import partial
@@ -52,7 +51,7 @@ from transformers import PreTrainedTokenizerBase
 
 from buffer.admission import Admission
 from buffer.schema import PromptRecord, Trajectory, Turns
-from buffer.streams import ReplayBuffer, TakenPrompt
+from buffer.streams import ClaimHeartbeat, ReplayBuffer, TakenPrompt
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
 from rollout.envs.base import Task, load_env_factory
 from rollout.envs.episode import Episode, EpisodeRunner
@@ -61,17 +60,17 @@ from rollout.metrics import ServerMetrics
 from rollout.reference import ReferenceModel
 from rollout.reward_model import RewardModel
 from rollout.shaping import is_informative, overlong_penalty
+from rollout.weights import EngineWeights
 from tandem.config import Config
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
-from tandem.timing import Timers, timed
-from weightsync.base import Subscriber, Update, WeightSyncError, wait_for, weights_key
+from tandem.timing import BusyClock, Timers
+from weightsync.base import Subscriber, WeightSyncError, weights_key
 
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # longest single wait (admission, prompts, weights), so a stop request is seen within ~1 s
 JOIN_WAIT_S = 30.0  # longest wait for the current weights at start; then the freshness rule alone
-INFLIGHT_POLL_S = 0.05  # how often the decode loop asks the subscriber for a new version
 BUSY_WINDOW_S = 1.0  # shortest span the logged engine busy fraction is measured over
 OWN_PROCESS_INFLIGHT = 3  # batches held at once by default with an engine in its own process (vllm, sglang)
 
@@ -125,6 +124,12 @@ class RolloutLoop:
         self.evaluator = evaluator
         self.metrics = metrics or ServerMetrics(engine)
         self.stop_event = stop_event or threading.Event()
+        self.timers = Timers()  # seconds spent in each phase since the last log (written by every thread)
+        self.inflight: list[Future[list[list[Trajectory]]]] = []  # batches handed to generation threads
+        self.weights = EngineWeights(
+            cfg, engine, subscriber, metrics=self.metrics, timers=self.timers, should_stop=self.should_stop,
+            idle=lambda: not self.inflight, server_index=server_index,
+        )  # fmt: skip
         r = cfg.rollout
         self.sampling = SamplingParams(
             n=r.n_samples,
@@ -148,30 +153,23 @@ class RolloutLoop:
             from rollout.agents.runner import AgentRunner
 
             self.agents = AgentRunner(
-                cfg, engine, tokenizer, metrics=self.metrics, between_batches=self.poll_weights,
-                between_steps=self.poll_inflight if r.inflight_updates else None,
+                cfg, engine, tokenizer, metrics=self.metrics, between_batches=self.weights.poll,
+                between_steps=self.weights.poll_inflight if r.inflight_updates else None,
                 batches=inflight_window(cfg),
             )  # fmt: skip
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.admission = Admission.from_config(buffer.client, cfg, buffer.consumer)  # and its credits
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
-        self.timers = Timers()  # seconds spent in each phase since the last log (written by every thread)
         self.totals = Timers()  # the same, summed over every log, with time/engine_busy and time/wall
         self.busy = BusyClock()  # wall time with at least one generation running
         # Its share of wall time, and the tokens and episodes per second it generates while busy (logged).
         self.engine_busy = self.tokens_per_s = self.episodes_per_s = 0.0
         self._window = [0.0, 0.0, 0, 0]  # busy s, wall s, tokens, trajectories since the last window closed
-        self._weights_lock = threading.Lock()  # one poll-and-apply at a time (main and generation threads)
-        self._last_poll = 0.0
         self.window = inflight_window(cfg)
-        self.inflight: list[Future[list[list[Trajectory]]]] = []  # batches handed to generation threads
         self.generators = ThreadPoolExecutor(
             self.window, thread_name_prefix=f"rollout{server_index}-generate"
         )
         self.scorer = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_index}-score")
-        self.release = cfg.releases_memory and getattr(engine, "supports_sleep", False)
-        self.asleep = False  # the engine's memory is freed until the next version (colocated runs)
-        self.held_path = cfg.model.actor  # where the weights the engine holds can be read again
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
@@ -200,8 +198,8 @@ class RolloutLoop:
         if c.weight_path == "engine":
             return
         try:  # latest may drop meanwhile: a resumed learner re-publishes its checkpoint's (older) version
-            self.wait_for_weights(self.subscriber.latest_version, min(c.weightsync.timeout_s, JOIN_WAIT_S))
-        except WeightSyncError:  # the freshness rule (ensure_fresh_weights) still holds
+            self.weights.wait_for(self.subscriber.latest_version, min(c.weightsync.timeout_s, JOIN_WAIT_S))
+        except WeightSyncError:  # the freshness rule (EngineWeights.ensure_fresh) still holds
             target = self.subscriber.latest_version()
             log.warning("server-%d: joined at weights v%d; v%d has not arrived yet, generating anyway "
                         "where admission allows", self.server_index, self.engine.version, target)  # fmt: skip
@@ -218,7 +216,7 @@ class RolloutLoop:
             return appended
         with ExitStack() as held:
             held.enter_context(ClaimHeartbeat(self.buffer, [p.id for p in prompts]))  # they stay ours
-            if not self.ensure_fresh_weights():
+            if not self.weights.ensure_fresh(self.admission.freshness_floor):
                 return appended
             if self.window > 1:  # the heartbeat goes with the batch; this thread admits the next one
                 self.inflight.append(self.generators.submit(self.generate_score_put, prompts, held.pop_all()))
@@ -280,7 +278,7 @@ class RolloutLoop:
                 self.cfg.rollout.prompts_per_batch, timeout_s=POLL_S, should_stop=self.should_stop,
                 # The learner may be publishing the very version that opens admission, and a dist broadcast
                 # waits for this server to join: take weights while waiting.
-                while_waiting=self.sleep_while_waiting,
+                while_waiting=self.weights.sleep_while_waiting,
                 wake_channels=[weights_key(self.cfg.run.name, "announce")],
             )  # fmt: skip
         return held > 0
@@ -295,24 +293,8 @@ class RolloutLoop:
         with self.timers("time/take_prompts"):
             return self.buffer.reclaim_prompts(self.cfg.rollout.prompts_per_batch)
 
-    def ensure_fresh_weights(self) -> bool:
-        """Apply any pending update, then block until ``version >= learner version - max_staleness``.
-
-        The learner publishes version v before it sets the Redis version to v, so this never deadlocks.
-        False only when a stop was requested while waiting. An update applied here while other batches
-        generate is an in-flight update for them (their later tokens carry its version).
-        """
-        with timed() as span, self._weights_lock:
-            self.apply(self.subscriber.poll(0.0))
-            self.wait_for_weights(self.admission.freshness_floor, self.cfg.weightsync.timeout_s)
-            if self.should_stop() and self.engine.version < self.admission.freshness_floor():
-                return False  # a stop's wait is no weight sync
-            self.wake_held()
-        self.timers.add("time/weight_sync", span.seconds)
-        return True
-
     def generate(self, prompts: list[TakenPrompt]) -> list[list[Completion]]:
-        hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
+        hook = self.weights.poll_inflight if self.cfg.rollout.inflight_updates else None
         with self.timers("time/generate"), self.busy:
             return self.engine.generate(
                 [p.prompt.tokens.tolist() for p in prompts], self.sampling, between_steps=hook
@@ -328,9 +310,9 @@ class RolloutLoop:
                 p = taken.prompt
                 task = Task(p.text, tuple(p.tokens.tolist()), p.record)
                 episodes += [Episode(task, self.env_factory(), p.tokens.tolist()) for _ in range(n)]
-            hook = self.poll_inflight if self.cfg.rollout.inflight_updates else None
+            hook = self.weights.poll_inflight if self.cfg.rollout.inflight_updates else None
             with self.busy:
-                self.episodes.run(episodes, between_steps=hook, between_turns=self.poll_weights)
+                self.episodes.run(episodes, between_steps=hook, between_turns=self.weights.poll)
         groups = []
         for k, taken in enumerate(prompts):
             group_id = uuid.uuid4().hex
@@ -489,80 +471,8 @@ class RolloutLoop:
 
     def evaluate(self) -> None:
         if self.evaluator is not None and self.evaluator.claim(self.engine.version):
-            with self._weights_lock:  # no generation thread applies an update mid-evaluation
-                self.wake_held()
+            with self.weights.held():  # no generation thread applies an update mid-evaluation
                 self.evaluator.run()
-
-    def wait_for_weights(self, version: Callable[[], int], timeout_s: float) -> None:
-        """Apply every version the subscriber hands out until the engine holds ``version()`` (re-read at
-        each poll); returns early on a stop, raises WeightSyncError after ``timeout_s``."""
-        wait_for(
-            self.subscriber, version, timeout_s, run=self.cfg.run.name, apply=self.apply,
-            held=lambda: self.engine.version, should_stop=self.should_stop,
-        )  # fmt: skip
-
-    def apply(self, update: Update | None) -> None:
-        """The one path every weight update takes (between batches and in flight): apply, time, count."""
-        if update is None:
-            return
-        with timed() as span:
-            if self.asleep:
-                self.wake(update)
-            else:
-                self.engine.update_weights(update)
-            self.held_path = update.path or self.held_path
-        self.metrics.weight_update_seconds.observe(span.seconds)
-        log.info("server-%d: weights v%d applied in %.3fs", self.server_index, update.version, span.seconds)
-
-    # ------------------------------------------------------------- colocated: sleep and wake (§11.1)
-
-    def sleep_while_waiting(self) -> None:
-        """The admission wait's hook: take weights on offer; then, colocated with ``placement.release_memory``,
-        free the engine's memory until the next version arrives, since the learner trains meanwhile."""
-        self.poll_weights()
-        if self.release and not self.asleep and not self.inflight:
-            with self.timers("time/sleep"):
-                self.engine.sleep()
-                self.asleep = True
-
-    def wake(self, update: Update) -> None:
-        """Wake for ``update`` in vLLM's order: weights, then the update fills them, then the KV cache (so
-        the cache is never allocated beside a second copy of the weights). ``time/wake`` excludes the update."""
-        with timed() as weights:
-            self.engine.wake_up(["weights"])
-        self.engine.update_weights(update)
-        with timed() as kv_cache:
-            self.engine.wake_up(["kv_cache"])
-            self.asleep = False
-        self.timers.add("time/wake", weights.seconds + kv_cache.seconds)
-
-    def wake_held(self) -> None:
-        """Wake with the version the engine held: admission reopened for it (a group dropped, a server gone)
-        before a newer one arrived. Its files are still in shm, which keeps every version a live server holds
-        (docs/design.md §5.3); before any update, the checkpoint the engine was loaded from."""
-        if self.asleep:
-            self.apply(Update.from_directory(self.held_path, self.engine.version))
-
-    def poll_weights(self, *, block: bool = True) -> None:
-        """Apply a new version if one is on offer, without waiting for one. ``block=False``: not at all
-        while another thread polls (it applies whatever is on offer)."""
-        with timed() as span:
-            if not self._weights_lock.acquire(blocking=block):
-                return
-            try:
-                self.apply(self.subscriber.poll(0.0))
-            finally:
-                self._weights_lock.release()
-        self.timers.add("time/weight_sync", span.seconds)
-
-    def poll_inflight(self) -> None:
-        """The engine's ``between_steps`` hook: a cheap, throttled poll for a new version mid-generation.
-        Never waits on another thread's poll: that one may be applying an update that waits for this very
-        generation's decode step (``hf``)."""
-        now = time.perf_counter()
-        if now - self._last_poll >= INFLIGHT_POLL_S:
-            self._last_poll = now
-            self.poll_weights(block=False)
 
     def score_reward_model(self, prompts: list[TakenPrompt], texts: list[list[str]]) -> list[float]:
         if self.reward_model is None:
@@ -632,65 +542,3 @@ class RolloutLoop:
             if returned:
                 log.info("server-%d: handed back %d held prompt(s)", self.server_index, returned)
         log.info("server-%d: rollout loop stopped after %d groups", self.server_index, self.groups)
-
-
-class BusyClock:
-    """Wall time during which at least one generation runs (``with clock:`` around each engine call)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = 0
-        self._busy = 0.0
-        self._since = self._lap_at = time.perf_counter()
-
-    def __enter__(self) -> BusyClock:
-        with self._lock:
-            if self._running == 0:
-                self._since = time.perf_counter()
-            self._running += 1
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._running -= 1
-            if self._running == 0:
-                self._busy += time.perf_counter() - self._since
-
-    def lap(self) -> tuple[float, float]:
-        """(busy seconds, wall seconds) since the last lap."""
-        with self._lock:
-            now = time.perf_counter()
-            busy = self._busy + (now - self._since if self._running else 0.0)
-            wall = now - self._lap_at
-            self._busy, self._since, self._lap_at = 0.0, now, now
-        return busy, wall
-
-
-class ClaimHeartbeat:
-    """While a server works on claimed prompts, re-claims them every ``claim_idle_ms / 3`` (XCLAIM JUSTID).
-
-    Without it, a generation that outlasts ``redis.claim_idle_ms`` looks like a dead server's, and another
-    server claims the prompt and generates it again. The buffer's put refuses the second answer anyway;
-    the heartbeat saves the work.
-    """
-
-    def __init__(self, buffer: ReplayBuffer, ids: list[str]) -> None:
-        self.buffer, self.ids = buffer, ids
-        self.every_s = buffer.claim_idle_ms / 3000
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="claim-heartbeat", daemon=True)
-
-    def __enter__(self) -> ClaimHeartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                self.buffer.keep_prompts(self.ids)
-            except redis.RedisError as e:  # a missed beat only risks a duplicate, which put refuses
-                log.warning("could not refresh the claim on %d prompts: %s", len(self.ids), e)

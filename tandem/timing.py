@@ -3,6 +3,7 @@
 
 Every process reports where its time goes as ``time/<phase>`` seconds (the rollout loop per logged
 batch, the learner per step); the placement planner fits its laws to these (docs/design.md §11.2).
+:class:`BusyClock` measures the union of overlapping spans (a rollout server's engine busy time).
 """
 
 from __future__ import annotations
@@ -57,3 +58,35 @@ class Timers(defaultdict):
             out = dict(self)
             self.clear()
         return out
+
+
+class BusyClock:
+    """Wall time during which at least one generation runs (``with clock:`` around each engine call)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._busy = 0.0
+        self._since = self._lap_at = time.perf_counter()
+
+    def __enter__(self) -> BusyClock:
+        with self._lock:
+            if self._running == 0:
+                self._since = time.perf_counter()
+            self._running += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self._busy += time.perf_counter() - self._since
+
+    def lap(self) -> tuple[float, float]:
+        """(busy seconds, wall seconds) since the last lap."""
+        with self._lock:
+            now = time.perf_counter()
+            busy = self._busy + (now - self._since if self._running else 0.0)
+            wall = now - self._lap_at
+            self._busy, self._since, self._lap_at = 0.0, now, now
+        return busy, wall

@@ -343,7 +343,7 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path, 
 
 
 def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckpt, tmp_path) -> None:
-    """The runner's between_batches hook (the loop's poll_weights) applies v1 after the first batch: every
+    """The runner's between_batches hook (the loop's EngineWeights.poll) applies v1 after the first batch: every
     second call of a session is generated, and prefilled, by v1, and its behaviour logprobs are v1's over
     the whole session, as the learner computes them."""
     from toy.tiny import make_tiny

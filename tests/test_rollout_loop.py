@@ -21,13 +21,13 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-import rollout.loop
+import rollout.weights
 from buffer.admission import Admission
 from buffer.schema import PromptRecord, Trajectory
-from buffer.streams import ReplayBuffer
+from buffer.streams import ClaimHeartbeat, ReplayBuffer
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
-from rollout.loop import ClaimHeartbeat, RolloutLoop
+from rollout.loop import RolloutLoop
 from tandem.config import Config, load_config
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry, ready_key, stop_key
@@ -229,7 +229,7 @@ def test_weight_update_during_generation(
 ) -> None:
     """Poll 1 is before the first batch, poll 2 the first in-flight one (after one token of every row):
     in flight, the switch shows inside sequences; otherwise the whole next batch has the new version."""
-    monkeypatch.setattr(rollout.loop, "INFLIGHT_POLL_S", 0.0)
+    monkeypatch.setattr(rollout.weights, "INFLIGHT_POLL_S", 0.0)
     cfg = make_cfg(
         run_id,
         redis_server.url,
