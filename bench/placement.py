@@ -238,7 +238,7 @@ def plot(rows: list[dict], drift_out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 6))
     sweep, extra = [r for r in rows if r["regime"] == "sweep"], [r for r in rows if r["regime"] != "sweep"]
     x = [r["generation_share"] for r in sweep]
     for name in rows[0]["vs_best_fixed"]:
@@ -251,7 +251,9 @@ def plot(rows: list[dict], drift_out: dict, path: Path) -> None:
         a.annotate(f"added: {r['regime']}", (r["generation_share"], 0.05), fontsize=7, rotation=90)
     a.set(xlabel="generation share of a colocated step", ylabel="samples/s / best fixed", ylim=(0, 1.3))
     a.set_title("SIMULATION: regime sweep, 8 pretend devices")
-    a.legend(fontsize=7)
+    a.legend(
+        fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3
+    )  # below: clear of the added points
     names = ["best_at_start", "best_at_end"]
     b.bar([*names, "auto"], [drift_out[f"{n}_s"] for n in names] + [drift_out["auto_s"]])
     b.set(ylabel="seconds for the run", title="SIMULATION: response length grows 4x")
