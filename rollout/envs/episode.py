@@ -2,11 +2,12 @@
 
 :meth:`EpisodeRunner.run` reads top to bottom:
 
-1. **reset** every episode's environment (in parallel worker threads, each under the step timeout);
+1. **reset** every episode's environment (all started at once in worker threads, each read within its own
+   step timeout);
 2. **model turn**: one engine call for every live episode's whole context (prompt + turns so far, as token
    ids: nothing is re-tokenised), with per-token behaviour logprobs and versions; an in-flight weight
    update stamps later tokens with the new version;
-3. **environment turn**: every live episode's ``step`` in parallel, each under the timeout; the observation's
+3. **environment turn**: every live episode's ``step`` at once, each read within its timeout; the observation's
    tokens are appended with ``loss_mask`` 0;
 4. **between turns**: the caller's hook (the rollout loop applies a pending weight update here, so the next
    turn is generated, and prefilled, by the new weights); back to 2 while any episode lives.
@@ -32,6 +33,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,9 +46,6 @@ from rollout.engines.base import BetweenSteps, Engine, SamplingParams, cut_at_st
 from rollout.envs.base import Action, Env, StepResult, Task
 
 log = logging.getLogger(__name__)
-
-# What a stage may take beyond env.step_timeout_s: tokenising observations, bookkeeping, a loaded machine.
-STAGE_SLACK_S = 30.0
 
 
 class EnvFailure(Exception):
@@ -143,31 +142,41 @@ class DaemonWorkers:
 WORKERS = DaemonWorkers("episode")
 
 
-def call_with_timeout(fn: Callable[..., Any], arg: Any, timeout_s: float, what: str) -> Any:
-    """``fn(arg)`` (awaited if it returns a coroutine) in a daemon thread, cut off after ``timeout_s``.
+class EnvCall:
+    """``fn(arg)`` (awaited if it returns a coroutine) started at once in a daemon thread; :meth:`result`
+    waits for it until ``timeout_s`` after the start.
 
     A hung call is abandoned, not killed (Python cannot kill a thread); being a daemon, it cannot keep the
-    server from exiting.
+    server from exiting. Starting every episode's call before waiting for any is one thread hand-off per
+    call, and each keeps its own deadline.
     """
-    out: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
 
-    def target() -> None:
+    def __init__(self, fn: Callable[..., Any], arg: Any, what: str) -> None:
+        self.what, self.started = what, time.monotonic()
+        self._out: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
+
+        def target() -> None:
+            try:
+                result = fn(arg)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_await(result))
+                self._out.put((True, result))
+            except BaseException as e:  # anything the env raises is its failure, reported, never ours
+                self._out.put((False, e))
+
+        WORKERS.submit(target)
+
+    def result(self, timeout_s: float) -> Any:
+        """The call's return value, or EnvFailure (``env_timeout``, ``env_error``) naming what failed."""
         try:
-            result = fn(arg)
-            if inspect.isawaitable(result):
-                result = asyncio.run(_await(result))
-            out.put((True, result))
-        except BaseException as e:  # anything the env raises is its failure, reported, never ours
-            out.put((False, e))
-
-    WORKERS.submit(target)
-    try:
-        ok, value = out.get(timeout=timeout_s)
-    except queue.Empty:
-        raise EnvFailure(f"env_timeout: {what} took longer than env.step_timeout_s={timeout_s:g}s") from None
-    if not ok:
-        raise EnvFailure(f"env_error: {what} raised {type(value).__name__}: {value}")
-    return value
+            ok, value = self._out.get(timeout=max(0.0, self.started + timeout_s - time.monotonic()))
+        except queue.Empty:
+            raise EnvFailure(
+                f"env_timeout: {self.what} took longer than env.step_timeout_s={timeout_s:g}s"
+            ) from None
+        if not ok:
+            raise EnvFailure(f"env_error: {self.what} raised {type(value).__name__}: {value}")
+        return value
 
 
 async def _await(aw: Any) -> Any:
@@ -177,7 +186,7 @@ async def _await(aw: Any) -> Any:
 def parallel(calls: list[Callable[[], None]], timeout_s: float | None, what: str) -> None:
     """Run the calls on threads of their own and wait for all, ``timeout_s`` at most in total.
 
-    Each call bounds its environment's time itself (:func:`call_with_timeout`); this bound is the backstop
+    Each call bounds its environment's time itself (:class:`EnvCall`); this bound is the backstop
     for the runner's own work around it, so a stage can never wait forever. ``None``: calls that generate
     are bounded by the engine, as a round's model turn is.
     """
@@ -237,16 +246,18 @@ class EpisodeRunner:
             self.progression == "auto" and self.engine.continuous_batching
         ):
             return self.run_independent(episodes, between_steps=between_steps, between_turns=between_turns)
-        bound = self.step_timeout_s + STAGE_SLACK_S
         try:
-            parallel([lambda e=e: self.reset(e) for e in episodes], bound, "reset")
+            for e, call in [(e, EnvCall(e.env.reset, e.task, "reset")) for e in episodes]:
+                self.reset(e, call)
             while live := [e for e in episodes if not e.done]:
                 self.model_turn(live, between_steps)
-                parallel([lambda e=e: self.env_turn(e) for e in live if not e.done], bound, "step")
+                steps = [(e, EnvCall(e.env.step, e.last_action, "step")) for e in live if not e.done]
+                for e, call in steps:  # every step runs at once; each is read within its own deadline
+                    self.env_turn(e, call)
                 if between_turns is not None and any(not e.done for e in episodes):
                     between_turns()
         finally:
-            parallel([lambda e=e: self.close(e) for e in episodes], bound, "close")
+            self.close_all(episodes)
         return episodes
 
     def run_independent(
@@ -269,9 +280,7 @@ class EpisodeRunner:
             parallel([lambda e=e: self.play(e, front) for e in episodes], None, "play")
         finally:
             front.close()
-            parallel(
-                [lambda e=e: self.close(e) for e in episodes], self.step_timeout_s + STAGE_SLACK_S, "close"
-            )
+            self.close_all(episodes)
         return episodes
 
     def play(self, e: Episode, engine: Engine) -> None:
@@ -284,9 +293,10 @@ class EpisodeRunner:
 
     # ----------------------------------------------------------------------------------------- stages
 
-    def reset(self, e: Episode) -> None:
+    def reset(self, e: Episode, call: EnvCall | None = None) -> None:
+        """The episode's first observation (``call``: its reset, already started)."""
         try:
-            obs = call_with_timeout(e.env.reset, e.task, self.step_timeout_s, "reset")
+            obs = (call or EnvCall(e.env.reset, e.task, "reset")).result(self.step_timeout_s)
             if obs is not None and obs != e.task.prompt:
                 e.prompt = self.observation_tokens(obs, "reset")
                 if not e.prompt:
@@ -317,9 +327,10 @@ class EpisodeRunner:
                 if c.finish_reason == "abort":
                     e.end("abort", "engine_abort")
 
-    def env_turn(self, e: Episode) -> None:
+    def env_turn(self, e: Episode, call: EnvCall | None = None) -> None:
+        """The environment's answer to the model's turn (``call``: that step, already started)."""
         try:
-            result = call_with_timeout(e.env.step, e.last_action, self.step_timeout_s, "step")
+            result = (call or EnvCall(e.env.step, e.last_action, "step")).result(self.step_timeout_s)
             reward, done, obs = self.check(result)
             e.rewarded(reward)
             for k, v in (result.info.get("metrics") or {}).items():
@@ -339,11 +350,14 @@ class EpisodeRunner:
         elif e.turns >= self.max_turns:
             e.end("length", "max_turns")
 
-    def close(self, e: Episode) -> None:
-        try:
-            call_with_timeout(lambda _: e.env.close(), None, self.step_timeout_s, "close")
-        except EnvFailure as err:
-            log.warning("episode of %s: %s", e.task.record.get("id", "?"), err)
+    def close_all(self, episodes: list[Episode]) -> None:
+        """Every episode's ``close``, all at once, each within its own deadline."""
+        calls = [(e, EnvCall(lambda env: env.close(), e.env, "close")) for e in episodes]
+        for e, call in calls:
+            try:
+                call.result(self.step_timeout_s)
+            except EnvFailure as err:
+                log.warning("episode of %s: %s", e.task.record.get("id", "?"), err)
 
     # ---------------------------------------------------------------------------------------- helpers
 
