@@ -1,11 +1,12 @@
 """A run's profile window, read back: per-phase samples for the planner from a run directory's histories.
 
-Every learner step logs ``time/<phase>`` for its scoring forwards, its training passes and the weight
-sync, and ``batch/tokens``; every server batch logs ``time/generate``, ``time/reward_model``
-(``tandem/timing.py``) and ``rollout/longest_response``, generation's ``L`` (``placement/cost.py``). The devices each phase ran on follow from the run's config and the cores it had
-(``placement/local.py``). The colocated switch has no timer of its own: it is what a colocated step
-spends outside every phase (the hand-off through admission and weight sync), measured as the step's
-wall time less the two sides' busy time.
+Every learner step logs ``time/<phase>`` for its scoring forwards, its training passes and the weight sync,
+and ``batch/tokens``; every server batch logs ``time/generate``, ``time/reward_model``, ``time/reference``
+(with ``placement.reference: server``; ``tandem/timing.py``) and ``rollout/longest_response``, generation's
+``L`` (``placement/cost.py``). The devices each phase ran on follow from the run's config and the cores it
+had (``placement/local.py``). The colocated switch has no timer of its own: it is what a colocated step
+spends outside every phase (the hand-off through admission and weight sync), measured as the step's wall
+time less the two sides' busy time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from placement.plan import Plan
 from tandem.config import Config, load_config
 
 LEARNER_PHASES = ("actor_logp", "reference", "critic_values", "actor_train", "critic_train")
-SERVER_PHASES = ("generate", "reward_model")
+SERVER_PHASES = ("generate", "reward_model", "reference")  # reference: placement.reference server
 
 
 @dataclass

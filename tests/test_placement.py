@@ -523,6 +523,11 @@ def test_read_run_turns_histories_into_phase_samples_and_the_colocated_switch(tm
     prof = read_run(tmp_path / "async", cores=2, skip=1, window=4)
     assert prof.plan == Plan("separate", 1, 1)
     assert {s.name for s in prof.samples} == {"actor_logp", "actor_train", "sync", "generate"}
+    # placement.reference: server: the servers time the reference's forward, on the generation devices
+    write_run(tmp_path / "ref", "async", learner, [{**r, "time/reference": 0.004} for r in servers])
+    prof = read_run(tmp_path / "ref", cores=2, skip=1, window=4)
+    by = {s.name: s for s in prof.samples}
+    assert by["reference"] == Sample("reference", 300.0, prof.plan.generation, 0.004)
 
 
 def test_launch_plan_fits_its_laws_to_measured_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
