@@ -218,10 +218,18 @@ def test_prefix_hashes_tell_prefixes_apart() -> None:
     assert prefix_hashes([1, 2, 3, 4], known=prefix_hashes([1, 2])) == prefix_hashes([1, 2, 3, 4])
 
 
-@pytest.mark.parametrize(("mb", "max_bytes"), [(0, None), (1.5, 3 << 19)])
-def test_the_budget_comes_from_the_config(
-    tiny_ckpt: dict[str, Path], mb: float, max_bytes: int | None
+@pytest.mark.parametrize(
+    ("mb", "env", "max_bytes"),
+    [
+        (0, "toy.calculator:CalculatorEnv", None),
+        (1.5, "toy.calculator:CalculatorEnv", 3 << 19),
+        (1.5, None, None),
+    ],
+)
+def test_the_budget_comes_from_the_config_for_runs_with_several_turns(
+    tiny_ckpt: dict[str, Path], mb: float, env: str | None, max_bytes: int | None
 ) -> None:
+    """A single-turn run (no env, no agent) never extends a finished row: its engine keeps no cache."""
     from rollout.engines import make_engine
     from tandem.config import load_config
 
@@ -230,6 +238,7 @@ def test_the_budget_comes_from_the_config(
         "model": {"actor": str(tiny_ckpt["actor"])},
         "data": {"prompts": "unused.jsonl"},
         "rollout": {"hf_prefix_cache_mb": mb},
+        "env": {"path": env},
         "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
     }
     engine = make_engine(load_config(None, raw=raw), str(tiny_ckpt["actor"]))

@@ -24,13 +24,16 @@ def make_engine(cfg: Config, model_path: str, *, server_index: int = 0, device: 
     cls = getattr(importlib.import_module(module_name), cls_name)
     device = device or cfg.run.device
     if cfg.rollout.engine == "hf":
+        # Only turns that extend an earlier call's sequence hit the prefix cache: a single-turn run never
+        # does, and would pay for storing every finished row.
+        multi_turn = cfg.env.path is not None or cfg.agent.path is not None
         return cls(
             model_path,
             device=device,
             dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code,
             seed=cfg.run.seed + server_index,
-            prefix_cache_mb=cfg.rollout.hf_prefix_cache_mb,
+            prefix_cache_mb=cfg.rollout.hf_prefix_cache_mb if multi_turn else 0.0,
         )
     return cls(cfg, model_path, server_index=server_index, device=device)
 
