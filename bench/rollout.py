@@ -111,7 +111,7 @@ def main() -> None:
         )
         client = redis_server.client()
         if args.engine == "hf":
-            engine = HFEngine(str(ckpt), device="cpu", seed=0)
+            engine = HFEngine(str(ckpt), device="cpu", seed=0, prefix_cache_mb=0)  # as a single-turn run
         else:
             from rollout.engines.vllm import VLLMEngine
 
