@@ -129,6 +129,7 @@ class RolloutLoop:
         self.weights = EngineWeights(
             cfg, engine, subscriber, metrics=self.metrics, timers=self.timers, should_stop=self.should_stop,
             idle=lambda: not self.inflight, server_index=server_index,
+            release_also=reference.release if reference is not None else None,
         )  # fmt: skip
         r = cfg.rollout
         self.sampling = SamplingParams(

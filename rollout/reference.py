@@ -16,6 +16,7 @@ learner's ``loss_mask`` gives them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from buffer.schema import Trajectory
-from rollout.engines.hf import resolve_device, resolve_dtype
+from rollout.engines.hf import release_freed_memory, resolve_device, resolve_dtype
 from tandem.config import Config
 from tandem.logprobs import logprobs_from_logits, plain_output_head, temper
 
@@ -46,13 +47,42 @@ class ReferenceModel:
         tokens_per_pass: int = TOKENS_PER_PASS,
     ) -> None:
         self.device = resolve_device(str(device) if device is not None else None)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype, self.device), trust_remote_code=trust_remote_code
+        self.path, self.dtype, self.trust_remote_code = (
+            path,
+            resolve_dtype(dtype, self.device),
+            trust_remote_code,
         )
-        self.model.to(self.device).eval().requires_grad_(False)
         self.temperature = temperature
         self.tokens_per_pass = tokens_per_pass
-        self.head = plain_output_head(self.model)  # None: the model post-processes its logits
+        self._lock = threading.Lock()  # scoring (loop, HTTP API) against a release
+        self.model: torch.nn.Module | None = None
+        self.released = False
+        self._load()
+
+    def _load(self) -> None:
+        if self.model is None:  # from the checkpoint: it is frozen, so nothing was lost
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code
+            )
+            self.model.eval().requires_grad_(False)
+            self.head = plain_output_head(self.model)  # None: the model post-processes its logits
+        self.model.to(self.device)
+        self.released = False
+
+    def release(self) -> None:
+        """Free the reference's device memory while the learner trains (colocated with
+        ``placement.release_memory``, docs/design.md §11.1): on GPU it is parked in host memory; on CPU,
+        where host memory is what would be freed, it is dropped and read again from its checkpoint. The
+        next scoring call brings it back."""
+        with self._lock:
+            if self.released or self.model is None:
+                return
+            if self.device.type == "cuda":
+                self.model.to("cpu")
+            else:
+                self.model = self.head = None
+            self.released = True
+        release_freed_memory(self.device)
 
     @torch.inference_mode()
     def logprobs(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
@@ -60,6 +90,13 @@ class ReferenceModel:
 
         Shape: rows of (P,), (R,) token ids -> one float32 (R,) per row, in order.
         """
+        with self._lock:
+            if self.released:
+                self._load()
+            return self._logprobs(rows)
+
+    def _logprobs(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        assert self.model is not None
         seqs = [np.concatenate([np.asarray(p), np.asarray(r)]).astype(np.int64) for p, r in rows]
         out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(seqs)
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # longest first: little padding

@@ -47,12 +47,14 @@ class EngineWeights:
         should_stop: Callable[[], bool],
         idle: Callable[[], bool],
         server_index: int,
+        release_also: Callable[[], None] | None = None,
     ) -> None:
         """``idle``: no batch is generating (the engine may sleep); ``timers`` takes ``time/weight_sync``,
-        ``time/sleep`` and ``time/wake``."""
+        ``time/sleep`` and ``time/wake``; ``release_also`` frees another model's memory with the engine's
+        (the server's reference, which comes back when it next scores)."""
         self.cfg, self.engine, self.subscriber = cfg, engine, subscriber
         self.metrics, self.timers, self.should_stop, self.idle = metrics, timers, should_stop, idle
-        self.server_index = server_index
+        self.server_index, self.release_also = server_index, release_also
         self.lock = threading.Lock()  # one poll-and-apply at a time (main and generation threads)
         self._last_poll = 0.0
         self.release = cfg.releases_memory and getattr(engine, "supports_sleep", False)
@@ -133,6 +135,8 @@ class EngineWeights:
         if self.release and not self.asleep and self.idle():
             with self.timers("time/sleep"):
                 self.engine.sleep()
+                if self.release_also is not None:
+                    self.release_also()
                 self.asleep = True
 
     def wake_held(self) -> None:
