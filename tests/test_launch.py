@@ -247,9 +247,10 @@ def test_crashed_learner_past_its_restart_budget_stops_the_run_and_resume_finish
     assert leftover_processes(run_dir) == []
 
 
-# The first things a new user tries (issue: every path a user takes first must run). Each finishes its
-# steps: chat templates through transformers 5's tokenizer API, dist weight sync with servers that wait on
-# admission (async and lock-step), the critic and reference of classic PPO, and two servers in sync mode.
+# The first things a new user tries, each through launch.py to the end of its steps: chat templates
+# through transformers 5's tokenizer API, dist weight sync with servers that wait on admission (async and
+# lock-step), the critic and reference of classic PPO, and two servers in sync mode. Run with the shipped
+# configs (make test-presets), which they vary, to keep make test within its 10 minutes.
 USER_PATHS = {
     "chat_template": ["data.chat_template=true"],
     "dist_async": ["weightsync.transport=dist"],
@@ -259,6 +260,7 @@ USER_PATHS = {
 }
 
 
+@pytest.mark.presets
 @pytest.mark.parametrize("path", list(USER_PATHS))
 def test_first_user_paths_run(path: str, tiny_ckpt, prompts: Path, tmp_path: Path) -> None:
     steps = 3

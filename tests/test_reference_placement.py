@@ -228,6 +228,7 @@ def test_reference_model_scores_rows_without_trajectories(tiny_ckpt, monkeypatch
 
 
 @pytest.mark.slow
+@pytest.mark.presets  # a launch.py run of a config variant: with the shipped configs (make test-presets)
 def test_ppo_runs_end_to_end_with_the_reference_on_the_server(tiny_ckpt, tmp_path) -> None:
     """``launch.py`` with ``placement.reference=server``: the learner trains with a KL term on the servers'
     numbers and logs no reference pass of its own; the server logs ``time/reference``."""
