@@ -568,6 +568,9 @@ def _zero3_rank(rank: int, port: int, url: str, cfg_raw: dict, out_dir: str) -> 
     pub = make_publisher(cfg, redis.Redis.from_url(url))
     pub.publish(named_full_parameters(engine, group_mb=0), 1)  # one parameter per gather
     Path(out_dir, f"rank{rank}.txt").write_text(f"{type(pub).__name__} {sum(shard.values())}")
+    # As learner/train.py ends: a rank that exits with gloo's threads alive can abort (SIGABRT) in its exit.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
