@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -42,7 +40,6 @@ from buffer.schema import PromptRecord
 from buffer.streams import ReplayBuffer
 from rollout.engines.base import Engine
 from rollout.engines.hf import HFEngine
-from rollout.envs.base import Action, Env, StepResult
 from rollout.loop import RolloutLoop
 from tandem.config import Config, load_config
 from tandem.rewards import RewardFunctions
@@ -52,22 +49,6 @@ from toy.tiny import make_tiny
 from weightsync import make_publisher, make_subscriber
 
 VLLM_ARGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20)]
-_RNG = random.Random(0)
-_RNG_LOCK = threading.Lock()
-
-
-class TailEnv(Env):
-    """Answers every model turn with a short observation after a heavy-tailed delay; the episode ends at
-    ``env.max_turns``."""
-
-    def __init__(self, slow_ms: float, slow_share: float, fast_ms: float) -> None:
-        self.slow_s, self.slow_share, self.fast_s = slow_ms / 1000, slow_share, fast_ms / 1000
-
-    def step(self, action: Action) -> StepResult:
-        with _RNG_LOCK:
-            slow = _RNG.random() < self.slow_share
-        time.sleep(self.slow_s if slow else self.fast_s)
-        return StepResult(" ok", 0.0, False)
 
 
 def config(args: argparse.Namespace, tmp: str, redis_url: str, ckpt: Path, window: int) -> Config:
@@ -83,7 +64,7 @@ def config(args: argparse.Namespace, tmp: str, redis_url: str, ckpt: Path, windo
             "vllm": {"extra_args": VLLM_ARGS, "startup_timeout_s": 600},
         },
         "env": {
-            "path": "__main__:TailEnv", "max_turns": args.turns, "progression": "independent",
+            "path": "toy.tasks.slow_tool:SlowTool", "max_turns": args.turns, "progression": "independent",
             "max_total_tokens": 400,
             "kwargs": {"slow_ms": args.slow_ms, "slow_share": args.slow_share, "fast_ms": args.fast_ms},
         },

@@ -32,13 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 
 # This script's folder must not shadow the packages it measures.
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
@@ -49,36 +46,21 @@ from transformers import AutoTokenizer
 
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import DEFAULT_PREFIX_CACHE_MB, HFEngine
-from rollout.envs.base import Action, Env, StepResult, Task
+from rollout.envs.base import Task
 from rollout.envs.episode import Episode, EpisodeRunner
+from toy.tasks.slow_tool import SlowTool, reseed
 from toy.tiny import make_tiny
 
 
-class FixedReply(Env):
-    """Answers every model turn with the same observation after a delay; never ends an episode itself."""
-
-    def __init__(self, obs: str, delay: Callable[[], float] = lambda: 0.0) -> None:
-        self.obs, self.delay = obs, delay
-
-    def step(self, action: Action) -> StepResult:
-        time.sleep(self.delay())
-        return StepResult(self.obs, 0.0, False)
-
-
-def heavy_tail(args: argparse.Namespace, rng: random.Random) -> Callable[[], float]:
-    """Most steps take fast_ms, a slow_share of them slow_ms."""
-    lock = threading.Lock()
-
-    def delay() -> float:
-        with lock:
-            slow = rng.random() < args.slow_share
-        return (args.slow_ms if slow else args.fast_ms) / 1000
-
-    return delay
+def env(obs: str, args: argparse.Namespace, tail: bool) -> SlowTool:
+    """The heavy-tailed environment (``--slow-ms``, ``--slow-share``, ``--fast-ms``), or an instant one."""
+    if not tail:
+        return SlowTool(obs)
+    return SlowTool(obs, slow_ms=args.slow_ms, slow_share=args.slow_share, fast_ms=args.fast_ms)
 
 
 def run_multi(
-    engine: HFEngine, tok, prompts: list[list[int]], args, progression: str, delay: Callable[[], float]
+    engine: HFEngine, tok, prompts: list[list[int]], args, progression: str, tail: bool
 ) -> tuple[float, int]:
     obs = "ok, go\n"[: args.obs_tokens].ljust(args.obs_tokens, " ")
     sampling = SamplingParams(max_new_tokens=args.turn_tokens, temperature=1.0, seed=None)
@@ -86,7 +68,7 @@ def run_multi(
                            step_timeout_s=30.0, vocab_size=len(tok), progression=progression,
                            gather_s=args.gather_ms / 1000)  # fmt: skip
     eps = [
-        Episode(Task("", tuple(p), {"id": str(i)}), FixedReply(obs, delay), list(p))
+        Episode(Task("", tuple(p), {"id": str(i)}), env(obs, args, tail), list(p))
         for i, p in enumerate(prompts)
     ]
     t0 = time.perf_counter()
@@ -158,8 +140,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rng = random.Random(0)
-    instant: Callable[[], float] = lambda: 0.0  # noqa: E731
+    reseed(0)
 
     runs: dict[str, list[tuple[float, int]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,12 +158,12 @@ def main() -> None:
         # neighbours, taking turns at going first.
         busy = {"single": lambda: run_single(engine, prompts, args)}
         for p in ("rounds", "independent"):
-            busy[f"instant_{p}"] = lambda p=p: run_multi(engine, tok, prompts, args, p, instant)
+            busy[f"instant_{p}"] = lambda p=p: run_multi(engine, tok, prompts, args, p, False)
             if plain is not None:
-                busy[f"instant_{p}_nocache"] = lambda p=p: run_multi(plain, tok, prompts, args, p, instant)
+                busy[f"instant_{p}_nocache"] = lambda p=p: run_multi(plain, tok, prompts, args, p, False)
         tail = {
-            "tail_rounds": lambda: run_multi(engine, tok, prompts, args, "rounds", heavy_tail(args, rng)),
-            "tail_independent": lambda: run_multi(engine, tok, prompts, args, "independent", heavy_tail(args, rng)),
+            "tail_rounds": lambda: run_multi(engine, tok, prompts, args, "rounds", True),
+            "tail_independent": lambda: run_multi(engine, tok, prompts, args, "independent", True),
         }  # fmt: skip
         try:
             for phase in (busy, tail):

@@ -149,6 +149,7 @@ class RolloutLoop:
                 step_timeout_s=e.step_timeout_s, vocab_size=len(tokenizer), progression=e.progression,
                 gather_s=e.gather_ms / 1000,
             )  # fmt: skip
+        self.window = inflight_window(cfg)  # batches in flight
         self.agents = None
         if cfg.agent.path is not None:  # the SDK is imported only by agent runs
             from rollout.agents.runner import AgentRunner
@@ -156,7 +157,7 @@ class RolloutLoop:
             self.agents = AgentRunner(
                 cfg, engine, tokenizer, metrics=self.metrics, between_batches=self.weights.poll,
                 between_steps=self.weights.poll_inflight if r.inflight_updates else None,
-                batches=inflight_window(cfg),
+                batches=self.window,
             )  # fmt: skip
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.admission = Admission.from_config(buffer.client, cfg, buffer.consumer)  # and its credits
@@ -166,7 +167,6 @@ class RolloutLoop:
         # Its share of wall time, and the tokens and episodes per second it generates while busy (logged).
         self.engine_busy = self.tokens_per_s = self.episodes_per_s = 0.0
         self._window = [0.0, 0.0, 0, 0]  # busy s, wall s, tokens, trajectories since the last window closed
-        self.window = inflight_window(cfg)
         self.generators = ThreadPoolExecutor(
             self.window, thread_name_prefix=f"rollout{server_index}-generate"
         )
