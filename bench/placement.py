@@ -47,16 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from placement.cost import Workload, predict  # noqa: E402
 from placement.plan import Plan, Roles  # noqa: E402
-from placement.sim import (  # noqa: E402
-    EXAMPLE_PARAMS,
-    Cluster,
-    GiB,
-    SimRun,
-    example_truth,
-    run_auto,
-    sized_truth,
-    step_time,
-)
+from placement.sim import Cluster, SimRun, step_time  # noqa: E402
+from placement.sim_auto import run_auto  # noqa: E402
+from placement.sim_truth import EXAMPLE_PARAMS, GiB, example_truth, sized_truth  # noqa: E402
 
 ROLES = Roles(reference=True, critic=True, reward_model=True)
 SAMPLES = 64

@@ -10,7 +10,7 @@
    it). At the end, predicted and measured step time are printed side by side.
 
 The probes' training is thrown away: the profile costs ``2 x profile_steps`` steps and two start-ups.
-Re-planning during a run is done in simulation only (``placement/sim.py``); see docs/design.md §11.4.
+Re-planning during a run is done in simulation only (``placement/sim_auto.py``); see docs/design.md §11.4.
 """
 
 from __future__ import annotations

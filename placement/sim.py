@@ -8,37 +8,31 @@ figure drawn from it says so. The rules:
   sleeps for its cost, so roles placed on the same devices serialise and roles on disjoint ones overlap,
   whatever the two real cores are doing. Allocating past a device's capacity raises :class:`SimOOM`
   naming the device;
-- the **ground truth** (:class:`Truth`) is deliberately richer than the planner's laws: communication that
-  grows with ``log2(g)``, generation held by the longest of heavy-tailed response lengths, contention
-  between forwards that run at once, jitter on every phase and on switches. The planner never reads it:
-  it sees only the phase times and memory peaks this module measures (:attr:`SimRun.samples`).
+- the **ground truth** (:mod:`placement.sim_truth`) is richer than the planner's laws, and the planner
+  never reads it: it sees only the phase times and memory peaks this module measures
+  (:attr:`SimRun.samples`).
 
 :class:`SimRun` runs one plan for some steps the way tandem runs it: separated sides as two threads with a
 bounded queue between them (the buffer at ``max_staleness``), colocated phases in turn on every device.
-:func:`run_auto` is ``placement.mode: auto`` on top: a profile window of two probe plans, a fit, the best
-plan, and hysteresis-gated re-planning as the workload drifts.
+:mod:`placement.sim_auto` runs ``placement.mode: auto`` on top: a profile window of probe plans, a fit,
+the best plan, and hysteresis-gated re-planning as the workload drifts.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from placement.cost import CostModel, Sample, Workload
-from placement.local import CUDA_COPY, CUDA_FLOPS, CUDA_LINK
-from placement.plan import Plan, Roles, validate
-from placement.planner import Decision, Replanner, observed_ratio, rank
-
-GiB = 2**30
+from placement.cost import Sample, Workload
+from placement.plan import Plan, Roles
+from placement.sim_truth import GiB, Truth
 
 
 class SimOOM(MemoryError):
@@ -100,139 +94,6 @@ class Cluster:
     def unpark(self, nbytes: float) -> None:
         with self._mem:
             self.host_used -= nbytes
-
-
-@dataclass(frozen=True)
-class PhaseTruth:
-    alpha: float  # seconds of fixed cost
-    beta: float  # seconds x devices per token
-    comm: float = 0.0  # seconds per doubling of the devices (collectives)
-
-
-@dataclass(frozen=True)
-class Truth:
-    """The simulator's ground truth (never shown to the planner)."""
-
-    phases: dict[str, PhaseTruth]
-    memory: dict[
-        str, tuple[float, float]
-    ]  # role -> (bytes resident, bytes per token), sharded over its devices
-    decode_step_s: float = (
-        0.0  # per decode step of the batch's longest response: latency no device count hides
-    )
-    tail: float = 2.5  # Pareto shape of response lengths (smaller: heavier tail)
-    max_len_factor: float = 8.0  # responses are cut at this multiple of the mean (max_new_tokens)
-    contention: float = 0.1  # each forward running at once with k-1 others is (1 + c (k-1)) slower
-    colocated_slowdown: float = 0.03  # a colocated phase shares caches and host bandwidth with the sleeper
-    jitter: float = 0.05  # log-normal sigma on every phase
-    switch_jitter: float = 0.2  # log-normal sigma on sleep/wake and offload/reload
-    replace_s: float = 0.05  # moving a run to another plan (restart, reshard)
-
-    def lengths(self, rng: np.random.Generator, work: Workload) -> np.ndarray:
-        """Heavy-tailed response lengths with mean ``work.response_len`` before the cut."""
-        a = self.tail
-        raw = (1.0 + rng.pareto(a, work.samples)) * work.response_len * (a - 1) / a
-        return np.minimum(raw, self.max_len_factor * work.response_len)
-
-    def time(
-        self,
-        phase: str,
-        tokens: float,
-        devices: int,
-        rng: np.random.Generator,
-        *,
-        concurrent: int = 1,
-        colocated: bool = False,
-        longest: float = 0.0,
-    ) -> float:
-        p = self.phases[phase]
-        t = p.alpha + p.beta * tokens / devices + p.comm * math.log2(devices) + self.decode_step_s * longest
-        t *= 1 + self.contention * (concurrent - 1)
-        t *= 1 + (self.colocated_slowdown if colocated else 0.0)
-        sigma = self.switch_jitter if phase in ("switch", "reference_reload") else self.jitter
-        return t * float(rng.lognormal(0.0, sigma))
-
-
-def example_truth(*, tail: float = 2.5, decode_step_s: float = 8e-6) -> Truth:
-    """A ground truth shaped like a ~1.5B-parameter actor with a critic, reference and reward model on
-    80 GiB devices, with step times scaled to tens of milliseconds so a sweep runs in minutes."""
-    fwd = PhaseTruth(0.0002, 0.4e-6, 0.0001)
-    return Truth(
-        phases={
-            "generate": PhaseTruth(0.0005, 6.0e-6, 0.0001),
-            "actor_logp": fwd,
-            "reference": fwd,
-            "critic_values": fwd,
-            "reward_model": fwd,
-            "actor_train": PhaseTruth(0.0003, 1.2e-6, 0.0002),
-            "critic_train": PhaseTruth(0.0003, 1.2e-6, 0.0002),
-            "sync": PhaseTruth(0.001, 0.0, 0.0002),
-            "sync_local": PhaseTruth(0.0005, 0.0, 0.0),
-            "switch": PhaseTruth(0.0015, 0.0, 0.0),
-            "reference_reload": PhaseTruth(0.002, 0.0, 0.0),
-        },
-        memory={
-            "engine": (3 * GiB, 128 * 2**10),
-            "actor": (24 * GiB, 128 * 2**10),
-            "reference": (3 * GiB, 64 * 2**10),
-            "critic": (24 * GiB, 128 * 2**10),
-            "reward_model": (3 * GiB, 64 * 2**10),
-        },
-        decode_step_s=decode_step_s,
-        tail=tail,
-    )
-
-
-EXAMPLE_PARAMS = 1.5e9  # the model example_truth is shaped like
-
-
-def sim_scale() -> float:
-    """Simulated seconds per real second: :func:`example_truth`'s training cost per token over the cost
-    table's (6 FLOPs a parameter a token at ``CUDA_FLOPS``, placement/local.py). Its forwards give the same."""
-    return example_truth().phases["actor_train"].beta / (6 * EXAMPLE_PARAMS / CUDA_FLOPS)
-
-
-def sized_truth(params: float, devices: int, *, tail: float = 2.5) -> Truth:
-    """:func:`example_truth` for a model of ``params`` parameters (actor, critic, reference and reward
-    model alike) on ``devices``, its switch priced from the bytes it moves.
-
-    - **compute** per token grows with the parameters: :func:`example_truth`'s per-token costs and decode
-      step times ``params / EXAMPLE_PARAMS`` as large; its fixed costs stay;
-    - **memory**: actor and critic 16 bytes a parameter (bf16 weights, fp32 master weights, Adam), the
-      engine, reference and reward model 2;
-    - **bytes moved**, at the cost table's rates (``CUDA_LINK``, ``CUDA_COPY``) on the simulator's time
-      scale (:func:`sim_scale`), on top of :func:`example_truth`'s fixed costs. The colocated switch: the
-      learner offloads, then reloads, the actor's and critic's optimizer state and master weights (12
-      bytes a parameter each, ZeRO-sharded over ``devices``) over the host link; the engine's level-2
-      sleep frees its weights and KV cache and moves nothing (its weights come back by ``sync_local``).
-      ``sync_local`` copies a device's share of the bf16 weights within it; ``sync`` broadcasts them
-      across devices; ``reference_reload`` moves the reference's share there and back.
-    """
-    base, k, size = example_truth(tail=tail), sim_scale(), params / EXAMPLE_PARAMS
-    weights = 2 * params
-    moved = {
-        "switch": 2 * 2 * 12 * params / devices / CUDA_LINK,  # actor + critic, there and back
-        "sync": weights / CUDA_LINK,
-        "sync_local": weights / devices / CUDA_COPY,
-        "reference_reload": 2 * weights / devices / CUDA_LINK,
-    }
-    phases = {
-        name: PhaseTruth(p.alpha + k * moved[name], 0.0, p.comm)
-        if name in moved
-        else PhaseTruth(p.alpha, p.beta * size, p.comm)
-        for name, p in base.phases.items()
-    }
-    memory = {
-        role: (per_param * params, base.memory[role][1])
-        for role, per_param in (
-            ("engine", 2),
-            ("actor", 16),
-            ("reference", 2),
-            ("critic", 16),
-            ("reward_model", 2),
-        )
-    }
-    return replace(base, phases=phases, memory=memory, decode_step_s=base.decode_step_s * size)
 
 
 @dataclass
@@ -522,210 +383,3 @@ def relative_error(ends: Sequence[float]) -> float:
     if len(steps) < 2 or steps.mean() <= 0:
         return 0.0
     return float(steps.std(ddof=1) / math.sqrt(len(steps)) / steps.mean())
-
-
-# ----------------------------------------------------------------------------------------- auto
-
-
-@dataclass
-class Switch:
-    step: int
-    plan: Plan
-    predicted_s: float
-    measured_s: float = float("nan")  # filled when the plan has run long enough to measure
-
-
-@dataclass
-class AutoResult:
-    steps: int
-    seconds: float
-    switches: list[Switch] = field(default_factory=list)
-    model: CostModel | None = None
-    observed: dict[Plan, float] = field(default_factory=dict)  # measured / predicted of each plan run
-
-    @property
-    def steps_per_s(self) -> float:
-        return self.steps / self.seconds
-
-
-def probe_plans(roles: Roles, devices: int) -> list[Plan]:
-    """The profile window's plans: every phase timed on all devices and on half of them (the second
-    also offloads the reference, so its reload is timed), and split scoring where there is any."""
-    half = max(1, devices // 2)
-    ref = "learner_cpu" if roles.reference else "learner"
-    probes = [Plan("colocate", devices, devices), Plan("separate", half, devices - half, reference=ref)]
-    split = Plan("colocate", devices, devices, scoring="split")
-    if validate(split, roles, devices) is None:  # and how scoring forwards side by side slow each other
-        probes.append(split)
-    return probes
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What the planner reads from a run: its recent phase times and memory, the phase times of the
-    current plan's steps, and the work now and next."""
-
-    samples: list[Sample]
-    memory: list[Sample]
-    own: list[Sample]
-    work_now: Workload
-    work_next: Workload
-
-
-Judgement = tuple[Decision, float | None]  # the decision, and the current plan's measured / predicted
-
-
-def _judge(
-    snap: Snapshot,
-    roles: Roles,
-    devices: int,
-    capacity: tuple[float, float],
-    observed: dict[Plan, float],
-    replanner: Replanner,
-    at: tuple[Plan, float | None, int, float, float],
-) -> Judgement:
-    """One re-planning decision, in the planner's process: refit, correct, rank, apply hysteresis."""
-    current, measured, remaining, switch_s, noise = at
-    model = CostModel.from_samples(snap.samples, snap.memory)
-    ratio = None if measured is None else observed_ratio(current, roles, measured, snap.own, snap.work_now)
-    if ratio is not None:
-        observed[current] = ratio
-    ranked = rank(
-        roles,
-        devices,
-        model,
-        snap.work_next,
-        device_bytes=capacity[0],
-        host_bytes=capacity[1],
-        observed=observed,
-    )
-    return replanner.decide(current, ranked, remaining, switch_s, noise), ratio
-
-
-def _ready() -> bool:
-    return True
-
-
-def run_auto(
-    sim: SimRun,
-    steps: int,
-    *,
-    profile_steps: int = 6,
-    replan_every: int = 5,
-    window: int = 400,
-    replanner: Replanner | None = None,
-) -> AutoResult:
-    """``placement.mode: auto`` in simulation: profile, fit, pick, then re-plan with hysteresis."""
-    replanner = replanner or Replanner()
-    cluster, roles, devices = sim.cluster, sim.roles, sim.cluster.size
-    # The planner runs beside the run in its own process, as the driver would: its fit and ranking are
-    # milliseconds of Python that, in a thread here, would hold the GIL and delay the phases it judges.
-    # It starts with the run, before any step: started at its first judgement, its imports would take
-    # the cores from the very steps it then measures.
-    planner = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-    planner.submit(_ready).result()
-    t0 = time.perf_counter()
-    step = 0
-    probed: dict[Plan, tuple[float, list[Sample], Workload]] = {}  # step time, phase times, work
-    for probe in probe_plans(roles, devices):
-        n0, s0 = len(sim.ends), len(sim.samples)
-        # Two steady steps at least: a separated probe's first step ends once the pipeline has filled
-        # (already past its warm-up) and its last ones are the drain.
-        drain = sim.drain(probe)
-        step += sim.run(probe, step, max(4, profile_steps // 2) + max(0, drain - 1))
-        steady = sim.ends[n0 : len(sim.ends) - drain]
-        own = within(sim.samples[s0:], steady[0], steady[-1])
-        probed[probe] = (step_time(steady, 0), own, sim.work_at(step - 1))
-
-    def refit() -> CostModel:
-        return CostModel.from_samples(sim.samples[-window:], sim.memory[-window:])
-
-    # Measured / predicted step time of every plan run so far, the probes included, each against its own
-    # steps' phase times (observed_ratio): with several, their median is what composing phases generally
-    # misses, and a plan's own ratio against it is what it missed for that plan.
-    observed: dict[Plan, float] = {}
-    for plan, (measured, own, work) in probed.items():
-        if (ratio := observed_ratio(plan, roles, measured, own, work)) is not None:
-            observed[plan] = ratio
-
-    def ranked_at(i: int) -> list:
-        return rank(
-            roles,
-            devices,
-            refit(),
-            sim.work_at(i),
-            device_bytes=cluster.capacity,
-            host_bytes=cluster.host_capacity,
-            observed=observed,
-        )
-
-    best = ranked_at(step)[0]
-    result = AutoResult(0, 0.0, [Switch(step, best.plan, best.step_s)])
-    current = best.plan
-    switch_s, switched_at = sim.truth.replace_s, None  # the cost of moving, as last measured
-
-    def judge(i: int, current: Plan, since: tuple[int, int], done: int, switch_s: float) -> Future[Judgement]:
-        ends_from, samples_from = since
-        # Mid-run, the last step ended waiting for its next batch: no drain to leave out.
-        ends = sim.ends[ends_from:]
-        measured = step_time(ends, warmup=0) if done > 3 else None
-        noise = relative_error(ends) if done > 3 else 0.0
-        return planner.submit(
-            _judge,
-            Snapshot(
-                sim.samples[-window:],
-                sim.memory[-window:],
-                within(sim.samples[samples_from:], ends[0], ends[-1]),
-                sim.work_at(i),
-                sim.work_at(i + 1),
-            ),
-            roles,
-            devices,
-            (cluster.capacity, cluster.host_capacity),
-            dict(observed),
-            replanner,
-            (current, measured, steps - i - 1, switch_s, noise),
-        )
-
-    while step < steps:
-        run_from, ends_from, samples_from = step, len(sim.ends), len(sim.samples)
-        decision = None
-        pending: list[Future[Judgement]] = []  # at most one judgement in flight for this plan
-
-        def stop(
-            i: int,
-            run_from: int = run_from,
-            since: tuple[int, int] = (ends_from, samples_from),
-            current: Plan = current,
-            switch_s: float = switch_s,
-            pending: list[Future[Judgement]] = pending,
-        ) -> bool:
-            nonlocal decision
-            if pending and pending[0].done():
-                d, ratio = pending.pop().result()
-                if ratio is not None:
-                    observed[current] = ratio
-                if d.switch and i + 1 < steps:
-                    decision = d
-                    return True
-            done = i - run_from + 1
-            if not pending and done % replan_every == 0 and i + 1 < steps:
-                pending.append(judge(i, current, since, done, switch_s))
-            return False
-
-        step += sim.run(current, step, steps - step, stop)
-        ends = sim.ends[ends_from:]
-        if len(ends) > 3 + sim.drain(current):
-            result.switches[-1].measured_s = step_time(ends, 2, sim.drain(current))
-            if switched_at is not None:  # what moving cost: restart plus the first step's lost overlap
-                switch_s = max(switch_s, ends[0] - switched_at - result.switches[-1].measured_s)
-        switched_at = None
-        if decision is not None:
-            switched_at = sim.ends[-1]
-            time.sleep(sim.truth.replace_s)  # restart the roles under the new plan
-            current = decision.plan
-            result.switches.append(Switch(step, current, decision.predicted_s))
-    planner.shutdown(wait=True)
-    result.steps, result.seconds, result.model = step, time.perf_counter() - t0, refit()
-    result.observed = observed
-    return result

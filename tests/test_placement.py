@@ -25,18 +25,9 @@ from placement.cost import CostModel, Law, Sample, Span, Workload, expected_max,
 from placement.local import configured_plan, thread_split
 from placement.plan import Plan, Roles, candidates, validate
 from placement.planner import Replanner, observed_ratio, rank
-from placement.sim import (
-    Cluster,
-    GiB,
-    PhaseTruth,
-    SimOOM,
-    SimRun,
-    Truth,
-    relative_error,
-    run_auto,
-    step_time,
-    within,
-)
+from placement.sim import Cluster, SimOOM, SimRun, relative_error, step_time, within
+from placement.sim_auto import run_auto
+from placement.sim_truth import GiB, PhaseTruth, Truth
 from tandem.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
