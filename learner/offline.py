@@ -127,7 +127,8 @@ class OfflineRuntime(Runtime):
         state = checkpoint.load(self.ckpt_dir, self.engines()) if self.resume else None
         if state is not None:
             self.version = self.checkpointed_version = state.version
-            self.best = state.extra.get("best", math.inf)
+            best = state.extra.get("best")  # None: checkpointed before its first validation
+            self.best = math.inf if best is None else best
             self.bad_evals = state.extra.get("bad_evals", 0)
             self.stopped_early = state.extra.get("stopped_early", False)
             self.first_eval = state.extra.get("first_eval", {})
