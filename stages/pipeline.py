@@ -4,13 +4,15 @@ The InstructGPT recipe (docs/stages.md §4). Each stage is an ordinary run of it
 process, in ``<output_dir>/<name>/<stage>/``; its output, a Hugging Face directory, feeds the next:
 
 - ``sft``: ``learner.train`` with ``recipe: sft`` from ``base.model.actor``, on demonstrations;
-- ``rm``: ``learner.train`` with ``recipe: rm`` from the SFT model, on preference pairs;
+- ``rm``: ``learner.train`` with ``recipe: rm`` from the SFT model (``rm_from: base``: from the base model),
+  on preference pairs;
 - ``ppo``: ``python launch.py`` (rollout servers, buffer, learner) with all four models: actor and
   reference from SFT, the critic initialised from the reward model (``model.critic_init: reward_model``),
   the reward model scoring on the rollout servers (``model.reward_model``).
 
 A stage whose ``done.json`` exists is skipped on a re-run; one that was killed resumes from its checkpoints
-(``--resume``). With ``task`` set, the toy task's data sets are generated into ``<pipeline dir>/data``.
+(``--resume``). ``schedule: parallel | auto`` runs sft and rm at once on a split of the cores
+(stages/schedule.py). With ``task`` set, the toy task's data sets are generated into ``<pipeline dir>/data``.
 Every policy (base, SFT, PPO) is then scored on held-out prompts with the task's *rule-based* reward, which
 PPO never sees when its reward is the reward model: the summary shows each stage's headline metric and
 that score.
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -30,10 +31,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from launcher import prepare
 from learner.evaluate import task_score
+from stages.schedule import Split, check_schedule, child_env, run_offline_stages
 from tandem.config import (
     Config,
     ConfigError,
@@ -156,6 +158,22 @@ class PipelineConfig(Section):
         default_factory=list,
         description="Steps that make the stages' inputs first (launcher/prepare.py), as in a run config.",
     )
+    rm_from: Literal["sft", "base"] = Field(
+        "sft",
+        description="The reward model's starting point: sft (InstructGPT: the SFT model, so rm waits for"
+        " sft) or base (base.model.actor, so the two can train at once).",
+    )
+    schedule: Literal["serial", "parallel", "auto"] = Field(
+        "serial",
+        description="sft and rm one after the other; at once on a split of the cores; or as a planner picks"
+        " from their measured step times (stages/schedule.py, docs/stages.md §4.5).",
+    )
+    split: Split = Field(default_factory=Split, description="The cores schedule: parallel|auto divides.")
+
+    @model_validator(mode="after")
+    def _schedule_needs_independent_stages(self) -> PipelineConfig:
+        check_schedule(self.schedule, self.rm_from, self.pairs.source if self.data is not None else None)
+        return self
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -212,9 +230,10 @@ class Pipeline:
                 "train_file": str(self.dir / "rm" / "pairs.jsonl"),
                 "eval_file": str(self.dir / "rm" / "pairs-eval.jsonl"),
             }
+        rm_from = sft_out if self.pc.rm_from == "sft" else self.pc.base.get("model", {}).get("actor")
         wiring: dict[str, dict[str, Any]] = {
             "sft": {"algorithm": {"recipe": "sft", **files.get("sft", {})}},
-            "rm": {"model": {"actor": sft_out}, "algorithm": {"recipe": "rm", **files.get("rm", {})}},
+            "rm": {"model": {"actor": rm_from}, "algorithm": {"recipe": "rm", **files.get("rm", {})}},
             "ppo": {
                 "model": {"actor": sft_out, "reference": sft_out, "reward_model": rm_out, "critic_init": "reward_model"},
                 "run": {"output_dir": str(self.dir / "ppo")},
@@ -262,20 +281,13 @@ class Pipeline:
         cfgs = self.stage_configs()  # a config error fails here, before the first stage
         self.dir.mkdir(parents=True, exist_ok=True)
         self.make_data()
-        for stage in STAGES:
+        stages = STAGES
+        if self.pc.schedule != "serial":  # sft and rm at once (stages/schedule.py), then ppo
+            run_offline_stages(self, cfgs)
+            stages = ("ppo",)
+        for stage in stages:
             stage_dir = self.dir / stage
-            if (stage_dir / DONE).exists():
-                before = stage_dir / "config.yaml"
-                seed = (
-                    (yaml.safe_load(before.read_text()) or {}).get("run", {}).get("seed")
-                    if before.exists()
-                    else None
-                )
-                if seed is not None and seed != cfgs[stage].run.seed:
-                    raise ConfigError(
-                        f"{stage}: finished in {stage_dir} with run.seed {seed}, not {cfgs[stage].run.seed}; give"
-                        " this seed its own directory (run.output_dir= or run.name=) or remove that one"
-                    )
+            if self.done_before(stage, cfgs[stage]):
                 print(f"[pipeline] {stage}: done before, skipped ({stage_dir})", flush=True)
                 continue
             stage_dir.mkdir(parents=True, exist_ok=True)
@@ -289,6 +301,22 @@ class Pipeline:
             (stage_dir / DONE).write_text(json.dumps(result, indent=2))
             print(f"[pipeline] {stage}: {headline(stage, result)}", flush=True)
         return self.summarize()
+
+    def done_before(self, stage: str, cfg: Config) -> bool:
+        """Whether the stage finished before (``done.json``), in this seed's run; another seed's is an error."""
+        stage_dir = self.dir / stage
+        if not (stage_dir / DONE).exists():
+            return False
+        before = stage_dir / "config.yaml"
+        seed = (
+            (yaml.safe_load(before.read_text()) or {}).get("run", {}).get("seed") if before.exists() else None
+        )
+        if seed is not None and seed != cfg.run.seed:
+            raise ConfigError(
+                f"{stage}: finished in {stage_dir} with run.seed {seed}, not {cfg.run.seed}; give"
+                " this seed its own directory (run.output_dir= or run.name=) or remove that one"
+            )
+        return True
 
     def make_policy_pairs(self, cfgs: dict[str, Config]) -> None:
         """The rm stage's pairs from the SFT model's samples (stages/preferences.py); once."""
@@ -362,9 +390,15 @@ class Pipeline:
 
     def run_offline(self, stage: str, cfg: Config) -> dict[str, Any]:
         stage_dir = self.dir / stage
+        self.child(self.offline_cmd(stage, cfg), stage_dir / "train.log", stage)
+        return json.loads((stage_dir / "summary.json").read_text())
+
+    def offline_cmd(self, stage: str, cfg: Config) -> list[str]:
+        """Write the stage's config; the command that trains it (or resumes it from its checkpoints)."""
+        stage_dir = self.dir / stage
         path = stage_dir / "config.yaml"
         path.write_text(dump_config(cfg))
-        cmd = [
+        return [
             sys.executable,
             "-m",
             "learner.train",
@@ -374,8 +408,6 @@ class Pipeline:
             str(stage_dir),
             "--resume",
         ]
-        self.child(cmd, stage_dir / "train.log", stage)
-        return json.loads((stage_dir / "summary.json").read_text())
 
     def run_ppo(self, cfg: Config) -> dict[str, Any]:
         stage_dir = self.dir / "ppo"
@@ -434,9 +466,7 @@ class Pipeline:
     def child(self, cmd: list[str], log_path: Path, stage: str, watch: PPOWatch | None = None) -> None:
         """Run a stage's command; with ``watch``, look at its new snapshots while it runs, and stop it
         (SIGINT: launch.py's clean stop, the learner's final checkpoint and actor) when the watch says so."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            env.pop(var, None)  # a child learner makes its own rendezvous
+        env = child_env()
         stopped = False
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -481,6 +511,9 @@ class Pipeline:
                 print(
                     f"[pipeline]   {stage:4s} {summary[stage]['wall_s']:6.0f}s  {headline(stage, summary[stage])}"
                 )
+        sched = self.dir / "schedule.json"  # schedule: parallel | auto, the sft + rm part
+        if sched.exists() and self.pc.schedule != "serial":
+            summary["schedule"] = json.loads(sched.read_text())
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 

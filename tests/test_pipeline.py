@@ -25,11 +25,14 @@ PIPELINES = sorted((REPO / "configs").glob("pipeline-*.yaml"))
 
 @pytest.mark.parametrize("path", PIPELINES, ids=[p.name for p in PIPELINES])
 def test_shipped_pipelines_validate_every_stage(path: Path) -> None:
-    cfgs = Pipeline(load_pipeline(path)).stage_configs()
+    pc = load_pipeline(path)
+    cfgs = Pipeline(pc).stage_configs()
     assert [c.recipe for c in cfgs.values()] == ["sft", "rm", "ppo"]
-    sft_out = str(Path(cfgs["rm"].model.actor))
     ppo = cfgs["ppo"].model
-    assert sft_out.endswith("sft/final") and ppo.actor == ppo.reference == sft_out  # actor and reference: SFT
+    sft_out = ppo.actor
+    assert sft_out.endswith("sft/final") and ppo.reference == sft_out  # actor and reference: SFT
+    rm_from = sft_out if pc.rm_from == "sft" else cfgs["sft"].model.actor  # InstructGPT, or the base model
+    assert cfgs["rm"].model.actor == rm_from
     assert ppo.reward_model.endswith("rm/final") and ppo.critic_init == "reward_model"
     assert cfgs["ppo"].algorithm.advantage == "gae" and cfgs["ppo"].algorithm.kl_coef > 0  # four models
 
