@@ -28,7 +28,7 @@ from placement.local import roles_of
 from placement.plan import Plan, candidates
 from placement.planner import rank
 from placement.profile import RunProfile, profiled_workload, read_run
-from tandem.config import Config, load_config
+from tandem.config import RUNNABLE_PLACEMENT, Config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,13 +39,7 @@ class ProbeFailed(RuntimeError):
 
 def runnable(plan: Plan) -> bool:
     """Plans the processes run today (the planner predicts more; docs/design.md §11.1)."""
-    return (
-        plan.aux == 0
-        and plan.reference in ("learner", "learner_cpu")
-        and plan.critic == "learner"
-        and plan.reward_model == "server"
-        and plan.scoring == "serial"
-    )
+    return plan.aux == 0 and all(getattr(plan, k) in v for k, v in RUNNABLE_PLACEMENT.items())
 
 
 def applied(cfg: Config, plan: Plan) -> Config:

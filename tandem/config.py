@@ -639,6 +639,16 @@ class LearnerConfig(Section):
         return ("on" if value else "off") if isinstance(value, bool) else value
 
 
+# The planner ranks every placement (placement/plan.py); these are the ones the processes run today, for a
+# config to ask for and for placement.mode: auto to choose.
+RUNNABLE_PLACEMENT: dict[str, tuple[str, ...]] = {
+    "reference": ("learner", "learner_cpu", "server"),
+    "critic": ("learner",),
+    "reward_model": ("server",),
+    "scoring": ("serial",),
+}
+
+
 class PlacementConfig(Section):
     """Where the run's models go (docs/design.md §11); ``python launch.py plan CONFIG`` ranks the choices."""
 
@@ -676,14 +686,8 @@ class PlacementConfig(Section):
 
     @model_validator(mode="after")
     def _runnable(self) -> PlacementConfig:
-        # The planner ranks every placement; these are the ones the processes can run today.
-        for name, value, runnable in (
-            ("reference", self.reference, ("learner", "learner_cpu", "server")),
-            ("critic", self.critic, ("learner",)),
-            ("reward_model", self.reward_model, ("server",)),
-            ("scoring", self.scoring, ("serial",)),
-        ):
-            if value not in runnable:
+        for name, runnable in RUNNABLE_PLACEMENT.items():
+            if (value := getattr(self, name)) not in runnable:
                 raise ValueError(
                     f"placement.{name}={value} is predicted by `launch.py plan` but not yet run by the "
                     f"processes; use {' or '.join(runnable)}"

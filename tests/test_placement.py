@@ -598,3 +598,22 @@ def test_observed_ratio_prices_a_plan_by_its_own_steps_phase_times() -> None:
     steps = own(sep, generate=[0.1], actor_logp=[0.02], actor_train=[0.03], sync=[0.01])
     assert observed_ratio(sep, GRPO, 0.121, steps, WORK) == pytest.approx(1.1)
     assert observed_ratio(sep, GRPO, 0.11, steps[1:], WORK) is None  # generation never timed
+
+
+def test_auto_chooses_among_exactly_the_placements_a_config_can_ask_for() -> None:
+    """``placement.mode: auto`` applies its pick through the config; what it may pick and what a config
+    accepts are one list (the reference on the servers included, since the processes run it)."""
+    from launcher.auto import runnable
+    from tandem.config import PlacementConfig
+
+    picked = set()
+    for plan in candidates(ALL, 4):
+        fields = {k: getattr(plan, k) for k in ("reference", "critic", "reward_model", "scoring")}
+        try:
+            PlacementConfig(**fields)
+            accepted = True
+        except ValueError:
+            accepted = False
+        assert runnable(plan) == (accepted and plan.aux == 0), plan
+        picked |= {plan.reference} if runnable(plan) else set()
+    assert picked == {"learner", "learner_cpu", "server"}
