@@ -8,7 +8,8 @@ processes is what they hold together) of the run's processes from ``/proc/PID/sm
 
 - **server**: ``rollout.server`` (the hf engine in-process); **learner**: ``learner.train``;
 - **shm**: the run's weight directory in ``/dev/shm`` (tmpfs blocks), counted once: the processes'
-  mappings of those files are left out of their PSS;
+  mappings of those files are left out of their PSS. A deleted file that a process still maps holds its
+  pages too; their PSS is counted here;
 - Redis and the launch driver are reported apart (``other``), in neither side.
 
 Each sample is tagged with the phase the CPU time says is running: ``generate`` (the server uses more CPU
@@ -54,20 +55,23 @@ IDLE_CORES = 0.2  # below this many cores each, neither side runs: a switch
 # ------------------------------------------------------------------------------------------- sampling
 
 
-def pss(pid: int, exclude_prefix: str) -> int:
-    """PSS bytes of ``pid``, leaving out mappings of files under ``exclude_prefix`` (counted as shm)."""
-    total = excluded = 0
-    skip = False
+def pss(pid: int, exclude_prefix: str) -> tuple[int, int]:
+    """PSS bytes of ``pid`` leaving out mappings of files under ``exclude_prefix`` (counted as shm), and
+    the PSS of its mappings of such files that were deleted: pages no file on disk accounts for any more."""
+    total = excluded = deleted = 0
+    skip = gone = False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
                 parts = line.split(None, 5)
                 skip = len(parts) == 6 and parts[5].startswith(exclude_prefix)
+                gone = skip and parts[5].rstrip().endswith("(deleted)")
             elif line.startswith("Pss:"):
                 kb = int(line.split()[1])
                 total += kb
                 excluded += kb if skip else 0
-    return (total - excluded) * 1024
+                deleted += kb if gone else 0
+    return (total - excluded) * 1024, deleted * 1024
 
 
 def tmpfs_bytes(root: Path) -> int:
@@ -111,6 +115,7 @@ class Sampler:
     def sample(self) -> None:
         now = time.monotonic()
         mem = {"server": 0, "learner": 0, "other": 0}
+        pinned = 0  # deleted weight files still mapped: shm memory, though no longer on disk
         used = {"server": 0.0, "learner": 0.0}
         try:
             procs = [self.driver, *self.driver.children(recursive=True)]
@@ -119,7 +124,9 @@ class Sampler:
         for p in procs:
             try:
                 r = role(p)
-                mem[r] += pss(p.pid, str(self.shm))
+                own, deleted = pss(p.pid, str(self.shm))
+                mem[r] += own
+                pinned += deleted
                 t = p.cpu_times()
                 cpu = t.user + t.system
             except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError, ProcessLookupError):
@@ -127,7 +134,7 @@ class Sampler:
             if r in used:
                 used[r] += cpu - self.cpu.get(p.pid, cpu)
             self.cpu[p.pid] = cpu
-        mem["shm"] = tmpfs_bytes(self.shm)
+        mem["shm"] = tmpfs_bytes(self.shm) + pinned
         dt = max(now - self.last, 1e-3) if self.last else 0.0
         self.last = now
         cores = {k: (v / dt if dt else 0.0) for k, v in used.items()}

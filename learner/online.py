@@ -172,9 +172,13 @@ class OnlineRuntime(Runtime):
         """Exactly ``batch_size`` trajectories, or None when a stop is requested first (on every rank).
 
         Colocated, the servers generate them meanwhile, so the trained engines' states wait in host memory
-        (:meth:`states_offloaded`)."""
+        (:meth:`states_offloaded`); with the batch in, the weight files no server holds are freed before
+        training (``Publisher.trim``)."""
         with self.states_offloaded():
-            return self._take_batch()
+            taken = self._take_batch()
+        if self.cfg.releases_memory:  # the servers generated this batch with the newest version and sleep
+            self.publisher.trim()
+        return taken
 
     def _take_batch(self) -> list[Taken] | None:
         taken = self.take_from_buffer() if self.lead else None
@@ -222,6 +226,8 @@ class OnlineRuntime(Runtime):
             if self.stop_requested():
                 return None
             self.serve_joiners()
+            if self.cfg.releases_memory:  # the old version's files go once every server holds the new one
+                self.publisher.trim()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(

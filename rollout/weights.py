@@ -137,6 +137,7 @@ class EngineWeights:
                 self.engine.sleep()
                 if self.release_also is not None:
                     self.release_also()
+                self.subscriber.release()  # its mappings would pin files the learner now deletes
                 self.asleep = True
 
     def wake_held(self) -> None:

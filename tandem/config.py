@@ -715,8 +715,12 @@ class WeightSyncConfig(Section):
         description="Longest wait for a rendezvous, a broadcast or a file before failing with the peer and version named.",
     )
     checksum: bool = Field(True, description="Verify per-tensor checksums on receipt (shm).")
-    keep_versions: int = Field(
-        2, ge=1, description="shm: versions kept on disk besides those still in use by a live subscriber."
+    keep_versions: int | None = Field(
+        None,
+        ge=1,
+        description="shm: versions kept on disk besides those a live subscriber holds; null: 2, or 1 when"
+        " the run releases memory (placement.release_memory, colocated), which also deletes retired files"
+        " rather than rewriting them.",
     )
 
 

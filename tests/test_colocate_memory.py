@@ -33,7 +33,7 @@ from tests.test_engines_protocol import disk_update, log, make_cfg, replays, url
 from tests.test_rollout_loop import TIMEOUT, Harness, Learner, behaviour_logp, queue_prompts
 from tests.test_rollout_loop import make_cfg as loop_cfg
 from weightsync import make_subscriber
-from weightsync.base import Update, WeightSyncError
+from weightsync.base import Publisher, Update, WeightSyncError
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
 
@@ -341,6 +341,8 @@ def test_learner_offloads_states_around_the_wait_only_where_it_frees_something(t
     rt = object.__new__(OnlineRuntime)
     rt.cfg, rt.device = cfg, torch.device("cuda")
     rt.models = SimpleNamespace(actor=actor, critic=critic)
+    rt.publisher = mock.create_autospec(Publisher, instance=True)
+    order.attach_mock(rt.publisher, "publisher")
     rt._take_batch = lambda: order.wait()
     rt.take_batch()
     assert [c[0] for c in order.mock_calls] == [
@@ -349,6 +351,7 @@ def test_learner_offloads_states_around_the_wait_only_where_it_frees_something(t
         "wait",
         "actor.reload_states",
         "critic.reload_states",
+        "publisher.trim",  # the servers hold the newest version: the older files go before training
     ]
     assert set(rt.switch) == {"time/offload", "time/reload"}
     actor.reset_mock()

@@ -444,6 +444,45 @@ def test_shm_mappings_are_reused_across_versions_and_dropped_with_their_files(re
     assert len(seen) == 6
 
 
+def _mapped_deleted(root: Path) -> int:
+    """Bytes of this process's mappings of deleted files under ``root``: pages nothing on disk accounts for."""
+    total = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith(str(root)) and parts[5].endswith("(deleted)"):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            total += hi - lo
+    return total
+
+
+def test_shm_run_that_releases_memory_keeps_only_the_held_version(redis_client, run_id, tmp_path, tiny_ckpt):
+    """Colocated with placement.release_memory, the learner trims before it trains: the files of every
+    version but the one the (now sleeping) server holds are deleted, and neither side's mappings pin them."""
+    cfg = make_cfg(run_id, tiny_ckpt["actor"], transport="shm", shm_dir=str(tmp_path))
+    colocated = cfg.model_copy(
+        update={"placement": cfg.placement.model_copy(update={"mode": "colocate", "release_memory": True})}
+    )
+    assert colocated.releases_memory and not cfg.releases_memory
+    pub, sub = make_publisher(colocated, redis_client), make_subscriber(colocated, redis_client, "s0")
+    assert (pub.keep_versions, pub.recycle) == (1, False)
+    one_version = None
+    for v in range(4):
+        pub.publish(weights(v).items(), v)  # the learner's step ends: v joins the version the server holds
+        assert_bit_identical(received(sub.poll()), weights(v))  # the server wakes and loads v
+        sub.release()  # ... generates, sleeps
+        pub.trim()  # the learner takes the batch: now it trains
+        assert pub.versions_on_disk() == [v]
+        assert not any((tmp_path / ".free").iterdir())
+        assert _mapped_deleted(tmp_path) == 0
+        files = sum(p.stat().st_blocks * 512 for p in tmp_path.rglob("*.safetensors"))
+        assert files == (one_version := one_version or files)  # one version's worth, every step
+    # By default the same run keeps two versions and a free pool (rewritten in place: faster, more memory).
+    pub2 = make_publisher(
+        make_cfg(f"{run_id}b", tiny_ckpt["actor"], shm_dir=str(tmp_path / "b")), redis_client
+    )
+    assert (pub2.keep_versions, pub2.recycle) == (2, True)
+
+
 def redis_client_keys(client: redis.Redis, run: str, kind: str) -> list[bytes]:
     return list(client.scan_iter(weights_key(run, kind, "*")))
 

@@ -141,6 +141,11 @@ class Publisher:
     def _announced(self, version: int) -> None:
         """After the announcement's transaction ran."""
 
+    def trim(self) -> None:
+        """Free now what no live subscriber holds and the transport need not keep. A run that releases
+        memory calls it before it trains, once the servers hold the newest version (docs/design.md §11.1);
+        only ``shm`` keeps anything to free."""
+
     def joiners_waiting(self) -> bool:
         """Whether a subscriber that holds no version waits for one: the learner then publishes its current
         weights again (docs/design.md §5.7). Only ``dist`` subscribers ask; the others answer False."""
@@ -167,6 +172,11 @@ class Subscriber(Protocol):
 
         Handing out an Update records its version as this subscriber's (for GC and the console).
         """
+        ...
+
+    def release(self) -> None:
+        """Let go of what the transport keeps for fast reloads (``shm``: its mappings of the files), for a
+        server that sleeps while the learner trains. The next ``poll`` maps afresh."""
         ...
 
     def close(self) -> None: ...
@@ -275,6 +285,9 @@ class BaseSubscriber:
 
     def latest_version(self) -> int:
         return latest_version(self.client, self.run)
+
+    def release(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -109,6 +109,7 @@ class ShmPublisher(Publisher):
         config_dir: str | os.PathLike[str] | None = None,
         shard_bytes: int = 1 << 30,
         keep_versions: int = 2,
+        recycle: bool = True,
         live_s: float = 300.0,
     ) -> None:
         self.client = client
@@ -117,6 +118,9 @@ class ShmPublisher(Publisher):
         self.config_dir = Path(config_dir) if config_dir is not None else None
         self.shard_bytes = shard_bytes
         self.keep_versions = keep_versions
+        # Rewrite retired files in place (fast: their pages stay allocated and mapped), or delete them, for
+        # a run whose memory is the point: colocated with placement.release_memory, on one host.
+        self.recycle = recycle
         self.registry = Registry(client, run, live_s)
         self.root.mkdir(parents=True, exist_ok=True)
         self._free = self.root / ".free"
@@ -181,8 +185,11 @@ class ShmPublisher(Publisher):
         return pipe
 
     def _announced(self, version: int) -> None:
+        self.trim()
+
+    def trim(self) -> None:
         self._collect()
-        if self._dropped:
+        if self._dropped:  # our mappings would pin the deleted files' pages
             self._maps.retain_existing(self.root)
             self._dropped = False
 
@@ -346,12 +353,15 @@ class ShmPublisher(Publisher):
                 self._versions.remove(v)
 
     def _retire_dir(self, path: Path) -> None:
-        for f in path.glob("*.safetensors"):
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(f, self._free / f"{path.name}-{f.name}")
+        if self.recycle:
+            for f in path.glob("*.safetensors"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(f, self._free / f"{path.name}-{f.name}")
+        else:
+            self._dropped = True
         shutil.rmtree(path, ignore_errors=True)
         # Keep no more free files than one version has shards: enough to recycle, bounded in memory.
-        for f in sorted(self._free.iterdir())[self._shards :]:
+        for f in sorted(self._free.iterdir())[self._shards if self.recycle else 0 :]:
             f.unlink(missing_ok=True)
             self._dropped = True
 
@@ -414,6 +424,12 @@ class ShmSubscriber(RegisteredSubscriber):
                 return None
             if not verified:
                 self._announcements.wait(left)
+
+    def release(self) -> None:
+        """Unmap every file: a sleeping server's mappings would pin retired versions' pages (a publisher
+        that deletes rather than recycles them). Views handed out before become invalid."""
+        self._maps = Mappings(writable=False)
+        self._early.clear()
 
     def close(self) -> None:
         self._verifier.shutdown()
