@@ -681,6 +681,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m stages.pipeline")
     if args.dry_run:
         for line in prepare.describe(pipeline.pc.prepare):
             print(f"# {line}")
+        if pipeline.pc.schedule != "serial":
+            how = "at once on split threads" if pipeline.pc.schedule == "parallel" else "as a profile decides"
+            print(f"# schedule: {pipeline.pc.schedule}: sft and rm {how} (docs/stages.md §4.5)")
         for stage in STAGES:
             stage_dir = pipeline.dir / stage
             if (stage_dir / DONE).exists():

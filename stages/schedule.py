@@ -259,50 +259,19 @@ def run_offline_stages(p: Pipeline, cfgs: dict[str, Config]) -> None:
     """The sft and rm stages under ``schedule: parallel | auto``; each ends with its ``done.json``."""
     cores = p.pc.split.cores or os.cpu_count() or 1
     pending = [s for s in OFFLINE if not _skip(p, s, cfgs[s])]
-    for s in pending:
-        (p.dir / s).mkdir(parents=True, exist_ok=True)
     if not pending:
         return
+    for s in pending:
+        (p.dir / s).mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"mode": p.pc.schedule, "cores": cores}
     spent = dict.fromkeys(pending, 0.0)  # each stage's child seconds, profile included
     t0 = time.time()
-    if len(pending) == 1:
-        plan = {pending[0]: cores}  # nothing to overlap with
-    elif p.pc.schedule == "parallel":
-        if cores < 2:
-            raise ConfigError(
-                f"split.cores: schedule: parallel needs at least 2 threads to split, not {cores}"
-            )
-        a = p.pc.split.sft_threads or cores // 2
-        if not 1 <= a < cores:
-            raise ConfigError(f"split.sft_threads: {a} leaves the rm stage none of the {cores} threads")
-        plan = {"sft": a, "rm": cores - a}
-    else:
-        costs = {s: profile(p, s, cfgs[s], cores, spent) for s in OFFLINE}
-        ranking = candidates(costs["sft"], costs["rm"], cores)
-        best = ranking[0]
-        print("[pipeline] schedule: plans ranked by predicted seconds for sft + rm after the profile:")
-        for c in ranking:
-            print(f"[pipeline]   {c.name:12s} {c.wall_s:7.1f}s")
-        plan = {"sft": best.sft_threads, "rm": best.rm_threads} if not best.serial else None
-        record.update(
-            profile_s=time.time() - t0,
-            plan=best.name,
-            predicted_s=best.wall_s,
-            ranking=[{"plan": c.name, "predicted_s": c.wall_s} for c in ranking],
-            laws={s: {"step": vars(c.step), "overhead": vars(c.overhead), "steps_left": c.steps_left}
-                  for s, c in costs.items()},
-        )  # fmt: skip
+    plan = choose(p, cfgs, cores, pending, spent, record)
     t1 = time.time()
-    if plan is None:  # serial
-        for s in OFFLINE:
-            spent[s] += _run(p, [(s, cores)], cfgs)[s]
-        record["threads"] = {s: cores for s in OFFLINE}
-    else:
-        for s, secs in _run(p, list(plan.items()), cfgs).items():
+    for group in plan:  # serial: one stage a group; a split: both in one
+        for s, secs in _run(p, group, cfgs).items():
             spent[s] += secs
-        record["threads"] = plan
-        record.setdefault("plan", f"split {plan.get('sft', 0)}:{plan.get('rm', 0)}")
+    record["threads"] = {s: t for group in plan for s, t in group}
     record["measured_s"] = time.time() - t1
     record["total_s"] = time.time() - t0
     if "predicted_s" in record:
@@ -314,6 +283,43 @@ def run_offline_stages(p: Pipeline, cfgs: dict[str, Config]) -> None:
     (p.dir / "schedule.json").write_text(json.dumps(record, indent=2))
     for s in pending:
         _finish(p, s, cfgs[s], spent[s])
+
+
+Plan = list[list[tuple[str, int]]]  # groups run one after the other; a group's (stage, threads) at once
+
+
+def choose(
+    p: Pipeline, cfgs: dict[str, Config], cores: int, pending: list[str], spent: dict[str, float],
+    record: dict[str, Any],
+) -> Plan:  # fmt: skip
+    """The plan: the one stage left alone; parallel's split; or auto's pick after its profile window."""
+    if len(pending) == 1:
+        record["plan"] = f"{pending[0]} alone"  # nothing to overlap with
+        return [[(pending[0], cores)]]
+    if p.pc.schedule == "parallel":
+        if cores < 2:
+            raise ConfigError(f"split.cores: schedule: parallel needs at least 2 threads, not {cores}")
+        a = p.pc.split.sft_threads or cores // 2
+        if not 1 <= a < cores:
+            raise ConfigError(f"split.sft_threads: {a} leaves the rm stage none of the {cores} threads")
+        record["plan"] = f"split {a}:{cores - a}"
+        return [[("sft", a), ("rm", cores - a)]]
+    t0 = time.time()
+    costs = {s: profile(p, s, cfgs[s], cores, spent) for s in OFFLINE}
+    ranking = candidates(costs["sft"], costs["rm"], cores)
+    best = ranking[0]
+    print("[pipeline] schedule: plans ranked by predicted seconds for sft + rm after the profile:")
+    for c in ranking:
+        print(f"[pipeline]   {c.name:12s} {c.wall_s:7.1f}s")
+    record.update(
+        profile_s=time.time() - t0, plan=best.name, predicted_s=best.wall_s,
+        ranking=[{"plan": c.name, "predicted_s": c.wall_s} for c in ranking],
+        laws={s: {"step": vars(c.step), "overhead": vars(c.overhead), "steps_left": c.steps_left}
+              for s, c in costs.items()},
+    )  # fmt: skip
+    if best.serial:
+        return [[("sft", cores)], [("rm", cores)]]
+    return [[("sft", best.sft_threads), ("rm", best.rm_threads)]]
 
 
 def _skip(p: Pipeline, stage: str, cfg: Config) -> bool:
@@ -349,6 +355,8 @@ def profile(p: Pipeline, stage: str, cfg: Config, cores: int, spent: dict[str, f
         steps = step_seconds(history(stage_dir)[before:])
         if steps:
             runs.append(ProfileRun(threads, steps, job.wall_s))
+    if not runs and (stage_dir / "summary.json").exists():  # finished before, its done.json not yet written
+        return StageCost(stage, Law(0.0, 0.0), Law(0.0, 0.0), 0)
     if not runs:
         raise RuntimeError(f"{stage}: the profile window timed no step: see {stage_dir / 'train.log'}")
     done = (stage_dir / "summary.json").exists()
