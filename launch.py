@@ -144,35 +144,26 @@ def main(argv: list[str] | None = None) -> int:
         from launcher import offline
 
         return offline.run(cfg, resume=resume, fresh=args.fresh, dry_run=args.dry_run)
-    predicted = None
+    console = cfg.logging.console and not args.no_console
     if cfg.placement.mode == "auto" and not args.dry_run:  # profile both placements, run the best
         from launcher import auto
 
-        if resume is not None:
-            cfg = auto.adopt(cfg, resume)
-        else:
+        if resume is None:
             try:
-                cfg, predicted = auto.resolve(cfg, prompts, lambda: get_backend(args.backend, args.ray))
+                return auto.run(
+                    cfg, prompts, lambda: get_backend(args.backend, args.ray), console_enabled=console, fresh=args.fresh
+                )  # fmt: skip
             except auto.ProbeFailed as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
+        cfg = auto.adopt(cfg, resume)  # a resumed auto run keeps the plan it last ran
     if args.dry_run:
         plan = driver.dry_run_plan(cfg, resume=resume is not None)
         for block in backend.describe(plan):
             print(block)
         print("# per-process config (config.yaml)\n" + dump_config(cfg))
         return 0
-    code = driver.run(
-        cfg,
-        prompts,
-        backend,
-        resume=resume,
-        console_enabled=cfg.logging.console and not args.no_console,
-        fresh=args.fresh,
-    )
-    if predicted is not None and code == 0:
-        print(f"[launch] {auto.report(auto.latest_run_dir(cfg), predicted)}", flush=True)
-    return code
+    return driver.run(cfg, prompts, backend, resume=resume, console_enabled=console, fresh=args.fresh)
 
 
 def attach_main(args: argparse.Namespace) -> int:

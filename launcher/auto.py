@@ -1,36 +1,50 @@
-"""``placement.mode: auto``: profile, fit, pick a placement, then run it (docs/design.md §11.3).
+"""``placement.mode: auto``: profile, fit, pick a placement, run it, and re-plan (docs/design.md §11.3).
 
 1. **Profile window.** Two short probe runs of ``placement.profile_steps`` learner steps each, under
    ``<output_dir>/<name>-auto-probes/``: colocated (``run.mode: sync``, every core to each phase in turn)
    and separated (``run.mode: async``, the cores split). Between them every phase is timed on two device
-   counts, which is what the planner's laws need.
+   counts, which is what the planner's laws need, and each start-up is timed: what moving a run costs.
 2. **Fit and pick.** The laws are fitted to both probes' phase times (``placement/profile.py``) and every
    plan the processes can run on this machine's cores is predicted; the fastest feasible one wins.
 3. **Run.** The run starts under the chosen plan, its config saying it concretely (a resumed run keeps
-   it). At the end, predicted and measured step time are printed side by side.
+   it).
+4. **Re-plan** (``placement.replan_every``). Every that many steps a :class:`Mover` refits the laws to the
+   run's latest steps and asks the :class:`~placement.planner.Replanner` whether another plan clearly pays
+   over the steps left. If so, the run stops cleanly (a final checkpoint) and resumes under that plan, in
+   the same run directory, whose config then says it.
 
-The probes' training is thrown away: the profile costs ``2 x profile_steps`` steps and two start-ups.
-Re-planning during a run is done in simulation only (``placement/sim_auto.py``); see docs/design.md §11.4.
+After the run, predicted and measured step time are printed for each plan it ran. The probes' training is
+thrown away: the profile costs ``2 x profile_steps`` steps and two start-ups.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+import redis
 
 from launcher import driver
 from launcher.backends import Backend
 from launcher.feeder import PromptSet
-from placement.cost import CostModel, Prediction
+from placement.cost import CostModel, Prediction, Sample
 from placement.local import roles_of
-from placement.plan import Plan, candidates
-from placement.planner import rank
-from placement.profile import RunProfile, profiled_workload, read_run
-from tandem.config import RUNNABLE_PLACEMENT, Config, load_config
+from placement.plan import Plan, Roles, candidates
+from placement.planner import Decision, Replanner, observed_ratio, rank
+from placement.profile import RunProfile, profiled_workload, read_recent, read_run
+from tandem import fleet
+from tandem.config import RUNNABLE_PLACEMENT, Config, dump_config, load_config, write_private
+from tandem.telemetry import history_key
 
 ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("launch")
+SAMPLES = 400  # phase times the re-planner fits to: the probes', then the run's latest
 
 
 class ProbeFailed(RuntimeError):
@@ -81,16 +95,25 @@ def choose(cfg: Config, profiles: list[RunProfile], cores: int) -> list[Predicti
     return rank(roles, cores, model, work, plans=plans)
 
 
-def resolve(
-    cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
-) -> tuple[Config, Prediction]:
+@dataclass
+class Resolved:
+    """What the profile window chose, and what the re-planner starts from."""
+
+    cfg: Config  # the config under the chosen plan
+    best: Prediction
+    probes: list[RunProfile]
+    startup_s: float  # the probes' mean start-up: launch to the end of the first step, less that step
+
+
+def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]) -> Resolved:
     """Run both probes through the driver (each on a fresh backend), and apply the best plan."""
     cores = os.cpu_count() or 1
     out = (ROOT / cfg.run.output_dir / f"{cfg.run.name}-auto-probes").resolve()
-    profiles = []
+    profiles, startups = [], []
     for mode in ("sync", "async"):
         c = probe(cfg, mode, out / mode)
         print(f"[launch] placement auto: profiling {cfg.placement.profile_steps} steps {mode}", flush=True)
+        launched = time.time()
         if (code := driver.run(c, prompts, make_backend(), resume=None, console_enabled=False)) != 0:
             raise ProbeFailed(
                 f"placement auto: the {mode} probe run failed (exit {code}); its logs: {out / mode}"
@@ -99,6 +122,8 @@ def resolve(
         # The first steps warm up (allocator, first optimizer step): the window is the steps after them.
         skip = max(2, cfg.placement.profile_steps // 3)
         profiles.append(read_run(run_dir, cores, skip=skip, window=cfg.placement.profile_steps))
+        first = _history(run_dir)[0]["time"]
+        startups.append(max(0.0, first - launched - profiles[-1].window_step_s))
     ranked = choose(cfg, profiles, cores)
     roles = roles_of(cfg)
     for p in ranked:
@@ -109,9 +134,143 @@ def resolve(
         "plan": best.plan.label(roles),
         "predicted_step_s": best.step_s,
         "probes_step_s": {p.plan.label(roles): p.window_step_s for p in profiles},
+        "startup_s": startups,
     }
     (out / "choice.json").write_text(json.dumps(choice) + "\n")
-    return applied(cfg, best.plan), best
+    return Resolved(applied(cfg, best.plan), best, profiles, statistics.mean(startups))
+
+
+@dataclass
+class Segment:
+    """A stretch of the run under one plan: its prediction and, once over, its measured step time."""
+
+    plan: Plan
+    after_step: int  # the step the stretch started after
+    predicted_s: float
+    measured_s: float = float("nan")
+
+
+class Mover:
+    """Re-planning from the run's own steps, every ``placement.replan_every`` of them (a driver watch).
+
+    It reads the latest steps' phase times, step time and noise from the run's Redis histories, refits the
+    laws to them beside the probes', ranks every runnable plan (each plan run so far scaled by what it
+    measured against its prediction, :func:`~placement.planner.rank`), and asks the
+    :class:`~placement.planner.Replanner` whether moving pays: a gain beyond the noise, saving more than
+    twice a move's cost over the steps left. A move's cost is the probes' start-up until one is measured.
+    """
+
+    def __init__(self, cfg: Config, resolved: Resolved, cores: int) -> None:
+        self.cfg, self.cores, self.every = cfg, cores, cfg.placement.replan_every
+        self.roles = roles_of(cfg)
+        self.plans = [p for p in candidates(self.roles, cores) if runnable(p)]
+        self.plan, self.move_s = resolved.best.plan, resolved.startup_s
+        self.samples: list[Sample] = [s for p in resolved.probes for s in p.samples]
+        self.observed: dict[Plan, float] = {}
+        for p in resolved.probes:
+            work = profiled_workload([p], cfg.algorithm.batch_size)
+            if (r := observed_ratio(p.plan, self.roles, p.window_step_s, p.samples, work)) is not None:
+                self.observed[p.plan] = r
+        self.replanner = Replanner()
+        self.decision: Decision | None = None
+        self.decided_at = 0.0  # wall time of the last decision to move
+        self.start(0, self.plan)
+
+    def start(self, after_step: int, plan: Plan) -> None:
+        """A stretch under ``plan`` begins after ``after_step``: judge it once it has ``every`` steps of its own
+        past a warm-up step."""
+        self.plan, self.decision = plan, None
+        self.next_at = after_step + 1 + self.every
+
+    def __call__(self, step: int, client: redis.Redis, run: str) -> str | None:
+        remaining = self.cfg.learner.total_steps - step
+        if step < self.next_at or remaining <= self.every:
+            return None
+        self.next_at = step + self.every
+        try:
+            recent = self.recent(client, run)
+        except (ValueError, KeyError, redis.RedisError) as e:  # too few rows yet, a Redis restart
+            log.info("placement auto: no re-plan at step %d: %s", step, e)
+            return None
+        work = profiled_workload([recent], self.cfg.algorithm.batch_size)
+        ratio = observed_ratio(self.plan, self.roles, recent.window_step_s, recent.samples, work)
+        if ratio is not None:
+            self.observed[self.plan] = ratio
+        self.samples = (self.samples + recent.samples)[-SAMPLES:]
+        ranked = rank(
+            self.roles, self.cores, CostModel.from_samples(self.samples), work, plans=self.plans, observed=self.observed
+        )  # fmt: skip
+        d = self.replanner.decide(self.plan, ranked, remaining, self.move_s, recent.noise)
+        verdict = f"move to {d.plan.label(self.roles)}" if d.switch else "stay"
+        print(
+            f"[launch] placement auto: step {step}: {recent.window_step_s * 1e3:.1f} ms/step measured under "
+            f"{self.plan.label(self.roles)}; {verdict} ({d.reason})",
+            flush=True,
+        )
+        if not d.switch:
+            return None
+        self.decision, self.decided_at = d, time.time()
+        return f"{d.plan.label(self.roles)}, {d.reason}"
+
+    def recent(self, client: redis.Redis, run: str) -> RunProfile:
+        """The latest ``every`` steps of the running run, from its Redis histories."""
+        rows = 4 * self.every + 8
+        learner = _rows(client.lrange(history_key(run, "learner"), -rows, -1))
+        servers = [
+            r
+            for s in fleet.seen(client, run)
+            for r in _rows(client.lrange(history_key(run, s), -rows * 4, -1))
+        ]
+        run_cfg = applied(self.cfg, self.plan)  # the plan this stretch runs, as its processes see it
+        return read_recent(
+            run_cfg, [r for r in learner if "batch/tokens" in r], servers, self.cores, self.every
+        )
+
+
+def run(
+    cfg: Config,
+    prompts: PromptSet,
+    make_backend: Callable[[], Backend],
+    *,
+    console_enabled: bool,
+    fresh: bool = False,
+    make_mover: Callable[[Config, Resolved, int], Mover] | None = None,
+) -> int:
+    """Profile, pick and run; with ``placement.replan_every``, move the run whenever its own steps say
+    another plan clearly pays. Prints predicted against measured step time for each plan it ran.
+    ``make_mover``: the re-planner (a :class:`Mover` unless given)."""
+    resolved = resolve(cfg, prompts, make_backend)
+    cores = os.cpu_count() or 1
+    current, mover = resolved.cfg, None
+    segments = [Segment(resolved.best.plan, 0, resolved.best.step_s)]
+    if cfg.placement.replan_every:
+        mover = (make_mover or Mover)(current, resolved, cores)
+    resume: Path | None = None
+    while True:
+        code = driver.run(
+            current, prompts, make_backend(), resume=resume, console_enabled=console_enabled,
+            fresh=fresh and resume is None, watch=mover,
+        )  # fmt: skip
+        if code not in (0, driver.MOVED):
+            return code
+        run_dir = latest_run_dir(current)
+        rows = _history(run_dir)
+        if mover is not None and resume is not None:  # what this move cost: stop, restart, first step
+            after = [r["time"] for r in rows if r["step"] > segments[-1].after_step]
+            if len(after) >= 2:
+                mover.move_s = max(mover.move_s, after[0] - mover.decided_at - (after[1] - after[0]))
+        segments[-1].measured_s = _step_s(rows, segments[-1].after_step)
+        print(f"[launch] {_report(segments[-1], roles_of(cfg))}", flush=True)
+        if code != driver.MOVED or mover is None or mover.decision is None:
+            return code
+        stopped = max(r["step"] for r in rows)
+        current = applied(current, mover.decision.plan)
+        # The run directory's config says the plan it now runs, for this resume and any later --resume.
+        saved = load_config(run_dir / "config.public.yaml")
+        write_private(run_dir / "config.public.yaml", dump_config(applied(saved, mover.decision.plan)))
+        segments.append(Segment(mover.decision.plan, stopped, mover.decision.predicted_s))
+        mover.start(stopped, mover.decision.plan)
+        resume = run_dir
 
 
 def adopt(cfg: Config, run_dir: Path) -> Config:
@@ -130,14 +289,25 @@ def latest_run_dir(cfg: Config) -> Path:
     return max(parent.glob(f"{cfg.run.name}-*/learner_history.jsonl"), key=lambda p: p.stat().st_mtime).parent
 
 
-def report(run_dir: Path, predicted: Prediction, skip: int = 2) -> str:
-    """Predicted against measured seconds per step of the finished run."""
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines() if line]
-    rows = rows[skip:]
-    if len(rows) < 2:
-        return f"placement auto: predicted {predicted.step_s * 1e3:.1f} ms/step; too few steps to measure"
-    measured = (rows[-1]["time"] - rows[0]["time"]) / (len(rows) - 1)
-    return (
-        f"placement auto: predicted {predicted.step_s * 1e3:.1f} ms/step, measured {measured * 1e3:.1f} "
-        f"({measured / predicted.step_s:.2f}x)"
-    )
+def _rows(raw: list[bytes]) -> list[dict]:
+    return [json.loads(r) for r in raw]
+
+
+def _history(run_dir: Path) -> list[dict]:
+    """The learner's steps, from the history the driver writes when a run ends."""
+    lines = (run_dir / "learner_history.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if "batch/tokens" in r]
+
+
+def _step_s(rows: list[dict], after_step: int, warmup: int = 2) -> float:
+    """Mean seconds per step of the steps after ``after_step``, less the first ``warmup`` of them."""
+    times = [r["time"] for r in rows if r["step"] > after_step][warmup:]
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 else float("nan")
+
+
+def _report(seg: Segment, roles: Roles) -> str:
+    """Predicted against measured seconds per step of one stretch of the run."""
+    head = f"placement auto: {seg.plan.label(roles)} after step {seg.after_step}: predicted {seg.predicted_s * 1e3:.1f} ms/step"
+    if seg.measured_s != seg.measured_s:  # nan
+        return f"{head}; too few steps to measure"
+    return f"{head}, measured {seg.measured_s * 1e3:.1f} ({seg.measured_s / seg.predicted_s:.2f}x)"

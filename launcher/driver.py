@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -41,6 +42,10 @@ from tandem.telemetry import ready_key, stop_key
 log = logging.getLogger("launch")
 ROOT = Path(__file__).resolve().parent.parent
 SUPERVISE_TICK_S = 0.25
+MOVED = 3  # run's exit code when a watch stopped it to continue under another placement
+# Sees each new learner step of a supervised run (the step, the run's Redis and its name); returns a reason
+# to stop it cleanly, to be resumed, or None.
+Watch = Callable[[int, redis.Redis, str], str | None]
 # The driver restarts the embedded Redis itself, so its own client gives up on a dead one quickly and
 # the next tick restarts it; an external Redis is retried as long as every other client does.
 DRIVER_RECONNECT_S = 2.0
@@ -262,10 +267,12 @@ def supervise(
     keeper: RedisKeeper,
     feeder: PromptFeeder,
     console: Console,
+    watch: Watch | None = None,
 ) -> Outcome:
     """Until the learner finishes (or a role crashes past its limit): keep Redis up and prompts flowing,
-    let the backend restart crashed processes, show progress."""
-    step = 0
+    let the backend restart crashed processes, show progress. ``watch`` sees every new learner step and
+    may end the run early, cleanly (a re-plan, docs/design.md §11.3)."""
+    step = seen = 0
     while True:
         outcome = tick(cfg, backend, client, keeper, feeder)
         if keeper.up:
@@ -276,6 +283,10 @@ def supervise(
             if outcome.ok:
                 outcome.message = f"{outcome.message} at step {step}"
             return outcome
+        if watch is not None and step > seen:
+            seen = step
+            if (why := watch(step, client, cfg.run.name)) is not None:
+                return Outcome(True, f"stopped at step {step} to move: {why}", moved=True)
         time.sleep(SUPERVISE_TICK_S)
 
 
@@ -298,10 +309,11 @@ def run(
     resume: Path | None,
     console_enabled: bool,
     fresh: bool = False,
+    watch: Watch | None = None,
 ) -> int:
-    """One run through ``backend``; returns launch.py's exit code (0 when the learner finished).
-    ``resume``: the run directory of a run to continue; ``fresh``: a fixed ``run.dir`` holding an earlier
-    run is moved aside first."""
+    """One run through ``backend``; returns launch.py's exit code (0 when the learner finished, ``MOVED``
+    when ``watch`` stopped it to continue under another placement). ``resume``: the run directory of a run
+    to continue; ``fresh``: a fixed ``run.dir`` holding an earlier run is moved aside first."""
     try:
         cfg = backend.prepare(cfg)  # a placement that cannot fit is refused here, before anything starts
         run_dir = prepare_run_dir(cfg, resume, fresh=fresh)
@@ -318,7 +330,9 @@ def run(
                 f"version {v} (its newest checkpoint)" if v is not None else "version 0 (no checkpoint yet)"
             )
             print(f"[launch] resuming the run in {run_dir} from {since}", flush=True)
-        return _run(cfg, prompts, backend, run_dir, resume=resume, console_enabled=console_enabled)
+        return _run(
+            cfg, prompts, backend, run_dir, resume=resume, console_enabled=console_enabled, watch=watch
+        )
     finally:
         lock.release()
         backend.close()
@@ -332,6 +346,7 @@ def _run(
     *,
     resume: Path | None,
     console_enabled: bool,
+    watch: Watch | None = None,
 ) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_dir.name})})
     if resume is None or cfg.run.dir is not None:
@@ -374,7 +389,7 @@ def _run(
         if outcome.ok:
             console = Console(cfg, enabled=console_enabled)
             try:
-                outcome = supervise(cfg, backend, client, keeper, feeder, console)
+                outcome = supervise(cfg, backend, client, keeper, feeder, console, watch)
             finally:
                 console.close()
     except StartError as e:
@@ -403,4 +418,4 @@ def _run(
     print(
         f"[launch] logs: {run_dir / 'logs'}; wandb files: {run_dir / 'wandb'} (mode {cfg.logging.wandb_mode})"
     )
-    return 0 if outcome.ok else 1
+    return MOVED if outcome.moved else 0 if outcome.ok else 1

@@ -200,8 +200,9 @@ class CostModel:
         return 0.0 if law is None else law.bytes(work.tokens("train"), max(1, devices))
 
 
-# Phases that move the actor's weights: their bytes, not the batch's tokens, set their cost.
-WEIGHT_PHASES = ("sync", "sync_local")
+# Phases that move weights and optimizer state (the broadcasts, the colocated switch): their bytes, not the
+# batch's tokens, set their cost.
+WEIGHT_PHASES = ("sync", "sync_local", "switch")
 
 
 def _fit_phase(samples: list[Sample]) -> Law:
@@ -209,8 +210,9 @@ def _fit_phase(samples: list[Sample]) -> Law:
     if any(s.longest > 0 for s in samples):
         return fit_paced(x, (s.longest for s in samples), (s.value for s in samples))
     if samples[0].name in WEIGHT_PHASES and np.ptp(x) <= 1e-12 * max(1.0, max(x)):
-        # Measured on one device count, a weight broadcast is a fixed cost: through the origin in W / g,
-        # a broadcast timed from 4 learning devices would be priced twice as long from 2.
+        # Measured at one W / g, a weight broadcast or a switch is a fixed cost: through the origin in W / g,
+        # a broadcast timed from 4 learning devices would be priced twice as long from 2, and a switch
+        # timed on one batch size would grow with the responses.
         return Law(float(np.mean([s.value for s in samples])), 0.0)
     return fit(x, (s.value for s in samples))
 

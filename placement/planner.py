@@ -8,8 +8,10 @@ step is more than measurement noise. Plans therefore never flap between two near
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from placement.cost import CostModel, Prediction, Sample, Workload, predict
@@ -66,6 +68,15 @@ def observed_ratio(
     phase the plan runs."""
     pred = predict(plan, roles, CostModel.from_samples(own), work)
     return measured_s / pred.step_s if pred.feasible and pred.step_s > 0 else None
+
+
+def relative_error(ends: Sequence[float]) -> float:
+    """The standard error of the mean step between step ``ends``, relative to that mean: the noise a gain
+    must clear (:meth:`Replanner.decide`)."""
+    steps = [b - a for a, b in itertools.pairwise(ends)]
+    if len(steps) < 2 or (mean := statistics.fmean(steps)) <= 0:
+        return 0.0
+    return statistics.stdev(steps) / math.sqrt(len(steps)) / mean
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pathlib import Path
 from placement.cost import Sample, Workload
 from placement.local import configured_plan
 from placement.plan import Plan
+from placement.planner import relative_error
 from tandem.config import Config, load_config
 
 LEARNER_PHASES = ("actor_logp", "reference", "critic_values", "actor_train", "critic_train")
@@ -33,6 +34,7 @@ class RunProfile:
     window_step_s: float  # the same over the window itself
     tokens: float  # mean tokens per learner batch (prompt + response)
     generated: float  # mean generated tokens per learner batch
+    noise: float = 0.0  # the window's step time: standard error of its mean, relative to it
 
 
 def profiled_workload(profiles: list[RunProfile], batch_size: int) -> Workload:
@@ -44,7 +46,14 @@ def profiled_workload(profiles: list[RunProfile], batch_size: int) -> Workload:
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A history's rows; a run in progress may be writing its last line, which is left out."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def _seconds_per_step(rows: list[dict]) -> float:
@@ -64,19 +73,46 @@ def _generated(row: dict) -> float:
 def read_run(run_dir: Path, cores: int, *, skip: int = 2, window: int = 10) -> RunProfile:
     """The profile of ``run_dir``: its first ``window`` steps after ``skip`` warm-up steps are the window;
     the steps after it are what the window predicts."""
-    cfg: Config = load_config(run_dir / "config.public.yaml")
-    plan = configured_plan(cfg, cores)
-    learner = _rows(run_dir / "learner_history.jsonl")
-    servers = [r for p in sorted(run_dir.glob("server-*_history.jsonl")) for r in _rows(p)]
+    cfg, learner, servers = _histories(run_dir)
     if len(learner) < skip + 2:
         raise ValueError(
             f"{run_dir}: {len(learner)} learner steps logged; the profile needs at least {skip + 2}"
         )
     win, rest = learner[skip : skip + window], learner[skip + window :]
+    srv = servers[skip : skip + max(1, round(window / _batches_per_step(cfg)))]
+    return _profile(cfg, configured_plan(cfg, cores), win, srv, rest)
+
+
+def read_recent(cfg: Config, learner: list[dict], servers: list[dict], cores: int, steps: int) -> RunProfile:
+    """A run in progress, profiled over its last ``steps`` learner steps and the server batches that ended
+    within them (rows of its histories, one per step and per batch): what re-planning reads (docs/design.md
+    §11.3). ``cfg`` is the run's config."""
+    if len(learner) < steps + 1:
+        raise ValueError(f"{len(learner)} learner steps logged; need {steps + 1}")
+    win = learner[-steps:]
+    start, end = learner[-steps - 1]["time"], win[-1]["time"]
+    srv = [r for r in servers if start < r["time"] <= end]
+    if not srv:
+        raise ValueError(f"no server batch ended within the last {steps} learner steps")
+    return _profile(cfg, configured_plan(cfg, cores), win, srv, [])
+
+
+def _histories(run_dir: Path) -> tuple[Config, list[dict], list[dict]]:
+    cfg: Config = load_config(run_dir / "config.public.yaml")
+    learner = _rows(run_dir / "learner_history.jsonl")
+    servers = [r for p in sorted(run_dir.glob("server-*_history.jsonl")) for r in _rows(p)]
+    return cfg, learner, servers
+
+
+def _batches_per_step(cfg: Config) -> float:
+    """A server batch of prompts_per_batch groups is this fraction of a learner step's samples."""
+    return cfg.algorithm.batch_size / (cfg.rollout.prompts_per_batch * cfg.rollout.n_samples)
+
+
+def _profile(cfg: Config, plan: Plan, win: list[dict], srv: list[dict], rest: list[dict]) -> RunProfile:
+    """Per-phase samples from the learner steps ``win`` and the server batches ``srv`` of the same span."""
+    per_step = _batches_per_step(cfg)
     tokens = statistics.mean(r["batch/tokens"] for r in win)
-    # A server batch of prompts_per_batch groups is this fraction of a learner step's samples.
-    per_step = cfg.algorithm.batch_size / (cfg.rollout.prompts_per_batch * cfg.rollout.n_samples)
-    srv = servers[skip : skip + max(1, round(window / per_step))]
     generated = statistics.mean(_generated(r) for r in srv) * per_step
     samples: list[Sample] = []
     for r in win:
@@ -98,4 +134,5 @@ def read_run(run_dir: Path, cores: int, *, skip: int = 2, window: int = 10) -> R
             statistics.mean(s.value for s in samples if s.name == n) for n in {s.name for s in samples}
         )
         samples.append(Sample("switch", tokens, plan.generation, max(0.0, window_step - busy)))
-    return RunProfile(plan, samples, _seconds_per_step(rest), window_step, tokens, generated)
+    noise = relative_error([r["time"] for r in win])
+    return RunProfile(plan, samples, _seconds_per_step(rest), window_step, tokens, generated, noise)

@@ -20,7 +20,6 @@ the best plan, and hysteresis-gated re-planning as the workload drifts.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -375,11 +374,3 @@ def step_time(ends: Sequence[float], warmup: int = 2, drain: int = 0) -> float:
     if len(steady) < 2:
         raise ValueError(f"need more than {warmup + drain + 1} steps to measure a steady step time")
     return (steady[-1] - steady[0]) / (len(steady) - 1)
-
-
-def relative_error(ends: Sequence[float]) -> float:
-    """The standard error of the mean step between ``ends``, relative to that mean."""
-    steps = np.diff(np.asarray(ends, dtype=float))
-    if len(steps) < 2 or steps.mean() <= 0:
-        return 0.0
-    return float(steps.std(ddof=1) / math.sqrt(len(steps)) / steps.mean())

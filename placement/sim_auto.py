@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from placement.cost import CostModel, Sample, Workload
 from placement.plan import Plan, Roles, validate
-from placement.planner import Decision, Replanner, observed_ratio, rank
-from placement.sim import SimRun, relative_error, step_time, within
+from placement.planner import Decision, Replanner, observed_ratio, rank, relative_error
+from placement.sim import SimRun, step_time, within
 
 
 @dataclass

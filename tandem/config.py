@@ -659,6 +659,11 @@ class PlacementConfig(Section):
     profile_steps: int = Field(
         10, ge=4, description="auto: learner steps of each of the two probe runs (the profile window)."
     )
+    replan_every: int = Field(
+        0,
+        ge=0,
+        description="auto: every this many learner steps, refit the cost laws to the run's own latest steps and move the run to a better placement (a clean stop, then a resume under it) when its predicted saving over the steps left beats twice the measured cost of moving; 0 never re-plans.",
+    )
     generation_share: float | None = Field(
         None,
         gt=0,

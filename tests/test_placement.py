@@ -24,8 +24,8 @@ import pytest
 from placement.cost import CostModel, Law, Sample, Span, Workload, expected_max, fit, fit_paced, predict
 from placement.local import configured_plan, thread_split
 from placement.plan import Plan, Roles, candidates, validate
-from placement.planner import Replanner, observed_ratio, rank
-from placement.sim import Cluster, SimOOM, SimRun, relative_error, step_time, within
+from placement.planner import Replanner, observed_ratio, rank, relative_error
+from placement.sim import Cluster, SimOOM, SimRun, step_time, within
 from placement.sim_auto import run_auto
 from placement.sim_truth import GiB, PhaseTruth, Truth
 from tandem.config import ConfigError, load_config
@@ -161,6 +161,10 @@ def test_a_broadcast_timed_on_one_device_count_is_a_fixed_cost() -> None:
     # a phase that processes the batch still divides it over the devices when it has one count only
     model = CostModel.from_samples([Sample("actor_train", 1000.0, 4, 0.2)])
     assert model.t("actor_train", WORK, 2) == pytest.approx(0.4)
+    # and a colocated switch timed on one batch size stays what it was when the responses grow
+    model = CostModel.from_samples([Sample("switch", 1000.0, 2, 0.01)])
+    longer = Workload(samples=10, prompt_len=60.0, response_len=400.0)
+    assert model.t("switch", longer, 2) == pytest.approx(0.01)
 
 
 def test_expected_max_of_two_scattered_sides_against_a_naive_draw() -> None:

@@ -23,6 +23,7 @@ from tandem.config import Config, ConfigError
 class Outcome:
     ok: bool
     message: str
+    moved: bool = False  # stopped cleanly to continue under another placement (a re-plan)
 
 
 class StartError(RuntimeError):

@@ -1,0 +1,185 @@
+"""Re-planning a running ``placement.mode: auto`` run from its own steps (launcher/auto.py, docs/design.md
+§11.3).
+
+The decision tests write a run's histories into a real Redis in the format the processes log them
+(``tandem/telemetry.py``), generated from a known cost per phase: generation and training each take
+``G / g`` and ``T / g`` seconds on ``g`` cores, a colocated step adds a switch, a separated one overlaps
+the two sides. The probes are the same truth at the start; the run's latest steps are the truth after
+a drift. The end-to-end test moves a real run (its decision forced, said there).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from launcher import auto
+from placement.plan import Plan
+from placement.planner import Decision, Replanner
+from placement.profile import read_recent
+from tandem import fleet
+from tandem.config import Config, load_config
+from tandem.telemetry import history_key
+
+ROOT = Path(__file__).resolve().parent.parent
+CORES = 2
+SEPARATE, COLOCATE = Plan("separate", 1, 1), Plan("colocate", 2, 2)
+PROMPT = 192.0  # prompt tokens of a learner batch
+GEN_S, TRAIN_S = 0.04 / 234, 0.04 / 426  # seconds a token on one core: 40 ms each at the start
+SWITCH_S, SYNC_S = 0.010, 0.001
+
+
+def config(total_steps: int = 200, replan_every: int = 10) -> Config:
+    raw = yaml.safe_load((ROOT / "configs/tiny-auto.yaml").read_text())
+    raw["learner"]["total_steps"] = total_steps
+    raw["placement"]["replan_every"] = replan_every
+    return load_config(None, raw=raw)
+
+
+def step_s(plan: Plan, generated: float) -> float:
+    """The truth's seconds per step of ``plan`` when a batch generates ``generated`` tokens."""
+    gen, train = GEN_S * generated, TRAIN_S * (PROMPT + generated)
+    if plan.mode == "colocate":
+        return gen / 2 + train / 2 + SWITCH_S
+    return max(gen, train) + SYNC_S
+
+
+def histories(plan: Plan, generated: float, steps: int, t0: float = 1000.0) -> tuple[list, list]:
+    """Learner and server rows of ``steps`` steps of ``plan`` (one server batch a step, as in tiny-auto)
+    when a batch generates ``generated`` tokens."""
+    g = 2 if plan.mode == "colocate" else 1
+    gen, train = GEN_S * generated / g, TRAIN_S * (PROMPT + generated) / g
+    learner, servers = [], []
+    for i in range(1, steps + 1):
+        end = t0 + i * step_s(plan, generated)
+        learner.append({"step": i, "time": end, "batch/tokens": PROMPT + generated, "time/actor_train": train,
+                        "time/weight_sync": SYNC_S})  # fmt: skip
+        servers.append({"step": i, "time": end - train, "time/generate": gen, "rollout/tokens": generated,
+                        "rollout/longest_response": 8.0})  # fmt: skip
+    return learner, servers
+
+
+def resolved(cfg: Config, generated: float = 234.0) -> auto.Resolved:
+    """The profile window: both probes under the truth, as ``auto.resolve`` reads them."""
+    probes = [
+        read_recent(auto.applied(cfg, plan), *histories(plan, generated, 12), CORES, 10)
+        for plan in (COLOCATE, SEPARATE)
+    ]
+    preds = auto.choose(cfg, probes, CORES)
+    return auto.Resolved(auto.applied(cfg, preds[0].plan), preds[0], probes, startup_s=1.0)
+
+
+def publish(client: redis.Redis, run: str, learner: list, servers: list) -> None:
+    client.delete(history_key(run, "learner"), history_key(run, "server-0"))
+    client.rpush(history_key(run, "learner"), *map(json.dumps, learner))
+    client.rpush(history_key(run, "server-0"), *map(json.dumps, servers))
+    fleet.beat(client, run, "server-0")
+
+
+def test_balanced_sides_run_separated_and_stay_so(redis_client, run_id) -> None:
+    cfg = config()
+    r = resolved(cfg)
+    assert r.best.plan == SEPARATE  # max(40, 40) + 1 ms against 20 + 20 + 10 ms: overlap wins
+    assert r.best.step_s == pytest.approx(step_s(SEPARATE, 234), rel=0.05)
+    mover = auto.Mover(r.cfg, r, CORES)
+    publish(redis_client, run_id, *histories(SEPARATE, 234, 30))
+    assert mover(30, redis_client, run_id) is None and mover.decision is None
+
+
+def test_responses_grown_four_times_move_the_run_to_colocate(redis_client, run_id, capsys) -> None:
+    """Responses 4x longer: separated 1:1, generation on one core takes 160 ms a batch against training's
+    106 ms, so 161 ms a step; colocated, each has both cores: 80 + 53 + 10 = 143 ms. 18 ms a step over
+    170 steps left is more than twice the 1 s a move costs."""
+    cfg = config()
+    r = resolved(cfg)
+    mover = auto.Mover(r.cfg, r, CORES)
+    publish(redis_client, run_id, *histories(SEPARATE, 4 * 234, 30))
+    why = mover(30, redis_client, run_id)
+    assert why is not None and mover.decision is not None and mover.decision.plan == COLOCATE
+    assert mover.decision.predicted_s == pytest.approx(step_s(COLOCATE, 4 * 234), rel=0.05)
+    assert "step 30: 161.0 ms/step measured under separate 1:1" in capsys.readouterr().out
+    # Not judged again before replan_every more steps of the new plan (and a warm-up step).
+    mover.start(30, COLOCATE)
+    assert mover.plan == COLOCATE and mover.decision is None and mover.next_at == 41
+
+
+def test_a_move_that_would_not_pay_back_is_not_made(redis_client, run_id, capsys) -> None:
+    """The same drift with 40 steps left: 40 x 18 ms saves 0.7 s, under twice a 1 s move."""
+    cfg = config(total_steps=70)
+    r = resolved(cfg)
+    mover = auto.Mover(r.cfg, r, CORES)
+    publish(redis_client, run_id, *histories(SEPARATE, 4 * 234, 30))
+    assert mover(30, redis_client, run_id) is None
+    assert "stay (saves 0.7" in capsys.readouterr().out
+
+
+class ForcedOnce(Replanner):
+    """Forced in this test: the first judgement moves to the next plan in the ranking, whatever the figures
+    say (the decision itself is tested above and in simulation); the rest are the real Replanner's."""
+
+    moved = False
+
+    def decide(self, current, ranked, remaining_steps, switch_s, noise=0.0) -> Decision:
+        if self.moved:
+            return super().decide(current, ranked, remaining_steps, switch_s, noise)
+        self.moved = True
+        other = next(p for p in ranked if p.plan != current)
+        return Decision(other.plan, True, other.step_s, "forced by the test")
+
+
+@pytest.mark.presets
+@pytest.mark.timeout(600)
+def test_a_moved_run_resumes_under_its_new_plan_and_trains_every_trajectory_once(
+    tiny_ckpt, tmp_path, capsys
+) -> None:
+    """A real auto run on this machine's cores: probes, the chosen plan, a move at the first judgement (a
+    clean stop, then a resume in the same run directory under the other plan), to the last step."""
+    from launcher.backends import get_backend
+    from launcher.feeder import PromptSet
+    from tandem.data import write_prompts
+    from toy.tasks import make_records
+
+    prompts = write_prompts(tmp_path / "echo.jsonl", make_records("echo", 400))
+    raw = yaml.safe_load((ROOT / "configs/tiny-auto.yaml").read_text())
+    raw["model"]["actor"], raw["data"]["prompts"] = str(tiny_ckpt["actor"]), str(prompts)
+    raw["run"]["output_dir"], raw["prepare"] = str(tmp_path / "runs"), []
+    raw["learner"].update(total_steps=30, checkpoint_interval=0)
+    raw["placement"].update(profile_steps=4, replan_every=6)
+    cfg = load_config(None, raw=raw)
+
+    def mover(c: Config, r: auto.Resolved, cores: int) -> auto.Mover:
+        m = auto.Mover(c, r, cores)
+        m.replanner = ForcedOnce()
+        return m
+
+    code = auto.run(
+        cfg, PromptSet.load(cfg), lambda: get_backend("local"), console_enabled=False, make_mover=mover
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    first = re.search(r"placement auto: chose (\w+)", out).group(1)
+    second = "colocate" if first == "separate" else "separate"
+    moved = re.search(rf"placement auto: step (\d+): .* move to {second} .*\(forced by the test\)", out)
+    assert moved, out[-3000:]
+    run_dir = auto.latest_run_dir(cfg)
+    saved = load_config(run_dir / "config.public.yaml")
+    assert saved.placement.mode == second and saved.run.mode == ("sync" if second == "colocate" else "async")
+    # Both stretches reported, predicted against measured, the second after the step the first stopped at.
+    assert re.search(rf"placement auto: {first} [^\n]* after step 0: predicted", out)
+    stopped = int(re.search(rf"placement auto: {second} [^\n]* after step (\d+): predicted", out).group(1))
+    assert stopped >= int(moved.group(1))
+    rows = [json.loads(x) for x in (run_dir / "learner_history.jsonl").read_text().splitlines() if x]
+    steps = [r["step"] for r in rows if "batch/tokens" in r]
+    assert steps == list(range(1, 31))  # every step once, none lost at the move
+    trained = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines() if x.strip()]
+    ids = [i for t in trained for i in t["ids"]]
+    assert len(ids) == len(set(ids)) == 30 * cfg.algorithm.batch_size  # exactly once, across the move
+    assert sorted(t["version"] for t in trained) == list(range(1, 31))
+    after = [r for r in rows if "batch/tokens" in r and r["step"] > stopped]
+    if second == "colocate":  # sync: every batch generated by the version it trains
+        assert max(r["staleness/max"] for r in after) == 0
