@@ -64,6 +64,7 @@ def applied(cfg: Config, plan: Plan) -> Config:
             "mode": plan.mode,
             "generation_share": None if colocate else plan.generation / plan.devices,
             "reference": plan.reference,
+            "scoring": plan.scoring,
         }
     )
     run = cfg.run.model_copy(update={"mode": "sync" if colocate else "async"})

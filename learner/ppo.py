@@ -34,6 +34,7 @@ from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_log
 from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
 from learner.online import OnlineRuntime, peak_memory_gb
 from learner.runtime import Stats, log
+from learner.scoring import Pass, run_passes
 from tandem.config import Config
 from tandem.timing import Timers
 
@@ -98,6 +99,11 @@ class PPOLearner(OnlineRuntime):
         self.prox_is_current = not a.proximal_pass
         # placement.reference: server: the rollout servers score the reference; each trajectory brings it.
         self.served_reference = cfg.placement.reference == "server" and a.kl_coef > 0
+        if cfg.placement.scoring == "split" and self.device.type != "cpu":  # run.device auto found a GPU
+            raise ValueError(
+                f"placement.scoring=split shares the learner's CPU threads between its scoring passes; this "
+                f"learner runs on {self.device}: use placement.scoring=serial"
+            )
         self.models: Models | None = None
 
     def load_models(self) -> Models:
@@ -228,18 +234,28 @@ class PPOLearner(OnlineRuntime):
         m.actor.eval()
         if m.critic is not None:
             m.critic.eval()
-        timed = self.timers
-        for mb in self.micro(batch, torch.arange(len(batch))):
-            mask = batch.mask[mb.rows]
-            if prox_logp is not None:
-                with timed("time/actor_logp"):
-                    prox_logp[mb.rows] = self.logprobs(m.actor, mb, mask)[0]
-            if ref_logp is not None:
-                with timed("time/reference"), visiting(m.reference, self.device, m.reference_on_cpu) as ref:
-                    ref_logp[mb.rows] = self.logprobs(ref, mb, mask)[0]
-            if old_values is not None:
-                with timed("time/critic_values"):
-                    old_values[mb.rows] = response_view(values(m.critic, mb), mb)
+        passes: list[Pass] = []
+        if prox_logp is not None:
+
+            def actor_pass(mb: MicroBatch) -> None:
+                prox_logp[mb.rows] = self.logprobs(m.actor, mb, batch.mask[mb.rows])[0]
+
+            passes.append(("time/actor_logp", actor_pass))
+        if ref_logp is not None:
+
+            def reference_pass(mb: MicroBatch) -> None:
+                with visiting(m.reference, self.device, m.reference_on_cpu) as ref:
+                    ref_logp[mb.rows] = self.logprobs(ref, mb, batch.mask[mb.rows])[0]
+
+            passes.append(("time/reference", reference_pass))
+        if old_values is not None:
+
+            def critic_pass(mb: MicroBatch) -> None:
+                old_values[mb.rows] = response_view(values(m.critic, mb), mb)
+
+            passes.append(("time/critic_values", critic_pass))
+        mbs = list(self.micro(batch, torch.arange(len(batch))))
+        run_passes(passes, mbs, split=self.cfg.placement.scoring == "split", timers=self.timers)
         # Each row was filled by exactly one rank (zeros elsewhere): a sum assembles the whole batch.
         prox_logp, ref_logp, old_values = (
             None if t is None else self.all_sum(t * batch.mask) for t in (prox_logp, ref_logp, old_values)

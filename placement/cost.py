@@ -263,8 +263,8 @@ def expected_max(a: Span, b: Span) -> float:
     return a.mean * cdf + b.mean * (1 - cdf) + theta * pdf
 
 
-def _split(devices: int, k: int) -> list[int]:
-    """``devices`` into ``k`` near-equal subsets (split scoring)."""
+def split_devices(devices: int, k: int) -> list[int]:
+    """``devices`` into ``k`` near-equal subsets (split scoring), in the order of the forwards."""
     return [devices // k + (1 if i < devices % k else 0) for i in range(k)]
 
 
@@ -308,7 +308,9 @@ def _predict(
     if plan.scoring == "serial" or not forwards:
         scoring = sum((phase(f, learn_devs) for f in forwards), Span())
     else:
-        scoring = max(phase(f, g) for f, g in zip(forwards, _split(learn_devs, len(forwards)), strict=True))
+        scoring = max(
+            phase(f, g) for f, g in zip(forwards, split_devices(learn_devs, len(forwards)), strict=True)
+        )
     if roles.reference and plan.reference == "learner_cpu":
         scoring += phase("reference_reload", learn_devs)
     own_scoring = sum((phase({"critic": "critic_values"}.get(r, r), aux) for r in own), Span())

@@ -16,8 +16,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from placement.cost import Sample, Workload
-from placement.local import configured_plan
+from placement.cost import Sample, Workload, split_devices
+from placement.local import configured_plan, roles_of
 from placement.plan import Plan
 from placement.planner import relative_error
 from tandem.config import Config, load_config
@@ -114,11 +114,16 @@ def _profile(cfg: Config, plan: Plan, win: list[dict], srv: list[dict], rest: li
     per_step = _batches_per_step(cfg)
     tokens = statistics.mean(r["batch/tokens"] for r in win)
     generated = statistics.mean(_generated(r) for r in srv) * per_step
+    # Split scoring ran each forward on its share of the learning devices, in the planner's order.
+    forwards = plan.learner_scoring(roles_of(cfg)) if plan.scoring == "split" else []
+    on = {f: max(1, n) for f, n in zip(forwards, split_devices(plan.learning, len(forwards)), strict=True)}
     samples: list[Sample] = []
     for r in win:
         for phase in LEARNER_PHASES:
             if f"time/{phase}" in r:
-                samples.append(Sample(phase, r["batch/tokens"], plan.learning, r[f"time/{phase}"]))
+                samples.append(
+                    Sample(phase, r["batch/tokens"], on.get(phase, plan.learning), r[f"time/{phase}"])
+                )
         sync = "sync_local" if plan.mode == "colocate" else "sync"
         samples.append(Sample(sync, r["batch/tokens"], plan.learning, r["time/weight_sync"]))
     for r in srv:

@@ -645,7 +645,7 @@ RUNNABLE_PLACEMENT: dict[str, tuple[str, ...]] = {
     "reference": ("learner", "learner_cpu", "server"),
     "critic": ("learner",),
     "reward_model": ("server",),
-    "scoring": ("serial",),
+    "scoring": ("serial", "split"),
 }
 
 
@@ -682,7 +682,7 @@ class PlacementConfig(Section):
     )
     scoring: Literal["serial", "split"] = Field(
         "serial",
-        description="The learner's no-grad forwards: serial (each on every device in turn); split (disjoint subsets at once) is predicted only.",
+        description="The learner's no-grad forwards of a batch (proximal actor, reference, critic): serial (each on every device in turn); split (each at once on its own share of the learner's CPU threads; one learner rank on CPU).",
     )
     release_memory: bool = Field(
         True,
@@ -898,6 +898,12 @@ class Config(Section):
             raise ValueError(
                 "placement.mode=colocate takes turns on the same devices, which needs run.mode=sync "
                 "(max_staleness 0: the servers generate one batch per version, never while the learner trains)"
+            )
+        if self.placement.scoring == "split" and (self.run.device == "cuda" or self.learner.num_ranks > 1):
+            raise ValueError(
+                "placement.scoring=split runs the learner's scoring forwards at once on shares of its CPU "
+                "threads: it needs run.device=cpu and learner.num_ranks=1 (on devices, disjoint device groups "
+                "are the own placements, which `launch.py plan` predicts but runs do not yet use)"
             )
         if self.learner.offload_optimizer and self.learner.zero_stage == 0:
             raise ValueError(
