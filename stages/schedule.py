@@ -12,7 +12,8 @@ of its child, recorded as ``learner.threads``); on CUDA a device each would be t
   the stage resumes from it), so only the extra start-ups are lost, and those are measured. Per stage
   two laws over the thread count ``g`` are fitted with the placement planner's fit
   (:func:`placement.cost.CostModel.from_samples`, ``t = alpha + beta * W / g`` with ``W`` one step):
-  seconds per step, and a run's start-up and finish. Serial is priced as the sum of the two stages at
+  seconds per step (a run's median gap between step rows), and a run's start-up, warm-up, validations
+  and finish (what it spent beyond its steps at that pace). Serial is priced as the sum of the two stages at
   every core, a split ``a : N - a`` as the slower of the two on its share, each with its steps left; the
   cheapest is run, and its predicted wall time is recorded beside the measured one (``schedule.json``,
   and the pipeline's ``summary.json``). What the laws leave out (two stages contending for memory
@@ -25,6 +26,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import time
 from collections.abc import Sequence
@@ -52,7 +54,7 @@ class Split(Section):
         None, ge=1, description="parallel: the sft stage's threads (rm has the rest); null: an even split."
     )
     profile_steps: int = Field(
-        4,
+        6,
         ge=2,
         description="auto: steps each stage trains with every core, then as many with half, before the"
         " plan (real steps: the stage resumes from them).",
@@ -80,11 +82,13 @@ def check_schedule(mode: str, rm_from: str, pairs_source: str | None) -> None:
 
 @dataclass(frozen=True)
 class ProfileRun:
-    """One profile run of a stage: its thread count, each timed step's seconds, the whole child's seconds."""
+    """One profile run of a stage: its thread count, the gaps between its step rows, the whole child's
+    seconds, and the steps it trained."""
 
     threads: int
     step_s: tuple[float, ...]
     wall_s: float
+    steps: int
 
 
 @dataclass(frozen=True)
@@ -115,10 +119,17 @@ class Candidate:
 
 
 def fit_stage(stage: str, runs: Sequence[ProfileRun], steps_left: int) -> StageCost:
-    """The stage's two laws from its profile runs: each step is one sample of ``step``, each run's time
-    outside its timed steps one of ``overhead`` (the planner's fit: non-negative ``alpha``, ``beta``)."""
-    samples = [Sample("step", 1.0, r.threads, t) for r in runs for t in r.step_s]
-    samples += [Sample("overhead", 1.0, r.threads, max(0.0, r.wall_s - sum(r.step_s))) for r in runs]
+    """The stage's two laws from its profile runs (the planner's fit: non-negative ``alpha``, ``beta``).
+
+    A run's typical step is the median gap: a process's first steps can take several times longer
+    (warm-up), and a validation lands on some steps. What the run spent beyond ``steps`` typical steps
+    (start-up, warm-up, validations, the final checkpoint and export) is its overhead, which the stage's
+    next run pays again."""
+    samples = []
+    for r in runs:
+        step = statistics.median(r.step_s)
+        samples += [Sample("step", 1.0, r.threads, step)]
+        samples += [Sample("overhead", 1.0, r.threads, max(0.0, r.wall_s - r.steps * step))]
     laws = CostModel.from_samples(samples).time
     return StageCost(stage, laws["step"], laws["overhead"], steps_left)
 
@@ -352,9 +363,9 @@ def profile(p: Pipeline, stage: str, cfg: Config, cores: int, spent: dict[str, f
         print(f"[pipeline] {stage}: profile, {k} steps with {threads} threads", flush=True)
         run_together([job])
         spent[stage] += job.wall_s
-        steps = step_seconds(history(stage_dir)[before:])
-        if steps:
-            runs.append(ProfileRun(threads, steps, job.wall_s))
+        gaps = step_seconds(history(stage_dir)[before:])
+        if gaps:
+            runs.append(ProfileRun(threads, gaps, job.wall_s, last_step(stage_dir) - start))
     if not runs and (stage_dir / "summary.json").exists():  # finished before, its done.json not yet written
         return StageCost(stage, Law(0.0, 0.0), Law(0.0, 0.0), 0)
     if not runs:

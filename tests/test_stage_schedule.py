@@ -37,18 +37,24 @@ def test_fit_stage_recovers_the_laws_of_two_profile_runs() -> None:
     # sft: 1.0 s/step with 2 threads, 1.5 with 1: t = 0.5 + 1.0/g. Start-up and finish (the run's seconds
     # outside its steps): 10 s with 2, 12 with 1: 8 + 4/g.
     sft = fit_stage(
-        "sft", [ProfileRun(2, (1.0, 1.0, 1.0), 13.0), ProfileRun(1, (1.5, 1.5), 15.0)], steps_left=20
+        "sft", [ProfileRun(2, (1.0, 1.0, 1.0), 13.0, 3), ProfileRun(1, (1.5, 1.5), 15.0, 2)], steps_left=20
     )
     assert (sft.step.alpha, sft.step.beta) == pytest.approx((0.5, 1.0))
     assert (sft.overhead.alpha, sft.overhead.beta) == pytest.approx((8.0, 4.0))
     assert sft.wall(2) == pytest.approx(10 + 20 * 1.0) and sft.wall(1) == pytest.approx(12 + 20 * 1.5)
     # rm: 0.6 s/step with 2, 1.0 with 1 (0.2 + 0.8/g); 5 s of start-up whatever the threads
-    rm = fit_stage("rm", [ProfileRun(2, (0.6, 0.6), 6.2), ProfileRun(1, (1.0,), 6.0)], steps_left=40)
+    # rm: a first step four times the others (warm-up) is a cost of the run, not of every step: the
+    # median gap is the step (0.6 s with 2 threads, 1.0 with 1: 0.2 + 0.8/g), and what a run spent beyond
+    # its steps at that pace is overhead: 8.0 - 3 x 0.6 = 6.2 s; the resumed run (its first step has no
+    # row before it) 9.2 - 3 x 1.0 = 6.2 s, whatever the threads.
+    rm = fit_stage(
+        "rm", [ProfileRun(2, (2.4, 0.6, 0.6), 8.0, 3), ProfileRun(1, (1.0, 1.0), 9.2, 3)], steps_left=40
+    )
     assert (rm.step.alpha, rm.step.beta) == pytest.approx((0.2, 0.8))
-    assert (rm.overhead.alpha, rm.overhead.beta) == pytest.approx((5.0, 0.0), abs=1e-9)
-    # On 2 cores: serial 30 + 29 = 59 s; split 1:1 max(42, 45) = 45 s
+    assert (rm.overhead.alpha, rm.overhead.beta) == pytest.approx((6.2, 0.0), abs=1e-9)
+    # On 2 cores: serial 30 + (6.2 + 40 x 0.6) = 60.2 s; split 1:1 max(42, 6.2 + 40 x 1.0) = 46.2 s
     ranking = candidates(sft, rm, 2)
-    assert [(c.name, round(c.wall_s, 6)) for c in ranking] == [("split 1:1", 45.0), ("serial", 59.0)]
+    assert [(c.name, round(c.wall_s, 6)) for c in ranking] == [("split 1:1", 46.2), ("serial", 60.2)]
 
 
 def test_candidates_pick_the_split_by_hand_values() -> None:
