@@ -172,12 +172,12 @@ class OnlineRuntime(Runtime):
         """Exactly ``batch_size`` trajectories, or None when a stop is requested first (on every rank).
 
         Colocated, the servers generate them meanwhile, so the trained engines' states wait in host memory
-        (:meth:`states_offloaded`); with the batch in, the weight files no server holds are freed before
-        training (``Publisher.trim``)."""
+        (:meth:`states_offloaded`); with the batch in, every version's weight files are freed while it
+        trains (``Publisher.trim``): the sleeping servers hold none, and the next version comes from it."""
         with self.states_offloaded():
             taken = self._take_batch()
         if self.cfg.releases_memory:  # the servers generated this batch with the newest version and sleep
-            self.publisher.trim()
+            self.publisher.trim(held_too=True)
         return taken
 
     def _take_batch(self) -> list[Taken] | None:

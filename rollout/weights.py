@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from rollout.engines.base import Engine
 from rollout.metrics import ServerMetrics
@@ -143,9 +144,16 @@ class EngineWeights:
     def wake_held(self) -> None:
         """Wake with the version the engine held: admission reopened for it (a group dropped, a server gone)
         before a newer one arrived. Its files are still in shm, which keeps every version a live server holds
-        (docs/design.md §5.3); before any update, the checkpoint the engine was loaded from."""
-        if self.asleep:
-            self.apply(Update.from_directory(self.held_path, self.engine.version))
+        (docs/design.md §5.3); before any update, the checkpoint the engine was loaded from. Unless the
+        learner freed them while it trains (``Publisher.trim(held_too=True)``, §11.1): then the next
+        version, which that training makes, wakes the engine."""
+        if not self.asleep:
+            return
+        if not any(Path(self.held_path).glob("*.safetensors")):
+            held = self.engine.version
+            self.wait_for(lambda: held + 1, self.cfg.weightsync.timeout_s)
+            return
+        self.apply(Update.from_directory(self.held_path, self.engine.version))
 
     def _wake(self, update: Update) -> None:
         """Wake for ``update`` in vLLM's order: weights, then the update fills them, then the KV cache (so

@@ -93,6 +93,39 @@ def test_hf_sleep_frees_parameters_and_a_woken_engine_generates_as_a_never_slept
         slept.wake_up(["scheduling"])
 
 
+def test_hf_zero_copy_engine_runs_on_the_shm_files_pages(
+    redis_client, run_id, tiny_ckpt, tmp_path, v1_weights
+) -> None:
+    """Colocated with release (``zero_copy``), a woken engine's weights are the version's read-only file
+    pages, not a copy: the same tokens and log-probabilities as a copying engine, through a second update
+    without a sleep between (rebound, never written), and released again by ``sleep``."""
+    from weightsync.shm import ShmPublisher, ShmSubscriber
+
+    pub, sub = ShmPublisher(redis_client, run_id, tmp_path), ShmSubscriber(redis_client, run_id, "s0")
+    shared = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0, zero_copy=True)
+    copying = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0)
+    prompts = prompts_of(shared)
+    v0 = {k: v.clone() for k, v in copying.model.state_dict().items() if k != "lm_head.weight"}
+    shared.sleep()
+    shared.wake_up(["weights"])
+    assert all(p.numel() == 0 for p in shared.model.parameters())  # nothing allocated: the files will do
+    for version, weights in ((1, v1_weights), (2, v0)):
+        pub.publish(weights.items(), version)
+        upd = sub.poll()
+        shared.update_weights(upd)
+        copying.update_weights(upd)
+        views = dict(upd.tensors())
+        embed = "model.embed_tokens.weight"
+        assert shared.model.get_parameter(embed).data_ptr() == views[embed].data_ptr()  # the file's pages
+        assert copying.model.get_parameter(embed).data_ptr() != views[embed].data_ptr()
+        shared.wake_up(["kv_cache"])
+        got, want = shared.generate(prompts, GREEDY), copying.generate(prompts, GREEDY)
+        assert [g[0].token_ids for g in got] == [w[0].token_ids for w in want]
+        assert [g[0].logprobs for g in got] == [w[0].logprobs for w in want]
+    shared.sleep()
+    assert all(p.numel() == 0 for p in shared.model.parameters())
+
+
 # ---------------------------------------------------------------------------------- vLLM and SGLang
 
 
@@ -310,6 +343,31 @@ def test_admission_reopened_at_the_held_version_wakes_from_its_shm_files(
     for t in (first[0], again[0]):
         assert set(t.token_versions.tolist()) == {0}
         np.testing.assert_allclose(t.behav_logp, behaviour_logp(v1_weights, tiny_ckpt, t), atol=1e-4)
+
+
+def test_a_server_woken_after_the_learner_freed_its_files_waits_for_the_next_version(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, v1_weights
+) -> None:
+    """The learner frees every version's files while it trains (``trim(held_too=True)``). Admission reopened
+    at the held version then finds no files to wake with: the server waits for the next version, which
+    that training makes, and generates with it."""
+    cfg = colocated(run_id, redis_server.url, tiny_ckpt, tmp_path, True)
+    engine = RecordingHF(str(tiny_ckpt["actor"]), device="cpu", seed=0)
+    engine.calls = []
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 8)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+        learner.take(4)
+        wait_until(lambda: engine.asleep)
+        learner.publisher.trim(held_too=True)
+        assert learner.publisher.versions_on_disk() == []
+        learner.admission.refund(4)  # admission back at version 0, whose files are gone
+        time.sleep(0.5)
+        assert engine.asleep  # no files to wake with: it waits
+        learner.step(v1_weights)
+        again = learner.take(4)
+    assert all(set(t.token_versions.tolist()) == {1} for t in again)
 
 
 # ------------------------------------------------------------------------------------------- learner

@@ -456,8 +456,8 @@ def _mapped_deleted(root: Path) -> int:
 
 
 def test_shm_run_that_releases_memory_keeps_only_the_held_version(redis_client, run_id, tmp_path, tiny_ckpt):
-    """Colocated with placement.release_memory, the learner trims before it trains: the files of every
-    version but the one the (now sleeping) server holds are deleted, and neither side's mappings pin them."""
+    """Colocated with placement.release_memory, the learner trims while it waits: the files of every
+    version but the one the server holds are deleted, and neither side's mappings pin them."""
     cfg = make_cfg(run_id, tiny_ckpt["actor"], transport="shm", shm_dir=str(tmp_path))
     colocated = cfg.model_copy(
         update={"placement": cfg.placement.model_copy(update={"mode": "colocate", "release_memory": True})}
@@ -476,6 +476,11 @@ def test_shm_run_that_releases_memory_keeps_only_the_held_version(redis_client, 
         assert _mapped_deleted(tmp_path) == 0
         files = sum(p.stat().st_blocks * 512 for p in tmp_path.rglob("*.safetensors"))
         assert files == (one_version := one_version or files)  # one version's worth, every step
+    # Once the learner has its batch it frees the held version too: the server sleeps, its weights released.
+    pub.trim(held_too=True)
+    assert pub.versions_on_disk() == [] and not list(tmp_path.rglob("*.safetensors"))
+    pub.publish(weights(4).items(), 4)  # the next version, made by that training, wakes it
+    assert_bit_identical(received(sub.poll()), weights(4))
     # By default the same run keeps two versions and a free pool (rewritten in place: faster, more memory).
     pub2 = make_publisher(
         make_cfg(f"{run_id}b", tiny_ckpt["actor"], shm_dir=str(tmp_path / "b")), redis_client

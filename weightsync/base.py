@@ -141,10 +141,12 @@ class Publisher:
     def _announced(self, version: int) -> None:
         """After the announcement's transaction ran."""
 
-    def trim(self) -> None:
-        """Free now what no live subscriber holds and the transport need not keep. A run that releases
-        memory calls it before it trains, once the servers hold the newest version (docs/design.md §11.1);
-        only ``shm`` keeps anything to free."""
+    def trim(self, *, held_too: bool = False) -> None:
+        """Free now what no live subscriber holds and the transport need not keep; with ``held_too``, the
+        versions the subscribers hold as well. A run that releases memory calls it while it waits for a
+        batch, and with ``held_too`` once it has one: its servers then sleep with their weights released
+        until the next version, which the learner is about to make (docs/design.md §11.1). Only ``shm``
+        keeps anything to free."""
 
     def joiners_waiting(self) -> bool:
         """Whether a subscriber that holds no version waits for one: the learner then publishes its current

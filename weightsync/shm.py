@@ -187,8 +187,8 @@ class ShmPublisher(Publisher):
     def _announced(self, version: int) -> None:
         self.trim()
 
-    def trim(self) -> None:
-        self._collect()
+    def trim(self, *, held_too: bool = False) -> None:
+        self._collect(held_too=held_too)
         if self._dropped:  # our mappings would pin the deleted files' pages
             self._maps.retain_existing(self.root)
             self._dropped = False
@@ -340,12 +340,14 @@ class ShmPublisher(Publisher):
     def versions_on_disk(self) -> list[int]:
         return sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit())
 
-    def _collect(self) -> None:
-        """Retire versions outside the newest ``keep_versions`` that every live subscriber has moved past."""
-        old = self._versions[: -self.keep_versions]
+    def _collect(self, *, held_too: bool = False) -> None:
+        """Retire versions outside the newest ``keep_versions`` that every live subscriber has moved past;
+        with ``held_too``, every version (a subscriber that wakes without a newer one finds none, and a
+        joiner waits for the next)."""
+        old = list(self._versions) if held_too else self._versions[: -self.keep_versions]
         if not old:
             return
-        floor = min(self.registry.live().values(), default=self._versions[-1])
+        floor = float("inf") if held_too else min(self.registry.live().values(), default=self._versions[-1])
         for v in old:
             if v < floor:
                 self.client.delete(weights_key(self.run, "manifest", v))

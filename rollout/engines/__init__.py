@@ -34,6 +34,8 @@ def make_engine(cfg: Config, model_path: str, *, server_index: int = 0, device: 
             trust_remote_code=cfg.model.trust_remote_code,
             seed=cfg.run.seed + server_index,
             prefix_cache_mb=cfg.rollout.hf_prefix_cache_mb if multi_turn else 0.0,
+            # Colocated and releasing memory, the shm version's pages are the engine's weights (§11.1).
+            zero_copy=cfg.releases_memory,
         )
     return cls(cfg, model_path, server_index=server_index, device=device)
 

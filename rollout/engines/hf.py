@@ -66,6 +66,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def _same_storage_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.device == b.device
+
+
 def release_freed_memory(device: torch.device) -> None:
     """Hand freed tensor memory back to the system: the CUDA cache, or on CPU glibc's free lists
     (``malloc_trim``), which otherwise keep large freed blocks inside the process's resident set."""
@@ -129,8 +133,12 @@ class HFEngine:
         trust_remote_code: bool = False,
         seed: int = 0,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        zero_copy: bool = False,
     ) -> None:
+        """``zero_copy``: a full update's tensors become the weights rather than being copied into them
+        (:meth:`update_weights`); for a colocated engine that sleeps before each new version."""
         self.device = resolve_device(str(device) if device is not None else None)
+        self.zero_copy = zero_copy
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             model_path, trust_remote_code=trust_remote_code
         )
@@ -150,6 +158,7 @@ class HFEngine:
             **dict(self.model.named_buffers(remove_duplicate=False)),
         }
         self._parameters = list(self.model.named_parameters())  # what a full update must cover, once
+        self._shape_of = {name: tuple(t.shape) for name, t in self._tensors.items()}  # also while released
         self._lora_base: dict[str, torch.Tensor] = {}  # each adapted layer's W0 (weightsync/adapters.py)
         self._lock = threading.Lock()
         self._caches: weakref.WeakSet[DynamicCache] = weakref.WeakSet()  # of the calls decoding now
@@ -422,12 +431,17 @@ class HFEngine:
                 target = self._tensors.get(name)
                 if target is None:
                     raise WeightSyncError(f"update v{update.version}: the model has no tensor named {name!r}")
-                if tuple(target.shape) != tuple(tensor.shape):
+                if self._shape_of[name] != tuple(tensor.shape):
                     raise WeightSyncError(
                         f"update v{update.version}: {name} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(target.shape)}"
+                        f"the model expects {self._shape_of[name]}"
                     )
-                target.copy_(tensor)  # converts dtype and device
+                if self.zero_copy:
+                    # Rebind, never write: the update's views (shm file pages) are read-only. Storage of
+                    # another dtype or device is a fresh copy.
+                    target.data = tensor if _same_storage_kind(tensor, target) else tensor.to(target)
+                else:
+                    target.copy_(tensor)  # converts dtype and device
                 seen.add(id(target))
             if adapter:
                 try:
@@ -479,8 +493,9 @@ class HFEngine:
                 if tag not in ("weights", "kv_cache"):
                     raise ValueError(f"wake_up: unknown tag {tag!r} (weights, kv_cache)")
                 if tag == "weights" and "weights" in self._released:
-                    for p, shape in zip(self._parameters_only(), self._shapes, strict=True):
-                        p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+                    if not self.zero_copy:  # else the next full update's tensors become the weights
+                        for p, shape in zip(self._parameters_only(), self._shapes, strict=True):
+                            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
                     self._unfilled = True
                 self._released.discard(tag)
 
