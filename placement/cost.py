@@ -27,6 +27,7 @@ predicted-against-measured figures show.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -251,16 +252,24 @@ class Span:
         return Span(self.mean + other.mean, self.var + other.var)
 
 
-def expected_max(a: Span, b: Span) -> float:
-    """E[max(A, B)] of two independent normal spans (Clark, 1961): ``max`` of the means when neither
-    scatters, more when they are close and do. A separated step waits for the slower side each time."""
+def slower(a: Span, b: Span) -> Span:
+    """max(A, B) of two independent normal spans as a span (Clark, 1961: its mean and variance): two
+    groups that work side by side within a step, the step going on when both are done."""
     theta = math.sqrt(a.var + b.var)
     if theta <= 1e-12 * max(a.mean, b.mean, 1e-12):
-        return max(a.mean, b.mean)
+        return max(a, b)
     z = (a.mean - b.mean) / theta
     cdf = 0.5 * (1 + math.erf(z / math.sqrt(2)))
     pdf = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
-    return a.mean * cdf + b.mean * (1 - cdf) + theta * pdf
+    mean = a.mean * cdf + b.mean * (1 - cdf) + theta * pdf
+    second = (a.mean**2 + a.var) * cdf + (b.mean**2 + b.var) * (1 - cdf) + (a.mean + b.mean) * theta * pdf
+    return Span(mean, max(0.0, second - mean**2))
+
+
+def expected_max(a: Span, b: Span) -> float:
+    """E[max(A, B)] of two independent normal spans (:func:`slower`'s mean): ``max`` of the means when
+    neither scatters, more when they are close and do. A separated step waits for the slower side each time."""
+    return slower(a, b).mean
 
 
 def split_devices(devices: int, k: int) -> list[int]:
@@ -308,8 +317,9 @@ def _predict(
     if plan.scoring == "serial" or not forwards:
         scoring = sum((phase(f, learn_devs) for f in forwards), Span())
     else:
-        scoring = max(
-            phase(f, g) for f, g in zip(forwards, split_devices(learn_devs, len(forwards)), strict=True)
+        scoring = functools.reduce(
+            slower,
+            (phase(f, g) for f, g in zip(forwards, split_devices(learn_devs, len(forwards)), strict=True)),
         )
     if roles.reference and plan.reference == "learner_cpu":
         scoring += phase("reference_reload", learn_devs)
@@ -321,7 +331,8 @@ def _predict(
         else:
             own_train = phase("critic_train", aux)
     sync = t("sync_local" if plan.mode == "colocate" else "sync", work, learn_devs)
-    rest = max(scoring, own_scoring) + max(train, own_train)
+    # The own group scores and trains beside the learning group: each waits for the slower, every step.
+    rest = slower(scoring, own_scoring) + slower(train, own_train)
     learning = rest.mean + sync
 
     if plan.mode == "colocate":

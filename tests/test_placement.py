@@ -21,7 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from placement.cost import CostModel, Law, Sample, Span, Workload, expected_max, fit, fit_paced, predict
+from placement.cost import (
+    CostModel,
+    Law,
+    Sample,
+    Span,
+    Workload,
+    expected_max,
+    fit,
+    fit_paced,
+    predict,
+    slower,
+)
 from placement.local import configured_plan, thread_split
 from placement.plan import Plan, Roles, candidates, validate
 from placement.planner import Replanner, observed_ratio, rank, relative_error
@@ -165,6 +176,17 @@ def test_a_broadcast_timed_on_one_device_count_is_a_fixed_cost() -> None:
     model = CostModel.from_samples([Sample("switch", 1000.0, 2, 0.01)])
     longer = Workload(samples=10, prompt_len=60.0, response_len=400.0)
     assert model.t("switch", longer, 2) == pytest.approx(0.01)
+
+
+def test_the_slower_of_two_groups_mean_and_variance_against_a_naive_draw() -> None:
+    """An own group beside the learning group: each step waits for the slower, so its spread counts too."""
+    rng = np.random.default_rng(1)
+    for (m1, s1), (m2, s2) in [((1.0, 0.1), (1.0, 0.1)), ((1.0, 0.2), (1.2, 0.05)), ((2.0, 0.1), (1.0, 0.1))]:
+        draws = np.maximum(rng.normal(m1, s1, 400_000), rng.normal(m2, s2, 400_000))
+        got = slower(Span(m1, s1**2), Span(m2, s2**2))
+        assert got.mean == pytest.approx(draws.mean(), abs=2e-3)
+        assert got.var == pytest.approx(draws.var(), rel=0.02)
+    assert slower(Span(3.0, 0.0), Span(2.0, 0.0)) == Span(3.0, 0.0)  # neither scatters: the slower one
 
 
 def test_expected_max_of_two_scattered_sides_against_a_naive_draw() -> None:
