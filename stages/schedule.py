@@ -96,8 +96,8 @@ class StageCost:
     """A stage's fitted laws over its thread count and the steps it has left."""
 
     stage: str
-    step: Law  # seconds per step, the validations and checkpoints that fall among them included
-    overhead: Law  # a run's start-up and finish: process, model load, final checkpoint and export
+    step: Law  # seconds of a typical step (a run's median)
+    overhead: Law  # the rest of a run: start-up, warm-up, validations, final checkpoint and export
     steps_left: int
 
     def wall(self, threads: int) -> float:
