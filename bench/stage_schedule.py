@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages import schedule
-from stages.pipeline import Pipeline, load_pipeline
+from stages.pipeline import Pipeline
+from stages.pipeline_config import load_pipeline
 
 MODES = ("serial", "parallel", "auto")
 

@@ -14,18 +14,27 @@ for a policy snapshot on held-out prompts:
 
 :func:`stop_reason` is the control: stop after ``patience`` evaluations without a better gold, or at once
 when the gold falls below ``(1 − max_drop)`` × its best; :func:`diverging` flags the signature of
-over-optimisation, proxy up while gold goes down. :func:`plot` draws the curve.
+over-optimisation, proxy up while gold goes down. :func:`plot` draws the curve. :class:`PPOWatch` runs
+them over one PPO run of the pipeline.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from learner.evaluate import Sample, load_policy, rule_value, sample
+from tandem.config import Config
+
+if TYPE_CHECKING:
+    from stages.pipeline_config import Monitor
+
+log = logging.getLogger("pipeline")
 
 
 @torch.no_grad()
@@ -157,3 +166,74 @@ def plot(points: list[dict[str, float]], path: str | Path, title: str = "") -> P
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+class PPOWatch:
+    """The gold monitor over one PPO run: evaluates each new snapshot in version order, once (a re-run
+    reads ``curve.jsonl`` back), decides the stop, and at the end picks the best-gold policy and draws
+    the curve (``curve.png``)."""
+
+    def __init__(self, gold: Any, m: Monitor, stage_dir: Path, cfg: Config) -> None:
+        self.gold, self.m, self.stage_dir, self.cfg = gold, m, stage_dir, cfg
+        self.curve_path = stage_dir / "curve.jsonl"
+        self.points: list[dict[str, Any]] = []
+        if self.curve_path.exists():
+            self.points = [json.loads(line) for line in self.curve_path.read_text().splitlines() if line]
+        self.stop: str | None = None  # why to stop, once decided
+        self.signalled = False  # whether PPO was still running then, and was stopped
+        self.warnings: list[str] = []
+        if not self.points:  # version 0: the reference (SFT) policy itself
+            self.add(Path(cfg.model.actor), 0)
+
+    def run_dir(self) -> Path | None:
+        runs = sorted(self.stage_dir.glob(f"{self.cfg.run.name}-*"))
+        return runs[-1] if runs else None
+
+    def add(self, policy: Path, version: int) -> None:
+        point = {**self.gold.evaluate(policy, version), "path": str(policy)}
+        self.points.append(point)
+        with open(self.curve_path, "a") as f:
+            f.write(json.dumps(point) + "\n")
+        log.info(
+            "ppo v%d: gold %.3f, proxy %.3f, KL %.3f", version, point["gold"], point["proxy"], point["kl"]
+        )
+        if diverging(self.points):
+            prev = self.points[-2]
+            w = (
+                f"v{version}: proxy rose {prev['proxy']:.3f} -> {point['proxy']:.3f} while gold fell"
+                f" {prev['gold']:.3f} -> {point['gold']:.3f} (over-optimisation)"
+            )
+            self.warnings.append(w)
+            print(f"[pipeline] ppo: warning: {w}", flush=True)
+
+    def poll(self, run_dir: Path | None) -> bool:
+        """Evaluate the snapshots not yet seen; True when the run should stop (first time only)."""
+        if run_dir is None or self.stop is not None:  # stopped: what came after is not looked at
+            return False
+        seen = {int(p["version"]) for p in self.points}
+        snaps = sorted((run_dir / "snapshots").glob("v[0-9]*[0-9]"))
+        for snap in snaps:
+            version = int(snap.name[1:])
+            if version in seen:
+                continue
+            self.add(snap, version)
+            self.stop = stop_reason([p["gold"] for p in self.points], self.m.patience, self.m.max_drop)
+            if self.stop is not None:
+                return True
+        return False
+
+    def result(self, run_dir: Path) -> dict[str, Any]:
+        out: dict[str, Any] = {"curve": self.points, "stopped_early": self.signalled}
+        if self.stop is not None:
+            out["stop_reason"] = self.stop
+        if self.warnings:
+            out["warnings"] = self.warnings
+        best = self.points[best_index(self.points)]
+        out["best_version"] = int(best["version"])
+        if self.m.keep_best:
+            out["final_trained"] = str(run_dir / "final")
+            out["final"] = best["path"]
+        png = plot(self.points, self.stage_dir / "curve.png", f"{self.cfg.run.name}: gold vs proxy")
+        if png is not None:
+            out["curve_png"] = str(png)
+        return out

@@ -28,170 +28,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
 
 from launcher import prepare
 from learner.evaluate import task_score
-from stages.schedule import Split, check_schedule, child_env, run_offline_stages
-from tandem.config import (
-    Config,
-    ConfigError,
-    PrepareStep,
-    Section,
-    apply_overrides,
-    dump_config,
-    format_validation_error,
-    load_config,
-)
+from stages.overoptimization import PPOWatch
+from stages.pipeline_config import PipelineConfig, load_pipeline, merge
+from stages.schedule import child_env, run_offline_stages
+from tandem.config import Config, ConfigError, dump_config, load_config
 from tandem.telemetry import setup_logging
 
 log = logging.getLogger("pipeline")
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("sft", "rm", "ppo")
 DONE = "done.json"
-
-
-class TaskData(Section):
-    task: Literal["echo", "reverse"] = Field(
-        ..., description="Toy task whose data sets are generated (toy/tasks)."
-    )
-    demonstrations: int = Field(2000, ge=16, description="SFT training demonstrations.")
-    pairs: int = Field(2000, ge=16, description="Preference pairs for the reward model.")
-    held_out: int = Field(200, ge=8, description="Held-out demonstrations and pairs each.")
-    prompts: int = Field(2000, ge=8, description="PPO prompts.")
-
-
-class Scoring(Section):
-    rule: str = Field(
-        ..., pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="Rule-based task reward module:function."
-    )
-    prompts: int = Field(64, ge=1, description="Held-out prompts each policy is scored on.")
-    samples: int = Field(
-        4, ge=1, description="Completions sampled per prompt (at the PPO rollout temperature)."
-    )
-
-
-class Pairs(Section):
-    """The reward model's preference pairs (stages/preferences.py, docs/stages.md §4.2)."""
-
-    source: Literal["policy", "task"] = Field(
-        "policy",
-        description="policy: pairs of the SFT model's own samples labelled by the judge; task: the task's"
-        " (ideal answer, near miss) pairs from data.",
-    )
-    judge: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-        description="module:function(prompt, completion, record) -> float | dict that labels a pair (the"
-        " higher is chosen); null: score.rule.",
-    )
-    prompts: int = Field(400, ge=1, description="Prompts sampled (from data's PPO prompt generator).")
-    samples: int = Field(8, ge=2, description="Completions sampled per prompt.")
-    budget: int = Field(2000, ge=1, description="Pairs labelled for training (at most).")
-    held_out: int = Field(200, ge=1, description="Held-out pairs (other prompts, random selection).")
-    task_pairs: int = Field(
-        0,
-        ge=0,
-        description="Also train on this many of the task's (ideal answer, near miss) pairs (data.pairs of"
-        " them are made): they show the reward model wrong letters the SFT model seldom samples.",
-    )
-    selection: Literal["random", "margin"] = Field(
-        "random",
-        description="Which candidate pairs are labelled: random, or margin (a probe reward model trained on a"
-        " random half of the budget; the other half, the candidates with the smallest |margin| under it).",
-    )
-
-
-class Monitor(Section):
-    """Gold against proxy during PPO, and the stop (stages/overoptimization.py, docs/stages.md §4.3)."""
-
-    interval: int = Field(
-        5, ge=1, description="PPO versions between evaluations (the actor is snapshotted at each)."
-    )
-    prompts: int = Field(64, ge=1, description="Held-out prompts of each evaluation (not score.prompts').")
-    samples: int = Field(4, ge=1, description="Completions per prompt.")
-    patience: int = Field(
-        3, ge=0, description="Stop PPO after this many evaluations without a better gold score; 0 never."
-    )
-    max_drop: float = Field(
-        0.2,
-        gt=0,
-        le=1,
-        description="Stop PPO at once when gold falls below (1 - max_drop) x its best; 1 never.",
-    )
-    keep_best: bool = Field(
-        True, description="The PPO stage's policy is the best-gold snapshot (SFT's own when none beat it)."
-    )
-
-
-class PipelineConfig(Section):
-    name: str = Field(
-        ..., pattern=r"^[A-Za-z0-9_.-]+$", description="Pipeline directory name under output_dir."
-    )
-    output_dir: str = Field("runs", description="Parent of the pipeline directory.")
-    data: TaskData | None = Field(
-        None, description="Generate a toy task's data sets; null: the stages name theirs."
-    )
-    score: Scoring | None = Field(
-        None, description="Score every policy with a rule-based reward on held-out prompts."
-    )
-    pairs: Pairs = Field(
-        default_factory=Pairs, description="Where the reward model's preference pairs come from."
-    )
-    monitor: Monitor | None = Field(
-        default_factory=Monitor,
-        description="With score.rule as the gold scorer: gold vs proxy vs KL every monitor.interval PPO"
-        " versions, early stop, best-gold policy; null disables.",
-    )
-    base: dict[str, Any] = Field(..., description="Config sections every stage starts from.")
-    sft: dict[str, Any] = Field(
-        ..., description="Sections the sft stage sets over base (algorithm.recipe: sft)."
-    )
-    rm: dict[str, Any] = Field(
-        ..., description="Sections the rm stage sets over base (algorithm.recipe: rm)."
-    )
-    ppo: dict[str, Any] = Field(..., description="Sections the ppo stage sets over base (a launch.py run).")
-    prepare: list[PrepareStep] = Field(
-        default_factory=list,
-        description="Steps that make the stages' inputs first (launcher/prepare.py), as in a run config.",
-    )
-    rm_from: Literal["sft", "base"] = Field(
-        "sft",
-        description="The reward model's starting point: sft (InstructGPT: the SFT model, so rm waits for"
-        " sft) or base (base.model.actor, so the two can train at once).",
-    )
-    schedule: Literal["serial", "parallel", "auto"] = Field(
-        "serial",
-        description="sft and rm one after the other; at once on a split of the cores; or as a planner picks"
-        " from their measured step times (stages/schedule.py, docs/stages.md §4.5).",
-    )
-    split: Split = Field(default_factory=Split, description="The cores schedule: parallel|auto divides.")
-
-    @model_validator(mode="after")
-    def _schedule_needs_independent_stages(self) -> PipelineConfig:
-        check_schedule(self.schedule, self.rm_from, self.pairs.source if self.data is not None else None)
-        return self
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"pipeline config {p}: not found")
-    raw = apply_overrides(yaml.safe_load(p.read_text()) or {}, list(overrides))
-    try:
-        return PipelineConfig.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, str(p))) from None
 
 
 class Pipeline:
@@ -243,11 +95,11 @@ class Pipeline:
             wiring["ppo"]["learner"] = {"save_hf_interval": self.pc.monitor.interval}
         base = self.pc.base
         if self.pc.data is not None:
-            base = _merge({"data": {"prompts": str(self.data / "prompts.jsonl")}}, base)
+            base = merge({"data": {"prompts": str(self.data / "prompts.jsonl")}}, base)
         out = {}
         for stage in STAGES:
-            raw = _merge(_merge(base, getattr(self.pc, stage)), wiring[stage])
-            raw = _merge(raw, {"run": {"name": f"{self.pc.name}-{stage}"}})
+            raw = merge(merge(base, getattr(self.pc, stage)), wiring[stage])
+            raw = merge(raw, {"run": {"name": f"{self.pc.name}-{stage}"}})
             out[stage] = load_config(None, raw=raw)
         return out
 
@@ -516,82 +368,6 @@ class Pipeline:
             summary["schedule"] = json.loads(sched.read_text())
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
-
-
-class PPOWatch:
-    """The gold monitor over one PPO run: evaluates each new snapshot in version order, once (a re-run
-    reads ``curve.jsonl`` back), decides the stop, and at the end picks the best-gold policy and draws
-    the curve (``curve.png``)."""
-
-    def __init__(self, gold: Any, m: Monitor, stage_dir: Path, cfg: Config) -> None:
-        from stages.overoptimization import diverging, stop_reason
-
-        self.gold, self.m, self.stage_dir, self.cfg = gold, m, stage_dir, cfg
-        self.stop_reason, self.diverging = stop_reason, diverging
-        self.curve_path = stage_dir / "curve.jsonl"
-        self.points: list[dict[str, Any]] = []
-        if self.curve_path.exists():
-            self.points = [json.loads(line) for line in self.curve_path.read_text().splitlines() if line]
-        self.stop: str | None = None  # why to stop, once decided
-        self.signalled = False  # whether PPO was still running then, and was stopped
-        self.warnings: list[str] = []
-        if not self.points:  # version 0: the reference (SFT) policy itself
-            self.add(Path(cfg.model.actor), 0)
-
-    def run_dir(self) -> Path | None:
-        runs = sorted(self.stage_dir.glob(f"{self.cfg.run.name}-*"))
-        return runs[-1] if runs else None
-
-    def add(self, policy: Path, version: int) -> None:
-        point = {**self.gold.evaluate(policy, version), "path": str(policy)}
-        self.points.append(point)
-        with open(self.curve_path, "a") as f:
-            f.write(json.dumps(point) + "\n")
-        log.info(
-            "ppo v%d: gold %.3f, proxy %.3f, KL %.3f", version, point["gold"], point["proxy"], point["kl"]
-        )
-        if self.diverging(self.points):
-            prev = self.points[-2]
-            w = (
-                f"v{version}: proxy rose {prev['proxy']:.3f} -> {point['proxy']:.3f} while gold fell"
-                f" {prev['gold']:.3f} -> {point['gold']:.3f} (over-optimisation)"
-            )
-            self.warnings.append(w)
-            print(f"[pipeline] ppo: warning: {w}", flush=True)
-
-    def poll(self, run_dir: Path | None) -> bool:
-        """Evaluate the snapshots not yet seen; True when the run should stop (first time only)."""
-        if run_dir is None or self.stop is not None:  # stopped: what came after is not looked at
-            return False
-        seen = {int(p["version"]) for p in self.points}
-        snaps = sorted((run_dir / "snapshots").glob("v[0-9]*[0-9]"))
-        for snap in snaps:
-            version = int(snap.name[1:])
-            if version in seen:
-                continue
-            self.add(snap, version)
-            self.stop = self.stop_reason([p["gold"] for p in self.points], self.m.patience, self.m.max_drop)
-            if self.stop is not None:
-                return True
-        return False
-
-    def result(self, run_dir: Path) -> dict[str, Any]:
-        from stages.overoptimization import best_index, plot
-
-        out: dict[str, Any] = {"curve": self.points, "stopped_early": self.signalled}
-        if self.stop is not None:
-            out["stop_reason"] = self.stop
-        if self.warnings:
-            out["warnings"] = self.warnings
-        best = self.points[best_index(self.points)]
-        out["best_version"] = int(best["version"])
-        if self.m.keep_best:
-            out["final_trained"] = str(run_dir / "final")
-            out["final"] = best["path"]
-        png = plot(self.points, self.stage_dir / "curve.png", f"{self.cfg.run.name}: gold vs proxy")
-        if png is not None:
-            out["curve_png"] = str(png)
-        return out
 
 
 def trained_versions(run_dir: Path) -> list[int]:

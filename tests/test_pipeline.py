@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.pipeline import Pipeline, load_pipeline
+from stages.pipeline import Pipeline
+from stages.pipeline_config import load_pipeline
 from tandem.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,7 +151,8 @@ def test_stop_reason_patience_and_drop() -> None:
 
 def test_the_watch_stops_a_collapse_and_keeps_the_best_gold_snapshot(tmp_path: Path) -> None:
     """Snapshots v5..v30 of a run whose gold rises, then collapses while the proxy keeps rising."""
-    from stages.pipeline import Monitor, PPOWatch
+    from stages.overoptimization import PPOWatch
+    from stages.pipeline_config import Monitor
 
     golds = {0: 0.50, 5: 0.60, 10: 0.66, 15: 0.55, 20: 0.40, 25: 0.10, 30: 0.0}
 

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from placement.cost import Law
-from stages.pipeline import Pipeline, load_pipeline
+from stages.pipeline import Pipeline
+from stages.pipeline_config import load_pipeline
 from stages.schedule import (
     Job,
     ProfileRun,
