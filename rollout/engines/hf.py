@@ -475,7 +475,6 @@ class HFEngine:
         """
         with self._lock:
             if "weights" not in self._released:
-                self._shapes = [p.shape for p in self._parameters_only()]
                 for p in self._parameters_only():
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._released = {"weights", "kv_cache"}
@@ -494,8 +493,8 @@ class HFEngine:
                     raise ValueError(f"wake_up: unknown tag {tag!r} (weights, kv_cache)")
                 if tag == "weights" and "weights" in self._released:
                     if not self.zero_copy:  # else the next full update's tensors become the weights
-                        for p, shape in zip(self._parameters_only(), self._shapes, strict=True):
-                            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+                        for name, p in self._parameters:
+                            p.data = torch.empty(self._shape_of[name], dtype=p.dtype, device=p.device)
                     self._unfilled = True
                 self._released.discard(tag)
 
