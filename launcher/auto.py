@@ -37,7 +37,7 @@ from placement.cost import CostModel, Prediction, Sample
 from placement.local import roles_of
 from placement.plan import Plan, Roles, candidates
 from placement.planner import Decision, Replanner, observed_ratio, rank
-from placement.profile import RunProfile, profiled_workload, read_recent, read_run
+from placement.profile import RunProfile, learner_steps, profiled_workload, read_recent, read_run
 from tandem import fleet
 from tandem.config import RUNNABLE_PLACEMENT, Config, dump_config, load_config, write_private
 from tandem.telemetry import history_key
@@ -123,8 +123,7 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
         # The first steps warm up (allocator, first optimizer step): the window is the steps after them.
         skip = max(2, cfg.placement.profile_steps // 3)
         profiles.append(read_run(run_dir, cores, skip=skip, window=cfg.placement.profile_steps))
-        first = _history(run_dir)[0]["time"]
-        startups.append(max(0.0, first - launched - profiles[-1].window_step_s))
+        startups.append(max(0.0, profiles[-1].first_step_at - launched - profiles[-1].window_step_s))
     ranked = choose(cfg, profiles, cores)
     roles = roles_of(cfg)
     for p in ranked:
@@ -255,7 +254,7 @@ def run(
         if code not in (0, driver.MOVED):
             return code
         run_dir = latest_run_dir(current)
-        rows = _history(run_dir)
+        rows = learner_steps(run_dir)
         if mover is not None and resume is not None:  # what this move cost: stop, restart, first step
             after = [r["time"] for r in rows if r["step"] > segments[-1].after_step]
             if len(after) >= 2:
@@ -292,12 +291,6 @@ def latest_run_dir(cfg: Config) -> Path:
 
 def _rows(raw: list[bytes]) -> list[dict]:
     return [json.loads(r) for r in raw]
-
-
-def _history(run_dir: Path) -> list[dict]:
-    """The learner's steps, from the history the driver writes when a run ends."""
-    lines = (run_dir / "learner_history.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, filter(None, lines)) if "batch/tokens" in r]
 
 
 def _step_s(rows: list[dict], after_step: int, warmup: int = 2) -> float:

@@ -35,6 +35,7 @@ class RunProfile:
     tokens: float  # mean tokens per learner batch (prompt + response)
     generated: float  # mean generated tokens per learner batch
     noise: float = 0.0  # the window's step time: standard error of its mean, relative to it
+    first_step_at: float = float("nan")  # wall time the run's first learner step ended
 
 
 def profiled_workload(profiles: list[RunProfile], batch_size: int) -> Workload:
@@ -80,7 +81,9 @@ def read_run(run_dir: Path, cores: int, *, skip: int = 2, window: int = 10) -> R
         )
     win, rest = learner[skip : skip + window], learner[skip + window :]
     srv = servers[skip : skip + max(1, round(window / _batches_per_step(cfg)))]
-    return _profile(cfg, configured_plan(cfg, cores), win, srv, rest)
+    profile = _profile(cfg, configured_plan(cfg, cores), win, srv, rest)
+    profile.first_step_at = learner[0]["time"]
+    return profile
 
 
 def read_recent(cfg: Config, learner: list[dict], servers: list[dict], cores: int, steps: int) -> RunProfile:
@@ -97,9 +100,14 @@ def read_recent(cfg: Config, learner: list[dict], servers: list[dict], cores: in
     return _profile(cfg, configured_plan(cfg, cores), win, srv, [])
 
 
+def learner_steps(run_dir: Path) -> list[dict]:
+    """The learner's step rows of ``run_dir``, from the history the driver writes."""
+    return [r for r in _rows(run_dir / "learner_history.jsonl") if "batch/tokens" in r]
+
+
 def _histories(run_dir: Path) -> tuple[Config, list[dict], list[dict]]:
     cfg: Config = load_config(run_dir / "config.public.yaml")
-    learner = _rows(run_dir / "learner_history.jsonl")
+    learner = learner_steps(run_dir)
     servers = [r for p in sorted(run_dir.glob("server-*_history.jsonl")) for r in _rows(p)]
     return cfg, learner, servers
 
