@@ -2,7 +2,7 @@
 
     python bench/rollout.py [--engine hf|vllm] [--steps 20] [--prompts-per-batch 4] [--n-samples 4]
                             [--max-new-tokens 32] [--hidden 64] [--layers 2] [--threads 1] [--updates 10]
-                            [--inflight K] [--chunk 5]
+                            [--inflight K] [--chunk 5] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per_batch × n_samples`` rows):
   (a) ``tokens_per_s``: the full rollout loop (admission, prompt claims and trajectory writes in a real
@@ -25,7 +25,8 @@ In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per
       real shm transport (hf: poll, map and verify the files, copy into the model; vllm: poll and verify,
       then pause → reload in the server's worker → reset the prefix cache → label → resume).
 ``--engine vllm`` needs vLLM (``.venv-vllm``) and uses a head_dim-32 checkpoint (vLLM's CPU attention refuses
-16). The last line is one JSON object.
+16). ``--device cuda`` runs the engine, the bare engine and the server's model on the GPU (``run.device``), in
+``--dtype`` (``model.dtype``; the published weights too). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def main() -> None:
         "--inflight", type=int, default=0, help="rollout.max_inflight_batches (0: engine default)"
     )
     ap.add_argument("--chunk", type=int, default=5, help="batches per turn of loop, engine and bare engine")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="run.device of the engines")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model.dtype")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -88,9 +91,9 @@ def main() -> None:
         cfg = load_config(
             None,
             raw={
-                "run": {"name": "benchrollout", "device": "cpu", "output_dir": tmp},
+                "run": {"name": "benchrollout", "device": args.device, "output_dir": tmp},
                 "redis": {"url": redis_server.url},
-                "model": {"actor": str(ckpt), "dtype": "float32"},
+                "model": {"actor": str(ckpt), "dtype": args.dtype},
                 "data": {"prompts": "unused.jsonl"},
                 "rollout": {
                     "n_samples": args.n_samples,
@@ -111,18 +114,19 @@ def main() -> None:
         )
         client = redis_server.client()
         if args.engine == "hf":
-            engine = HFEngine(str(ckpt), device="cpu", seed=0, prefix_cache_mb=0)  # as a single-turn run
+            # as a single-turn run: no prefix cache
+            engine = HFEngine(str(ckpt), device=args.device, dtype=args.dtype, seed=0, prefix_cache_mb=0)
         else:
             from rollout.engines.vllm import VLLMEngine
 
-            engine = VLLMEngine(cfg, str(ckpt), server_index=0, device="cpu")
+            engine = VLLMEngine(cfg, str(ckpt), server_index=0, device=args.device)
         tok = AutoTokenizer.from_pretrained(ckpt)
         records = make_records("echo", args.prompts_per_batch * (args.steps + 2), seed=0)
         prompts = [PromptRecord(r["id"], r["prompt"], tok(r["prompt"]).input_ids, r) for r in records]
         buffer = ReplayBuffer.from_config(client, cfg, consumer="server-0")
         buffer.put_prompts(prompts)
         publisher = make_publisher(cfg, client)
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype))
         weights = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         publisher.publish(weights.items(), 0)
         subscriber = make_subscriber(cfg, client, "server-0")
@@ -143,7 +147,7 @@ def main() -> None:
         if args.engine == "hf":
             direct = DirectGenerate(engine, batch, args.n_samples, args.max_new_tokens)
         else:
-            direct = DirectLLM(str(ckpt), batch, args.n_samples, args.max_new_tokens)
+            direct = DirectLLM(str(ckpt), batch, args.n_samples, args.max_new_tokens, args.dtype)
         loop.step()  # warm-up (applies the version-0 weights), not timed
         loop.drain()
         buffer.take(rows, timeout_s=30)
@@ -221,7 +225,9 @@ def main() -> None:
             f"{proc} {1000 * secs / tokens[key]:.3f}" for proc, secs in sorted(cpu[key].items())
         )
         print(f"cpu s / 1k tok {label:<15} {spent}")
-    print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
+    figures_out: dict[str, float | str] = {"device": args.device, "dtype": args.dtype}
+    figures_out |= {k: round(v, 4) for k, v in figures.items()}
+    print(json.dumps(figures_out))
 
 
 def cpu_seconds() -> dict[str, float]:
@@ -259,13 +265,13 @@ VLLM_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20)
 class DirectLLM:
     """An offline ``vllm.LLM`` with the server's settings; ``generate`` on the same token-id prompts."""
 
-    def __init__(self, ckpt: str, batch: list[list[int]], n: int, max_new_tokens: int) -> None:
+    def __init__(self, ckpt: str, batch: list[list[int]], n: int, max_new_tokens: int, dtype: str) -> None:
         from vllm import LLM
         from vllm import SamplingParams as VSampling
 
         self.llm = LLM(
             model=ckpt,
-            dtype="float32",
+            dtype=dtype,
             max_model_len=256,
             kv_cache_memory_bytes=256 << 20,
             enforce_eager=True,
@@ -290,8 +296,9 @@ class DirectGenerate:
         rows = [p for p in batch for _ in range(n)]
         width = max(map(len, rows))
         self.model, self.pad, self.width = engine.model, engine.pad_token_id, width
-        self.ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows])  # (B, P)
-        self.mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # (B, P)
+        device = engine.device
+        self.ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows], device=device)  # (B, P)
+        self.mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
         self.eos, self.max_new_tokens = engine.eos_token_ids, max_new_tokens
 
     @torch.inference_mode()
