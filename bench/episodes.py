@@ -20,10 +20,10 @@ turn_tokens`` generated tokens per episode (no stop string; EOS ignored on hf):
   (c) on hf, (b)'s two progressions again on a second engine with the prefix cache off
       (``*_nocache``), in the same interleaved runs: the cache's gain is ``*_cache_vs_nocache``, and
       ``prefix_*`` says how many rows hit and what share of context tokens came from the cache.
-``--engine hf`` decodes each engine call on its own, so independent episodes go through the engine front
-that gathers the turns ready within ``--gather-ms`` (``env.gather_ms``); ``--engine vllm`` (run it with
-``.venv-vllm/bin/python``; a head_dim-32 checkpoint) sends each turn as its own request into the server's
-running batch. The environment answers every turn with ``obs_tokens`` tokens (context, not generated).
+Independent episodes send each turn as a call of its own into the engine's running batch: the hf
+engine's (an idle engine waits ``--gather-ms``, ``env.gather_ms``, for the turns of the same moment, as a
+run with independent progression sets it) or, with ``--engine vllm`` (run it with
+``.venv-vllm/bin/python``; a head_dim-32 checkpoint), the server's. The environment answers every turn with ``obs_tokens`` tokens (context, not generated).
 The last line is one JSON object.
 """
 
@@ -71,6 +71,8 @@ def run_multi(
         Episode(Task("", tuple(p), {"id": str(i)}), env(obs, args, tail), list(p))
         for i, p in enumerate(prompts)
     ]
+    if isinstance(engine, HFEngine):  # as make_engine sets it for a run of this progression
+        engine.gather_s = args.gather_ms / 1000 if progression == "independent" else 0.0
     t0 = time.perf_counter()
     runner.run(eps)
     return time.perf_counter() - t0, sum(sum(e.mask) for e in eps)

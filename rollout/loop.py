@@ -86,10 +86,7 @@ def inflight_window(cfg: Config) -> int:
     batch's first turns fill the engine while this batch's slowest episodes are still running."""
     r = cfg.rollout
     pause = r.vllm.pause_mode if r.engine == "vllm" else r.sglang.pause_mode if r.engine == "sglang" else None
-    progression = cfg.env.progression
-    rounds = cfg.env.path is not None and (
-        progression == "rounds" or (progression == "auto" and r.engine == "hf")  # auto: rounds on hf
-    )
+    rounds = cfg.env.path is not None and cfg.episode_progression == "rounds"
     if cfg.max_staleness == 0 or rounds or not r.inflight_updates or pause == "abort":
         return 1
     return r.max_inflight_batches or (1 if r.engine == "hf" else OWN_PROCESS_INFLIGHT)
@@ -146,7 +143,7 @@ class RolloutLoop:
             self.env_factory = load_env_factory(e.path, e.kwargs)
             self.episodes = EpisodeRunner(
                 engine, tokenizer, self.sampling, max_turns=e.max_turns, max_total_tokens=e.max_total_tokens,
-                step_timeout_s=e.step_timeout_s, vocab_size=len(tokenizer), progression=e.progression,
+                step_timeout_s=e.step_timeout_s, vocab_size=len(tokenizer), progression=cfg.episode_progression,
                 gather_s=e.gather_ms / 1000,
             )  # fmt: skip
         self.window = inflight_window(cfg)  # batches in flight

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from buffer.schema import Trajectory
-from rollout.engines.hf import release_freed_memory, resolve_device, resolve_dtype
+from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
 from tandem.config import Config
 from tandem.logprobs import logprobs_from_logits, plain_output_head, temper
 

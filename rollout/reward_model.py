@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rollout.engines.hf import resolve_device, resolve_dtype
+from rollout.engines.devices import resolve_device, resolve_dtype
 
 
 class RewardModel:

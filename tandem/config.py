@@ -305,12 +305,12 @@ class EnvConfig(Section):
     )
     progression: Literal["auto", "rounds", "independent"] = Field(
         "auto",
-        description="rounds: every live episode's turn in one engine call, then every environment step, in lockstep; independent: each episode takes its next turn as soon as its environment step returns, and the engine batches whichever turns are ready; auto: independent on engines that batch concurrent requests (vllm, sglang), rounds on hf.",
+        description="rounds: every live episode's turn in one engine call, then every environment step, in lockstep; independent: each episode takes its next turn as soon as its environment step returns, and the engine's running batch takes it in at its next step; auto: independent on vllm and sglang, rounds on hf (fewer, fuller forwards when the environment answers at once; independent wins when some steps are slow).",
     )
     gather_ms: float = Field(
         2.0,
         ge=0,
-        description="independent progression: how long the engine front waits after a turn arrives for others to join its batch.",
+        description="independent progression: how long an idle hf engine waits after a turn arrives for the turns of the same moment to join it before its first step (vllm and sglang schedule themselves).",
     )
 
 
@@ -333,7 +333,7 @@ class AgentConfig(Section):
     gather_ms: float = Field(
         5.0,
         ge=0,
-        description="How long the engine waits for more agents' calls before starting a batch of them.",
+        description="How long an idle hf engine waits after an agent's call arrives for the calls of the same moment to join it before its first step (vllm and sglang schedule themselves).",
     )
 
 
@@ -1023,6 +1023,17 @@ class Config(Section):
         if self.run.mode == "sync" or self.algorithm.recipe != "ppo":
             return 0
         return self.algorithm.max_staleness
+
+    @property
+    def episode_progression(self) -> Literal["rounds", "independent"]:
+        """``env.progression`` with ``auto`` resolved: independent on vllm and sglang, whose schedulers run
+        beside this process; rounds on hf, whose every forward is paid on the server's own cores, so turns
+        that arrive together and stay in step (an environment that answers at once) decode in fewer, fuller
+        forwards than turns joining the batch one by one (docs/benchmarks.md, ``bench/episodes.py``)."""
+        p = self.env.progression
+        if p == "auto":
+            return "rounds" if self.rollout.engine == "hf" else "independent"
+        return p
 
     @property
     def releases_memory(self) -> bool:

@@ -25,6 +25,9 @@ def hf(tiny_ckpt: dict[str, Path]) -> HFEngine:
 
 
 def test_concurrent_calls_share_one_engine_call_and_each_gets_its_rows(hf: HFEngine) -> None:
+    """The front's gathering path, for an engine that decodes each call on its own. The hf engine batches
+    concurrent calls itself, so it is told that it does not; the front must then make one call of three."""
+    hf.continuous_batching = False
     front = BatchingEngine(hf, gather_s=0.2)
     sampling = SamplingParams(n=2, max_new_tokens=4, temperature=0.0)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -33,6 +36,7 @@ def test_concurrent_calls_share_one_engine_call_and_each_gets_its_rows(hf: HFEng
             outs = list(pool.map(lambda p: front.generate([p], sampling), prompts))
     finally:
         front.close()
+        del hf.continuous_batching  # the class's again
     assert (front.batches, front.calls) == (1, 3)
     for p, out in zip(prompts, outs, strict=True):
         (alone,) = hf.generate([p], sampling)  # greedy: the same rows as in the shared call

@@ -94,14 +94,18 @@ def episodes(engine: HFEngine, records: list[dict], n: int = N) -> list[AgentEpi
 def test_agents_run_n_per_prompt_batched_and_token_exact(engine, tiny_ckpt, tmp_path) -> None:
     cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent", **{"agent.timeout_s": 60})
     runner = make_runner(cfg, engine)
+    rows: list[int] = []  # rows of every forward the engine ran
+    forward = engine._forward
+    engine._forward = lambda ids, *a: rows.append(ids.shape[0]) or forward(ids, *a)
     try:
         eps = runner.run(episodes(engine, [{"id": "a", "prompt": "12+30="}, {"id": "b", "prompt": "7+5="}]))
-        batches, calls = runner.engine.batches, runner.engine.calls
+        calls = runner.engine.calls
     finally:
         runner.close()
+        del engine._forward
     assert [e.end_reason for e in eps] == ["done"] * 2 * N
-    assert calls == 2 * 2 * N  # two chat calls per episode
-    assert batches < calls, f"{calls} calls in {batches} engine calls: the engine did not batch them"
+    assert calls == 2 * 2 * N  # two chat calls per episode, each one row
+    assert max(rows) > 1, f"{calls} calls, every forward of one row: the engine did not batch them"
     trajs = [decode_trajectory(encode_trajectory(e.trajectory("p", "g", "server-0"))) for e in eps]
     tok = engine.tokenizer
     model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"]).eval()
@@ -119,11 +123,10 @@ def test_agents_run_n_per_prompt_batched_and_token_exact(engine, tiny_ckpt, tmp_
 
 
 def test_an_engine_that_batches_concurrent_calls_gets_each_call_at_once(tiny_ckpt, tmp_path) -> None:
-    """On vLLM or SGLang the front hands every call straight to the engine (whose scheduler adds it to the
-    running batch) with the run's sampling, instead of queueing it behind the batch in flight. Here the hf
-    engine stands in for one, told that it batches concurrent calls: it serves them interleaved."""
+    """The front hands every call straight to an engine whose running batch takes in concurrent calls (hf,
+    vLLM and SGLang), with the run's sampling, instead of queueing it behind the batch in flight."""
     engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=3)
-    engine.continuous_batching = True
+    assert engine.continuous_batching
     seen: list[SamplingParams] = []
     real = engine.generate
 
@@ -172,9 +175,11 @@ def test_a_longer_max_tokens_is_cut_to_the_runs(engine, tiny_ckpt, tmp_path) -> 
 )
 def test_a_misbehaving_agent_ends_only_its_episode(engine, tiny_ckpt, tmp_path, monkeypatch, how, reason):
     monkeypatch.setattr(runner_module, "JOIN_SLACK_S", 1.0)
-    # The runaway call must still be running when its agent returns 0.2 s later: batches wait 1 s to start.
-    over = {"agent.gather_ms": 1000} if how == "open" else {}
-    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:misbehaving_agent", **over)
+    # The runaway call must still be running when its agent returns 0.2 s later: the idle engine waits 1 s
+    # for the calls of that moment before its first step (agent.gather_ms, applied by make_engine).
+    if how == "open":
+        monkeypatch.setattr(engine, "gather_s", 1.0)
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:misbehaving_agent")
     runner = make_runner(cfg, engine)
     try:
         records = [{"id": "good", "prompt": "1+2="}, {"id": "bad", "prompt": "3+4=", "bad": how}]
@@ -343,9 +348,10 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path, 
 
 
 def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckpt, tmp_path) -> None:
-    """The runner's between_batches hook (the loop's EngineWeights.poll) applies v1 after the first batch: every
-    second call of a session is generated, and prefilled, by v1, and its behaviour logprobs are v1's over
-    the whole session, as the learner computes them."""
+    """The runner's between_batches hook (the loop's EngineWeights.poll) runs before each call; it applies
+    v1 when the first session makes its second call. Every second call of a session is generated, and
+    prefilled, by v1, and its behaviour logprobs are v1's over the whole session, as the learner computes
+    them; the first call that finished first was v0's alone."""
     from toy.tiny import make_tiny
     from weightsync.base import Update
 
@@ -356,7 +362,7 @@ def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckp
     cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent", **{"agent.timeout_s": 60})
 
     def between_batches() -> None:
-        if runner.engine.batches >= 1 and engine.version == 0:
+        if runner.engine.calls >= 2 * N and engine.version == 0:  # every first call has gone in
             engine.update_weights(Update(1, [], lambda: iter(v1.items())))
 
     runner = AgentRunner(cfg, engine, engine.tokenizer, metrics=ServerMetrics(engine),

@@ -128,3 +128,14 @@ def test_write_private_is_owner_only_from_creation_and_replaces_the_file_whole(t
     write_private(path, "redis: {url: 'redis://:secret@host:6379/0'}")
     assert path.read_text() == "redis: {url: 'redis://:secret@host:6379/0'}"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and not leftover.exists()
+
+
+@pytest.mark.parametrize(
+    ("engine", "progression", "resolved"),
+    [("hf", "auto", "rounds"), ("vllm", "auto", "independent"), ("sglang", "auto", "independent"),
+     ("hf", "independent", "independent"), ("vllm", "rounds", "rounds")],
+)  # fmt: skip
+def test_env_progression_auto_is_resolved_by_the_engine(engine: str, progression: str, resolved: str) -> None:
+    raw = {"model": {"actor": "m"}, "data": {"prompts": "p.jsonl"}, "rollout": {"engine": engine},
+           "env": {"path": "toy.calculator:CalculatorEnv", "progression": progression}}  # fmt: skip
+    assert load_config(None, raw=raw).episode_progression == resolved

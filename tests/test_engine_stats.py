@@ -66,37 +66,53 @@ def test_hf_reports_the_kv_bytes_of_the_rows_decoding(engine):
         assert stats.kv_cache_bytes == kv_bytes_by_hand(engine, rows, 7 + step)
         assert stats.requests_running == rows
     assert seen[0][0].requests_running == 4  # 2 prompts x n=2
-    after = engine.stats()  # the call's cache is gone with it
-    assert after == EngineStats(kv_cache_bytes=0, preemptions=0, requests_running=0)
-    assert after.kv_cache_usage is None and after.requests_waiting is None  # no pool, no queue
+    after = engine.stats()  # the call's rows are gone from the batch, and their cache with them
+    assert after == EngineStats(kv_cache_bytes=0, preemptions=0, requests_running=0, requests_waiting=0)
+    assert after.kv_cache_usage is None  # no pool
 
 
-def test_hf_sums_the_caches_of_calls_running_at_once(engine):
+def test_hf_calls_running_at_once_share_one_batch_and_decode_as_alone(engine):
+    """A call whose thread is held in its hook still advances: the second call takes the batch over and its
+    steps decode the first call's row too. Every row, joined mid-decode to a batch of another width,
+    samples what it samples alone."""
     inside = threading.Event()
     release = threading.Event()
 
-    def hold() -> None:  # the first call stops after its first step, its cache held
+    def hold() -> None:  # the first call stops after its first step, its row left in the batch
         inside.set()
         release.wait(30)
 
+    first_out = []
     first = threading.Thread(
-        target=engine.generate,
-        args=([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0)),
-        kwargs={"between_steps": hold},
+        target=lambda: first_out.extend(
+            engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, temperature=0), between_steps=hold)
+        )
     )
     first.start()
     assert inside.wait(30)
     seen = []
-    engine.generate(
+    second_out = engine.generate(
         [[8, 9, 10, 11, 12]],
         SamplingParams(n=3, max_new_tokens=2, temperature=0),
         between_steps=lambda: seen.append(engine.stats()),
     )
+    # Its rows waited while the first call's thread held the batch in its hook, then it took over.
+    assert (seen[0].requests_running, seen[0].requests_waiting) == (1, 3)
+    # One batch of 4 rows: the first call's 3 + 1 fed tokens left-padded to the second's 5 columns.
+    joined = next(s for s in seen if s.requests_running == 4)
+    assert joined.kv_cache_bytes == kv_bytes_by_hand(engine, 4, 5)
+    assert engine.stats().requests_running == 1  # the first call's row, advanced by the second's steps
     release.set()
     first.join(30)
-    # the first call: 1 row x 3 tokens; the second: 3 rows x 5 tokens
-    assert seen[0].kv_cache_bytes == kv_bytes_by_hand(engine, 1, 3) + kv_bytes_by_hand(engine, 3, 5)
-    assert seen[0].requests_running == 4
+    (c,) = first_out[0]
+    assert len(c.token_ids) == 6
+    alone = [
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, temperature=0))[0][0],
+        engine.generate([[8, 9, 10, 11, 12]], SamplingParams(max_new_tokens=2, temperature=0))[0][0],
+    ]
+    for got, ref in [(c, alone[0]), *((s, alone[1]) for s in second_out[0])]:
+        assert got.token_ids == ref.token_ids
+        assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
 
 
 # ------------------------------------------------------------------------------------- vLLM payload
@@ -254,7 +270,7 @@ def test_server_exports_what_the_engine_reports_and_logs_peaks(engine):
     assert row["server/kv_cache_bytes"] == 0
     assert row["server/kv_cache_bytes_peak"] == max(peaks) > 0
     assert row["server/preemptions"] == 0 and row["server/requests_running"] == 0
-    assert "server/kv_cache_usage" not in row and "server/requests_waiting" not in row  # hf: None
+    assert "server/kv_cache_usage" not in row and row["server/requests_waiting"] == 0  # hf: no pool
     assert metrics.engine_row()["server/kv_cache_bytes_peak"] == 0  # the peak restarts at each row
 
     text = generate_latest(metrics.registry).decode()

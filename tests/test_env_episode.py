@@ -311,9 +311,10 @@ def test_independent_progression_lets_episodes_finish_while_one_waits_on_its_env
 ) -> None:
     """Episode 0's environment answers only once every other episode has ended. Independent progression
     finishes the others meanwhile (their turns go to the engine without waiting for episode 0's step);
-    turn-synchronous rounds cannot, so there episode 0's step times out. ``direct``: the engine is treated
-    as one that batches concurrent calls itself (the hf engine serves them interleaved), so each episode's
-    turn is its own call and the between-turns hook runs before each call, one at a time."""
+    turn-synchronous rounds cannot, so there episode 0's step times out. ``direct``: the hf engine as it is,
+    whose running batch takes each episode's turn as its own call (the between-turns hook runs before each
+    call, one at a time); else it is treated as an engine that decodes each call on its own, and the engine
+    front gathers the turns that are ready into one call."""
     tok = models["tok"]
     engine = HFEngine(str(models["path"]), device="cpu", seed=11)
     engine.continuous_batching = direct

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rollout.engines.base import Completion, SamplingParams
-from rollout.engines.hf import HFEngine, truncate_logits
+from rollout.engines.hf import HFEngine
+from rollout.engines.sampling import truncate_logits
 from weightsync.base import TensorMeta, Update, WeightSyncError
 
 TOL = 1e-4

@@ -301,7 +301,7 @@ def test_in_flight_update_abort_mode_ends_requests(engine, models, ckpts, tmp_pa
 
 
 def test_episodes_progress_independently_on_vllm(at_old, ckpts, models):
-    """On vLLM (``continuous_batching``), ``env.progression: auto`` plays every episode on its own: the
+    """On vLLM, ``env.progression: auto`` plays every episode on its own (independent progression): the
     others take all their turns while episode 0's first environment step waits for them, each turn its
     own request in the server's running batch, and every generated token's logprob is the forward pass's."""
     from rollout.envs.base import Task
@@ -320,9 +320,11 @@ def test_episodes_progress_independently_on_vllm(at_old, ckpts, models):
         for i, p in enumerate(prompts)
     ]  # fmt: skip
     sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
+    cfg = load_config(None, raw={"model": {"actor": str(ckpts["old"])}, "data": {"prompts": "unused.jsonl"},
+                                 "rollout": {"engine": "vllm"}, "env": {"path": "toy.calculator:CalculatorEnv"}})  # fmt: skip
+    assert cfg.env.progression == "auto" and cfg.episode_progression == "independent"
     runner = EpisodeRunner(at_old, tok, sampling, max_turns=turns, max_total_tokens=200, step_timeout_s=30.0,
-                           vocab_size=len(tok))  # fmt: skip
-    assert runner.progression == "auto"
+                           vocab_size=len(tok), progression=cfg.episode_progression)  # fmt: skip
     runner.run(eps)
     assert sorted(order[:-1]) == list(range(1, n)) and order[-1] == 0  # the others ended first
     for e in eps:

@@ -1,23 +1,24 @@
-"""One engine call for the model calls of many agents at once (docs/design.md §10.9).
+"""The engine front of agents' calls and independent episodes' turns (docs/design.md §10.9).
 
-Each agent episode calls the API on its own, one request at a time, so an engine that serves requests as
-they come (the ``hf`` engine interleaves concurrent calls step by step, each a batch of one) would decode
-every episode separately. :class:`BatchingEngine` stands between the agents' API and the engine: a call
-waits in a queue; a worker thread takes every call that arrives within ``gather_s`` of the first, and runs
-those with the same sampling settings as one engine call (``n`` of each kept), handing each caller its
-rows. Calls that arrive meanwhile form the next batch, so the engine always takes whatever is ready.
+Every agent episode calls the API on its own, one request at a time, and every independent episode sends
+its own turns. :class:`BatchingEngine` stands between them and the engine and applies the run's rules to
+each call: the run's sampling where it says so (``sampling``: the learner scores the tokens at the run's
+temperature, whatever an agent asks), a cap on ``max_new_tokens``, and the run's hooks, which apply
+weight updates between decode steps (in flight) and between batches.
 
-A caller's ``between_steps`` hook (the API's client-disconnect check) runs on every decode step of its
-batch, and every ``WAIT_POLL_S`` while the caller waits; one that raises drops that caller only (it gets
-the hook's exception, and a call still queued is withdrawn), and the batch goes on while any caller still
-waits. So a caller that is gone never waits on an engine that has stopped taking steps. The run's own hooks apply weight updates between decode steps (in flight) and
-between batches. Sampling is the run's where it says so (``sampling``: the learner scores the tokens at
-the run's temperature, whatever an agent asks), and ``max_new_tokens`` caps a call's length. A streamed call (``on_token``) goes to the engine directly.
+An engine whose running batch takes in concurrent calls (``Engine.continuous_batching``: vLLM's and
+SGLang's schedulers, the hf engine's :mod:`~rollout.engines.hf_batch`) gets each call at once: queueing it
+would hold a call that is ready until the batch before it is done. The run's between-batches hook then
+runs before each call, one caller at a time.
 
-An engine whose scheduler already batches concurrent calls (``Engine.continuous_batching``: vLLM, SGLang)
-gets each call at once, with the run's sampling applied: queueing it would hold a call that is ready
-until the running batch is done. The run's between-batches hook then runs before each call, one caller
-at a time.
+For an engine that decodes each call on its own, the front gathers: a call waits in a queue; a worker
+thread takes every call that arrives within ``gather_s`` of the first, and runs those with the same
+sampling settings as one engine call (``n`` of each kept), handing each caller its rows. Calls that
+arrive meanwhile form the next batch. A caller's ``between_steps`` hook (the API's client-disconnect
+check) runs on every decode step of its batch, and every ``WAIT_POLL_S`` while the caller waits; one that
+raises drops that caller only (it gets the hook's exception, and a call still queued is withdrawn), and
+the batch goes on while any caller still waits. So a caller that is gone never waits on an engine that
+has stopped taking steps. A streamed call (``on_token``) goes to the engine directly.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ def make_engine(cfg: Config, model_path: str, *, server_index: int = 0, device: 
         # Only turns that extend an earlier call's sequence hit the prefix cache: a single-turn run never
         # does, and would pay for storing every finished row.
         multi_turn = cfg.env.path is not None or cfg.agent.path is not None
+        # Turns and agents' calls that arrive at an idle engine together start one batch (§8.1).
+        independent = cfg.env.path is not None and cfg.episode_progression == "independent"
+        gather_ms = cfg.env.gather_ms if independent else cfg.agent.gather_ms if cfg.agent.path else 0.0
         return cls(
             model_path,
             device=device,
@@ -34,6 +37,7 @@ def make_engine(cfg: Config, model_path: str, *, server_index: int = 0, device: 
             trust_remote_code=cfg.model.trust_remote_code,
             seed=cfg.run.seed + server_index,
             prefix_cache_mb=cfg.rollout.hf_prefix_cache_mb if multi_turn else 0.0,
+            gather_s=gather_ms / 1000,
             # Colocated and releasing memory, the shm version's pages are the engine's weights (§11.1).
             zero_copy=cfg.releases_memory,
         )

@@ -1,10 +1,12 @@
 """The ``hf`` engine: transformers on CPU or GPU with a hand-written, batched decode loop.
 
-Owns one causal LM and its tokenizer. ``generate`` left-pads the prompts (positions count real tokens
-only), prefills once, then decodes one token per step on a ``DynamicCache``, dropping finished rows from
-the batch. Each sampled token's behaviour logprob is read from the distribution it was drawn from
-(temperature, then top-k, then top-p, renormalised), so the learner's importance weights see exactly
-what was sampled (AReaL's decoupled PPO needs ``behav_logp``, docs/design.md §8.2).
+Owns one causal LM and its tokenizer. Concurrent ``generate`` calls share one running batch
+(:mod:`rollout.engines.hf_batch`, continuous batching as vLLM's scheduler does it): a call's rows are
+prefilled (left-padded, positions counting real tokens only) and join the batch at its next step, decode
+one token per step on a ``DynamicCache`` with the others, and leave it as they finish. Each sampled token's
+behaviour logprob is read from the distribution it was drawn from (temperature, then top-k, then top-p,
+renormalised; :mod:`rollout.engines.sampling`), so the learner's importance weights see exactly what was
+sampled (AReaL's decoupled PPO needs ``behav_logp``, docs/design.md §8.2).
 
 Writing the loop ourselves buys PipelineRL's in-flight weight updates: the ``between_steps`` hook runs
 between decode steps and may swap the weights in place; later tokens carry the new version. The KV cache
@@ -18,18 +20,14 @@ as vLLM's prefix cache does, so a multi-turn episode's next turn feeds just its 
 update and ``sleep`` empty it.
 
 One lock serialises the model between the rollout loop, the HTTP API and weight updates. It is held per
-decode step, not per call, so an HTTP request interleaves its steps with a long rollout batch instead of
-waiting for it, and an update lands between two steps of any running call.
+decode step, not per call, so an update lands between two steps of every running row.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -42,7 +40,10 @@ from transformers import (
 )
 
 from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnToken, SamplingParams
+from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
+from rollout.engines.hf_batch import WAIT_POLL_S, Entry, Request, RunningBatch, sample_groups
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
+from rollout.engines.sampling import sample_tokens
 from tandem.config import RolloutConfig
 from weightsync.adapters import apply_adapter, is_adapter_tensor
 from weightsync.base import Update, WeightSyncError
@@ -52,76 +53,14 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFIX_CACHE_MB: float = RolloutConfig.model_fields["hf_prefix_cache_mb"].default
 
 
-def resolve_device(device: str | None) -> torch.device:
-    """``auto``/None is cuda when available, else cpu."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on GPU and float32 on CPU (config ``model.dtype``)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
-
-
 def _same_storage_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.device == b.device
-
-
-def release_freed_memory(device: torch.device) -> None:
-    """Hand freed tensor memory back to the system: the CUDA cache, or on CPU glibc's free lists
-    (``malloc_trim``), which otherwise keep large freed blocks inside the process's resident set."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    libc = ctypes.util.find_library("c")
-    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        ctypes.CDLL(libc).malloc_trim(0)
-
-
-def truncate_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Top-k then top-p (nucleus) truncation: tokens outside get ``-inf``. Shape: (B, V) -> (B, V).
-
-    Top-p keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (the token
-    that crosses it included), so at least one token always survives.
-    """
-    if 0 < top_k < scores.shape[-1]:
-        kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)  # (B, V)
-        probs = sorted_scores.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs  # (B, V) mass of strictly more likely tokens
-        drop_sorted = mass_before >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-    return scores
-
-
-def sample_tokens(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row and return ``(tokens, behav_logp)``. Shapes: (B, V) -> (B,), (B,).
-
-    Greedy (temperature 0) takes the argmax and reports ``log_softmax(logits)`` at it (see module docs of
-    :mod:`rollout.engines.base`).
-    """
-    logits = logits.float()
-    if sampling.temperature == 0:
-        tokens = logits.argmax(-1)  # (B,)
-        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    scores = truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-    logprobs = scores.log_softmax(-1)  # (B, V) the renormalised distribution we sample from
-    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (B,)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 class HFEngine:
     """transformers inference engine implementing :class:`rollout.engines.base.Engine`."""
 
-    continuous_batching = False  # each generate call decodes its own batch
+    continuous_batching = True  # calls running at once share decode steps (rollout/engines/hf_batch.py)
     supports_sleep = True  # frees its parameters' storage (sleep / wake_up)
 
     def __init__(
@@ -134,9 +73,12 @@ class HFEngine:
         seed: int = 0,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         zero_copy: bool = False,
+        gather_s: float = 0.0,
     ) -> None:
         """``zero_copy``: a full update's tensors become the weights rather than being copied into them
-        (:meth:`update_weights`); for a colocated engine that sleeps before each new version."""
+        (:meth:`update_weights`); for a colocated engine that sleeps before each new version. ``gather_s``:
+        how long a call that finds the engine idle waits for others to join it before the first step
+        (episodes' turns and agents' calls; 0 for a single-turn run, whose batch arrives whole)."""
         self.device = resolve_device(str(device) if device is not None else None)
         self.zero_copy = zero_copy
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
@@ -161,8 +103,9 @@ class HFEngine:
         self._shape_of = {name: tuple(t.shape) for name, t in self._tensors.items()}  # also while released
         self._lora_base: dict[str, torch.Tensor] = {}  # each adapted layer's W0 (weightsync/adapters.py)
         self._lock = threading.Lock()
-        self._caches: weakref.WeakSet[DynamicCache] = weakref.WeakSet()  # of the calls decoding now
-        self._caches_lock = threading.Lock()
+        self.gather_s = gather_s
+        self._batch = RunningBatch()  # every call's rows, decoding together
+        self._caches_lock = threading.Lock()  # the batch's members change, stats() reads them
         self._running = threading.Event()
         self._running.set()
         self._version = 0
@@ -196,20 +139,20 @@ class HFEngine:
         return self._version
 
     def stats(self) -> EngineStats:
-        """Bytes and sequences of the KV caches of the calls decoding now.
+        """Bytes of the running batch's KV cache, its rows, and the rows waiting to join it at the next step.
 
-        There is no fixed pool, so no usage share; there is no scheduler queue, so nothing waits. Nothing is
-        ever preempted either: a row keeps its KV until it finishes (running out of memory is an error, not
-        a preemption), so ``preemptions`` is 0 by construction.
+        There is no fixed pool, so no usage share. Nothing is ever preempted: a row keeps its KV until it
+        finishes (running out of memory is an error, not a preemption), so ``preemptions`` is 0 by
+        construction.
         """
         with self._caches_lock:
-            caches = list(self._caches)
-        nbytes = rows = 0
-        for cache in caches:
-            layers = [layer for layer in cache.layers if layer.is_initialized]
-            nbytes += sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
-            rows += layers[0].keys.shape[0] if layers else 0
-        return EngineStats(kv_cache_bytes=nbytes, preemptions=0, requests_running=rows)
+            batch = self._batch
+            return EngineStats(
+                kv_cache_bytes=batch.kv_nbytes(),
+                preemptions=0,
+                requests_running=len(batch),
+                requests_waiting=len(batch.pending),
+            )
 
     # ------------------------------------------------------------------------------------------ generate
 
@@ -263,56 +206,111 @@ class HFEngine:
         between_steps: BetweenSteps | None,
         on_token: OnToken | None,
     ) -> list[Completion]:
-        """Prefill, then one token per step; finished rows leave the batch (and the KV cache).
+        """Put the rows in the running batch and drive it until they have finished (module docs of
+        :mod:`rollout.engines.hf_batch`): a step whenever this thread holds the lock, then its own hook."""
+        stop_ids = frozenset(self.eos_token_ids | set(sampling.stop_token_ids))
+        request = Request(rows, sampling, generator, stop_ids, on_token)
+        batch = self._batch
+        with self._lock:
+            batch.pending += [Entry(request, i, [], 0) for i in range(len(rows))]
+        try:
+            while not request.finished.is_set():
+                with self._lock:
+                    driving = batch.take_wheel(request)
+                if driving:
+                    self._running.wait()  # pause() holds generation here, outside the lock, until resume()
+                    if self.gather_s and not len(batch):
+                        time.sleep(self.gather_s)  # an idle batch: let the calls of this moment join it
+                    with self._lock:  # per step, so weight updates land between two steps of every row
+                        if not request.finished.is_set():
+                            self._step()
+                elif not request.wake.wait(WAIT_POLL_S):  # another call's thread steps these rows too
+                    with self._lock:
+                        batch.take_over(request)
+                request.wake.clear()
+                if between_steps is not None and not request.finished.is_set():
+                    batch.hooked = request if driving else batch.hooked
+                    try:
+                        between_steps()  # may apply a weight update: the next forward uses the new weights
+                    finally:
+                        if batch.hooked is request:
+                            batch.hooked = None
+        except BaseException:
+            with self._lock:
+                batch.withdraw(request)
+            raise
+        finally:
+            with self._lock:
+                batch.hand_off(request)
+        if request.error is not None:
+            raise request.error
+        return request.out
 
-        A row whose earlier tokens are in the prefix cache prefills only the rest; each finished row's KV
-        goes back into it."""
-        stop_ids = self.eos_token_ids | set(sampling.stop_token_ids)
-        out = [Completion([], [], "length", []) for _ in rows]
-        active = list(range(len(rows)))  # row index of each batch entry
-        for step in range(sampling.max_new_tokens):
-            self._running.wait()  # pause() holds generation here, outside the lock, until resume()
-            with self._lock:  # per step, so HTTP requests and weight updates interleave with long calls
-                if step == 0:  # under the lock: the cached KV and this forward see the same weights
-                    epoch = self.prefix_cache.epoch if self.prefix_cache is not None else 0
-                    step_ids, mask, positions, cache, hashes = self._prefill_inputs(rows)
-                    # A batch with no padding (prompts of one length, as a GRPO group's; or rows whose
-                    # cached and new parts are alike, as an episode round's) needs no mask: plain causal
-                    # attention, and transformers skips building a 4-D mask at every step. Rows that
-                    # finish leave no padding behind.
-                    padded = not bool(mask.all())
-                    with self._caches_lock:
-                        self._caches.add(cache)  # weakly: an exception's unwinding drops it too
-                logits = self._forward(step_ids, mask if padded else None, positions, cache)  # (b, V)
-                version = self._version
-                tokens, logps = sample_tokens(logits, sampling, generator)  # (b,), (b,)
-            keep = []
-            for j, (row, token, logp) in enumerate(zip(active, tokens.tolist(), logps.tolist(), strict=True)):
-                done = self._append(out[row], token, logp, version, stop_ids, sampling.stop)
-                if on_token is not None:
-                    on_token(row, token, logp)
-                if not done:
-                    keep.append(j)
-            last = not keep or step == sampling.max_new_tokens - 1
-            finished = range(len(active)) if last else sorted(set(range(len(active))) - set(keep))
-            for j in finished:
-                row = active[j]
-                self._keep_prefix(rows[row] + out[row].token_ids[:-1], hashes[row], cache, mask[j], j, epoch)
-            if last:
-                break
-            if between_steps is not None:
-                between_steps()  # may apply a weight update: the next forward uses the new weights
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(idx)
-                mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
-                active = [active[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)  # (b, T + 1)
-            positions = positions[:, -1:] + 1  # (b, 1)
-            step_ids = tokens[:, None]  # (b, 1)
+    def _step(self) -> None:
+        """One step of the running batch: decode its rows, admit the waiting ones, record every token."""
+        batch = self._batch
+        version = self._version
+        try:
+            running = len(batch)
+            picks: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if running:
+                ids, mask, positions, cache = batch.decode_inputs()
+                picks.append(self._sample(batch.entries, self._forward(ids, mask, positions, cache)))
+            if batch.pending:
+                joining, batch.pending = batch.pending, []
+                # Under the lock: the cached KV and this forward see the same weights.
+                epoch = self.prefix_cache.epoch if self.prefix_cache is not None else 0
+                ids, mask, positions, cache, hashes = self._prefill_inputs(
+                    [e.request.rows[e.row] for e in joining]
+                )
+                for e, h in zip(joining, hashes, strict=True):
+                    e.hashes, e.epoch = h, epoch
+                # No padding (one GRPO group, or an episode round's rows hitting alike): plain causal
+                # attention, and transformers builds no 4-D mask.
+                logits = self._forward(ids, None if bool(mask.all()) else mask, positions, cache)
+                tokens, logps = self._sample(joining, logits)
+                picks.append((tokens, logps))
+                with self._caches_lock:
+                    batch.join(joining, cache, mask, positions[:, -1:], tokens[:, None])
+            tokens = torch.cat([t for t, _ in picks]) if len(picks) > 1 else picks[0][0]
+            logps = torch.cat([lp for _, lp in picks]) if len(picks) > 1 else picks[0][1]
+            if running:
+                batch.next_ids[:running] = tokens[:running, None]
+        except BaseException as e:
+            batch.fail_all(e)
+            raise
+        keep = []
+        for j, (e, token, logp) in enumerate(
+            zip(batch.entries, tokens.tolist(), logps.tolist(), strict=True)
+        ):
+            c, s = e.completion, e.request.sampling
+            stopped = self._append(c, token, logp, version, e.request.stop_ids, s.stop)
+            if e.request.on_token is not None:
+                e.request.on_token(e.row, token, logp)
+            if not stopped and len(c.token_ids) < s.max_new_tokens:
+                keep.append(j)
+                continue
+            row = e.request.rows[e.row]
+            self._keep_prefix(row + c.token_ids[:-1], e.hashes, batch.cache, batch.mask[j], j, e.epoch)
+            e.request.left -= 1
+            if not e.request.left:
+                e.request.finish()
         with self._caches_lock:
-            self._caches.discard(cache)
-        return out
+            batch.keep(keep)
+
+    def _sample(self, entries: list[Entry], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token and behaviour logprob, sampled by its own call's settings. (B, V) -> (B,), (B,)."""
+        groups = sample_groups(entries)
+        if len(groups) == 1:
+            request = entries[0].request
+            return sample_tokens(logits, request.sampling, request.generator)
+        tokens = torch.empty(len(entries), dtype=torch.long, device=logits.device)
+        logps = torch.empty(len(entries), dtype=torch.float32, device=logits.device)
+        for group in groups:
+            request = entries[group[0]].request
+            idx = torch.tensor(group, device=logits.device)
+            tokens[idx], logps[idx] = sample_tokens(logits[idx], request.sampling, request.generator)
+        return tokens, logps
 
     def _prefill_inputs(
         self, rows: list[list[int]]

@@ -15,9 +15,11 @@
 That is ``env.progression: rounds``: a round waits for its slowest environment step, and a finished
 episode idles until its batch is done. With ``independent``, :meth:`EpisodeRunner.run_independent` gives
 every episode a thread of its own that plays it through (reset, then model turn and environment turn
-until it ends); its next turn goes to the engine as soon as its environment step returns, and an engine
-front (:class:`~rollout.agents.batching.BatchingEngine`) gathers the turns that are ready into one
-engine call. The caller's between-turns hook then runs between two engine calls.
+until it ends); its next turn goes to the engine as soon as its environment step returns and joins the
+engine's running batch at its next step (continuous batching: vLLM's and SGLang's schedulers, the hf
+engine's :mod:`~rollout.engines.hf_batch`). The caller's between-turns hook runs before each turn's call,
+one at a time (:class:`~rollout.agents.batching.BatchingEngine`, which gathers the turns that are ready
+into one call for an engine that does not batch concurrent calls).
 
 An episode ends when its environment says ``done`` (finish ``stop``), at ``env.max_turns`` model turns or
 ``env.max_total_tokens`` tokens (``length``), or when its environment fails: raises, times out, or returns
@@ -227,7 +229,7 @@ class EpisodeRunner:
         max_total_tokens: int,
         step_timeout_s: float,
         vocab_size: int,
-        progression: str = "auto",
+        progression: str = "rounds",
         gather_s: float = 0.002,
     ) -> None:
         self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
@@ -242,9 +244,7 @@ class EpisodeRunner:
         between_steps: BetweenSteps | None = None,
         between_turns: Callable[[], None] | None = None,
     ) -> list[Episode]:
-        if self.progression == "independent" or (
-            self.progression == "auto" and self.engine.continuous_batching
-        ):
+        if self.progression == "independent":
             return self.run_independent(episodes, between_steps=between_steps, between_turns=between_turns)
         try:
             for e, call in [(e, EnvCall(e.env.reset, e.task, "reset")) for e in episodes]:
@@ -269,9 +269,9 @@ class EpisodeRunner:
     ) -> list[Episode]:
         """Every episode plays at its own pace; the engine takes whichever turns are ready.
 
-        Turns go through the engine front (:class:`BatchingEngine`), which runs the caller's hooks: on hf it
-        gathers the turns that arrive together into one call; on an engine that batches concurrent calls
-        itself (vLLM, SGLang) it hands each turn straight to the engine as its own request.
+        Turns go through the engine front (:class:`BatchingEngine`), which runs the caller's hooks and hands
+        each turn straight to an engine that batches concurrent calls itself (all three engines); for one
+        that does not, it gathers the turns that arrive together into one call.
         """
         front = BatchingEngine(
             self.engine, gather_s=self.gather_s, between_steps=between_steps, between_batches=between_turns
