@@ -109,6 +109,7 @@ class OnlineRuntime(Runtime):
         self.publisher: weightsync.Publisher = weightsync.DrainPublisher()
         self.trained_log: TextIO | None = None
         self.sync_bytes = 0  # bytes of the last published version (weightsync/bytes)
+        self.admission_due = False  # a published version whose admission opens at the next take_batch
         self.switch: dict[str, float] = {}  # time/offload, time/reload of the last wait (colocated, GPU)
 
     def load_models(self) -> Models:
@@ -175,6 +176,7 @@ class OnlineRuntime(Runtime):
         (:meth:`states_offloaded`); with the batch in, every version's weight files are freed while it
         trains (``Publisher.trim``): the sleeping servers hold none, and the next version comes from it."""
         with self.states_offloaded():
+            self.open_admission()
             taken = self._take_batch()
         if self.cfg.releases_memory:  # the servers generated this batch with the newest version and sleep
             self.publisher.trim(held_too=True)
@@ -263,13 +265,17 @@ class OnlineRuntime(Runtime):
     # ------------------------------------------------------------------------------ weights and commits
 
     def sync_weights(self, *, force: bool = False) -> None:
-        """Publish version ``v`` (when due), *then* announce it: admission opens only once weights exist."""
+        """Publish version ``v`` (when due), *then* announce it: admission opens only once weights exist.
+
+        Colocated with offloaded states, admission for ``v`` opens later, in :meth:`take_batch` once the
+        learner's states are in host memory: the servers wake to generate only then, never beside them."""
         self.sync_bytes = 0
         announced = False  # the publisher sets the version in its own announce transaction
+        self.admission_due = offloads_states(self.cfg, self.device)
         if force or self.version % self.cfg.algorithm.sync_interval == 0:
             # A collective under ZeRO-3: every rank gathers; ranks other than 0 hold a draining publisher.
             counted = Counted(self.published_tensors())
-            announce = self.admission.queue_version if self.lead else None
+            announce = self.admission.queue_version if self.lead and not self.admission_due else None
             try:
                 self.publisher.publish(counted, self.version, announce=announce)
                 announced = True
@@ -280,8 +286,15 @@ class OnlineRuntime(Runtime):
                 # joins the next version; the live servers keep generating meanwhile.
                 log.warning("weights v%d did not reach every server: %s", self.version, e)
             self.sync_bytes = counted.bytes
-        if self.lead and not announced:
+        if self.lead and not announced and not self.admission_due:
             self.admission.set_version(self.version)
+
+    def open_admission(self) -> None:
+        """Open admission for the version :meth:`sync_weights` published but left closed (colocated: the
+        learner's states are in host memory now)."""
+        if self.admission_due and self.lead:
+            self.admission.set_version(self.version)
+        self.admission_due = False
 
     def serve_joiners(self) -> None:
         """Publish the current weights again when a server that holds none waits for them (a ``dist``

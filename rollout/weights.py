@@ -131,7 +131,11 @@ class EngineWeights:
 
     def sleep_while_waiting(self) -> None:
         """The admission wait's hook: take weights on offer; then, colocated with ``placement.release_memory``,
-        free the engine's memory until the next version arrives, since the learner trains meanwhile."""
+        free the engine's memory until admission reopens, since the learner trains meanwhile. An engine
+        asleep takes no weights here: it wakes for the next batch (:meth:`ensure_fresh`), once admitted, so
+        never while the learner still holds its training states (it opens admission after offloading them)."""
+        if self.asleep:
+            return
         self.poll()
         if self.release and not self.asleep and self.idle():
             with self.timers("time/sleep"):

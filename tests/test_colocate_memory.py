@@ -23,6 +23,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from transformers import AutoModelForCausalLM
 
+from buffer.admission import Admission
 from learner.online import OnlineRuntime, offloads_states
 from rollout.engines import sglang, vllm
 from rollout.engines.base import SamplingParams
@@ -255,10 +256,17 @@ def test_colocated_loop_sleeps_while_the_learner_trains_and_wakes_weights_sync_k
         if release:  # the batch is in: the server waits for v1 with its memory freed
             wait_until(lambda: engine.asleep)
             assert all(p.numel() == 0 for p in engine.model.parameters())
+            # v1's weights are announced, but admission stays closed while the learner offloads its
+            # states (on GPU): the server must not wake beside them.
+            learner.publisher.publish(v1_weights.items(), 1)
+            time.sleep(1.0)
+            assert engine.asleep and "wake:weights" not in engine.calls
+            learner.version = 1
+            learner.admission.set_version(1)
         else:
             time.sleep(1.0)
             assert not engine.asleep
-        learner.step(v1_weights)
+            learner.step(v1_weights)
         second = learner.take(4)
     i = engine.calls.index("update:1")
     if release:
@@ -375,7 +383,8 @@ def test_a_server_woken_after_the_learner_freed_its_files_waits_for_the_next_ver
 
 def test_learner_offloads_states_around_the_wait_only_where_it_frees_something(tmp_path) -> None:
     """Mocks built from DeepSpeedEngine's real signatures (a GPU call: on CPU there is nowhere to offload
-    to). Offloaded before the wait, reloaded after it, the wait in between; nothing on CPU."""
+    to). Offloaded before the wait, reloaded after it, the wait in between; admission for the published
+    version opens between the offload and the wait, not at the publish; nothing on CPU."""
     raw = {
         "run": {"output_dir": str(tmp_path), "mode": "sync"},
         "model": {"actor": "/models/none"},
@@ -397,23 +406,35 @@ def test_learner_offloads_states_around_the_wait_only_where_it_frees_something(t
     order.attach_mock(actor, "actor")
     order.attach_mock(critic, "critic")
     rt = object.__new__(OnlineRuntime)
-    rt.cfg, rt.device = cfg, torch.device("cuda")
+    rt.cfg, rt.device, rt.lead, rt.version, rt.world = cfg, torch.device("cuda"), True, 3, 1
     rt.models = SimpleNamespace(actor=actor, critic=critic)
     rt.publisher = mock.create_autospec(Publisher, instance=True)
+    rt.admission = mock.create_autospec(Admission, instance=True)
     order.attach_mock(rt.publisher, "publisher")
+    order.attach_mock(rt.admission, "admission")
+    rt.published_tensors = lambda: iter([])
+    rt.sync_weights()  # publishes v3 with no announce of the version: admission stays closed
+    assert [c[0] for c in order.mock_calls] == ["publisher.publish"]
+    assert order.mock_calls[0].kwargs["announce"] is None and rt.admission_due
+    order.reset_mock()
     rt._take_batch = lambda: order.wait()
     rt.take_batch()
     assert [c[0] for c in order.mock_calls] == [
         "actor.offload_states",
         "critic.offload_states",
+        "admission.set_version",  # the servers wake only now, beside no training state
         "wait",
         "actor.reload_states",
         "critic.reload_states",
         "publisher.trim",  # the servers hold the newest version: the older files go before training
     ]
     assert set(rt.switch) == {"time/offload", "time/reload"}
+    assert order.mock_calls[2].args == (3,)
     actor.reset_mock()
     rt.device = torch.device("cpu")
+    rt.sync_weights()  # nothing to offload: the publish announces the version at once
+    assert rt.publisher.publish.call_args.kwargs["announce"] == rt.admission.queue_version
+    assert not rt.admission_due
     rt.take_batch()
     actor.offload_states.assert_not_called()
 
