@@ -349,7 +349,7 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path, 
 
 def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckpt, tmp_path) -> None:
     """The runner's between_batches hook (the loop's EngineWeights.poll) runs before each call; it applies
-    v1 when the first session makes its second call. Every second call of a session is generated, and
+    v1 once the first call has ended, so before any session's second call. Every second call of a session is generated, and
     prefilled, by v1, and its behaviour logprobs are v1's over the whole session, as the learner computes
     them; the first call that finished first was v0's alone."""
     from toy.tiny import make_tiny
@@ -361,8 +361,18 @@ def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckp
     v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
     cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent", **{"agent.timeout_s": 60})
 
+    done: list[int] = []  # engine calls that have returned
+    generate = engine.generate
+
+    def counted(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        done.append(1)
+        return out
+
+    engine.generate = counted
+
     def between_batches() -> None:
-        if runner.engine.calls >= 2 * N and engine.version == 0:  # every first call has gone in
+        if done and engine.version == 0:  # a first call has ended: its session's second call is next
             engine.update_weights(Update(1, [], lambda: iter(v1.items())))
 
     runner = AgentRunner(cfg, engine, engine.tokenizer, metrics=ServerMetrics(engine),
@@ -371,6 +381,7 @@ def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckp
         eps = runner.run(episodes(engine, [{"id": "a", "prompt": "12+30="}, {"id": "b", "prompt": "7+5="}]))
     finally:
         runner.close()
+        del engine.generate
         engine.update_weights(Update(0, [], lambda: iter(v0.items())))
     assert [e.end_reason for e in eps] == ["done"] * 2 * N
     trajs = [e.trajectory("p", "g", "s") for e in eps]
