@@ -145,18 +145,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return offline.run(cfg, resume=resume, fresh=args.fresh, dry_run=args.dry_run)
     console = cfg.logging.console and not args.no_console
-    if cfg.placement.mode == "auto" and not args.dry_run:  # profile both placements, run the best
+    if cfg.placement.mode == "auto":  # profile both placements and run the best (a resumed run: its plan)
         from launcher import auto
 
-        if resume is None:
+        if not args.dry_run:
             try:
                 return auto.run(
-                    cfg, prompts, lambda: get_backend(args.backend, args.ray), console_enabled=console, fresh=args.fresh
+                    cfg, prompts, lambda: get_backend(args.backend, args.ray), console_enabled=console,
+                    fresh=args.fresh, resume=resume,
                 )  # fmt: skip
             except auto.ProbeFailed as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
-        cfg = auto.adopt(cfg, resume)  # a resumed auto run keeps the plan it last ran
+        if resume is not None:
+            cfg = auto.adopt(cfg, resume)  # a resumed auto run keeps the plan it last ran
     if args.dry_run:
         plan = driver.dry_run_plan(cfg, resume=resume is not None)
         for block in backend.describe(plan):

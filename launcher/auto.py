@@ -34,7 +34,7 @@ from launcher import driver
 from launcher.backends import Backend
 from launcher.feeder import PromptSet
 from placement.cost import CostModel, Prediction, Sample
-from placement.local import roles_of
+from placement.local import configured_plan, roles_of
 from placement.plan import Plan, Roles, candidates
 from placement.planner import Decision, Replanner, observed_ratio, rank
 from placement.profile import RunProfile, learner_steps, profiled_workload, read_recent, read_run
@@ -106,11 +106,16 @@ class Resolved:
     startup_s: float  # the probes' mean start-up: launch to the end of the first step, less that step
 
 
+def probes_dir(cfg: Config) -> Path:
+    """Where ``cfg``'s probes run and its choice is written (``choice.json``)."""
+    return (ROOT / cfg.run.output_dir / f"{cfg.run.name}-auto-probes").resolve()
+
+
 def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]) -> Resolved:
     """Run both probes through the driver (each on a fresh backend), and apply the best plan."""
     cores = os.cpu_count() or 1
-    out = (ROOT / cfg.run.output_dir / f"{cfg.run.name}-auto-probes").resolve()
-    profiles, startups = [], []
+    out = probes_dir(cfg)
+    profiles, startups, probe_dirs = [], [], {}
     for mode in ("sync", "async"):
         c = probe(cfg, mode, out / mode)
         print(f"[launch] placement auto: profiling {cfg.placement.profile_steps} steps {mode}", flush=True)
@@ -120,9 +125,8 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
                 f"placement auto: the {mode} probe run failed (exit {code}); its logs: {out / mode}"
             )
         (run_dir,) = sorted(p for p in (out / mode).iterdir() if p.is_dir())[-1:]
-        # The first steps warm up (allocator, first optimizer step): the window is the steps after them.
-        skip = max(2, cfg.placement.profile_steps // 3)
-        profiles.append(read_run(run_dir, cores, skip=skip, window=cfg.placement.profile_steps))
+        profiles.append(read_probe(cfg, run_dir, cores))
+        probe_dirs[mode] = str(run_dir)
         startups.append(max(0.0, profiles[-1].first_step_at - launched - profiles[-1].window_step_s))
     ranked = choose(cfg, profiles, cores)
     roles = roles_of(cfg)
@@ -135,9 +139,37 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
         "predicted_step_s": best.step_s,
         "probes_step_s": {p.plan.label(roles): p.window_step_s for p in profiles},
         "startup_s": startups,
+        "probes": probe_dirs,  # read again by a resumed run that re-plans (reload)
     }
     (out / "choice.json").write_text(json.dumps(choice) + "\n")
     return Resolved(applied(cfg, best.plan), best, profiles, statistics.mean(startups))
+
+
+def read_probe(cfg: Config, run_dir: Path, cores: int) -> RunProfile:
+    """A probe's profile: the first steps warm up (allocator, first optimizer step), the window is after."""
+    skip = max(2, cfg.placement.profile_steps // 3)
+    return read_run(run_dir, cores, skip=skip, window=cfg.placement.profile_steps)
+
+
+def reload(cfg: Config, run_dir: Path) -> Resolved | None:
+    """What a resumed run re-plans from: its probes' profiles, read again from the run directories
+    ``choice.json`` names, under the plan its saved config runs. None, saying why, when they are gone."""
+    cores = os.cpu_count() or 1
+    current = adopt(cfg, run_dir)
+    try:
+        choice = json.loads((probes_dir(cfg) / "choice.json").read_text())
+        profiles = [read_probe(cfg, Path(d), cores) for d in choice["probes"].values()]
+    except (OSError, KeyError, ValueError) as e:
+        print(f"[launch] placement auto: the resumed run keeps its plan without re-planning: its probes "
+              f"cannot be read ({e})", flush=True)  # fmt: skip
+        return None
+    plan = configured_plan(current, cores)
+    best = next((p for p in choose(cfg, profiles, cores) if p.plan == plan), None)
+    if best is None:
+        print(f"[launch] placement auto: the resumed run's plan {plan.label(roles_of(cfg))} is not one "
+              "the planner ranks here; it keeps it without re-planning", flush=True)  # fmt: skip
+        return None
+    return Resolved(current, best, profiles, statistics.mean(choice["startup_s"]))
 
 
 @dataclass
@@ -234,18 +266,27 @@ def run(
     *,
     console_enabled: bool,
     fresh: bool = False,
+    resume: Path | None = None,
     make_mover: Callable[[Config, Resolved, int], Mover] | None = None,
 ) -> int:
     """Profile, pick and run; with ``placement.replan_every``, move the run whenever its own steps say
     another plan clearly pays. Prints predicted against measured step time for each plan it ran.
-    ``make_mover``: the re-planner (a :class:`Mover` unless given)."""
-    resolved = resolve(cfg, prompts, make_backend)
+    ``resume``: a run directory to go on with, under the plan it last ran, re-planning from its probes
+    (:func:`reload`) without profiling again. ``make_mover``: the re-planner (a :class:`Mover` unless given)."""
     cores = os.cpu_count() or 1
-    current, mover = resolved.cfg, None
-    segments = [Segment(resolved.best.plan, 0, resolved.best.step_s)]
-    if cfg.placement.replan_every:
+    if resume is None:
+        resolved: Resolved | None = resolve(cfg, prompts, make_backend)
+        current, after = resolved.cfg, 0
+    else:
+        resolved = reload(cfg, resume) if cfg.placement.replan_every else None
+        current, after = adopt(cfg, resume), max((r["step"] for r in learner_steps(resume)), default=0)
+    plan = configured_plan(current, cores)
+    segments = [Segment(plan, after, resolved.best.step_s if resolved else float("nan"))]
+    mover = None
+    if cfg.placement.replan_every and resolved is not None:
         mover = (make_mover or Mover)(current, resolved, cores)
-    resume: Path | None = None
+        mover.start(after, plan)
+    moved = False  # the stretch now starting follows a move, whose cost its first steps measure
     while True:
         code = driver.run(
             current, prompts, make_backend(), resume=resume, console_enabled=console_enabled,
@@ -255,7 +296,7 @@ def run(
             return code
         run_dir = latest_run_dir(current)
         rows = learner_steps(run_dir)
-        if mover is not None and resume is not None:  # what this move cost: stop, restart, first step
+        if mover is not None and moved:  # what this move cost: stop, restart, first step
             after = [r["time"] for r in rows if r["step"] > segments[-1].after_step]
             if len(after) >= 2:
                 mover.move_s = max(mover.move_s, after[0] - mover.decided_at - (after[1] - after[0]))
@@ -270,7 +311,7 @@ def run(
         write_private(run_dir / "config.public.yaml", dump_config(applied(saved, mover.decision.plan)))
         segments.append(Segment(mover.decision.plan, stopped, mover.decision.predicted_s))
         mover.start(stopped, mover.decision.plan)
-        resume = run_dir
+        resume, moved = run_dir, True
 
 
 def adopt(cfg: Config, run_dir: Path) -> Config:
@@ -301,7 +342,11 @@ def _step_s(rows: list[dict], after_step: int, warmup: int = 2) -> float:
 
 def _report(seg: Segment, roles: Roles) -> str:
     """Predicted against measured seconds per step of one stretch of the run."""
-    head = f"placement auto: {seg.plan.label(roles)} after step {seg.after_step}: predicted {seg.predicted_s * 1e3:.1f} ms/step"
-    if seg.measured_s != seg.measured_s:  # nan
+    predicted = seg.predicted_s == seg.predicted_s  # nan: a resumed run that could not re-plan
+    head = f"placement auto: {seg.plan.label(roles)} after step {seg.after_step}: " + (
+        f"predicted {seg.predicted_s * 1e3:.1f} ms/step" if predicted else "no prediction"
+    )
+    if seg.measured_s != seg.measured_s:
         return f"{head}; too few steps to measure"
-    return f"{head}, measured {seg.measured_s * 1e3:.1f} ({seg.measured_s / seg.predicted_s:.2f}x)"
+    ratio = f" ({seg.measured_s / seg.predicted_s:.2f}x)" if predicted else ""
+    return f"{head}, measured {seg.measured_s * 1e3:.1f}{ratio}"

@@ -23,7 +23,7 @@ from placement.plan import Plan
 from placement.planner import Decision, Replanner
 from placement.profile import read_recent
 from tandem import fleet
-from tandem.config import Config, load_config
+from tandem.config import Config, dump_config, load_config
 from tandem.telemetry import history_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +116,54 @@ def test_a_move_that_would_not_pay_back_is_not_made(redis_client, run_id, capsys
     publish(redis_client, run_id, *histories(SEPARATE, 4 * 234, 30))
     assert mover(30, redis_client, run_id) is None
     assert "stay (saves 0.7" in capsys.readouterr().out
+
+
+def write_history(run_dir: Path, cfg: Config, learner: list, servers: list) -> None:
+    """A run directory as the driver leaves it: its public config and the histories it writes at the end."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.public.yaml").write_text(dump_config(cfg))
+    (run_dir / "learner_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in learner))
+    (run_dir / "server-0_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in servers))
+
+
+def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """``launch.py --resume`` on an auto run: the probes are read again from the directories the choice
+    names, the run goes on under the plan its saved config says, and the re-planner judges it from the
+    step it stopped at. Without the probes it goes on, said so, under its plan, with no re-planner."""
+    cfg = config()
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": str(tmp_path)})})
+    probes = auto.probes_dir(cfg)
+    for mode, plan in (("sync", COLOCATE), ("async", SEPARATE)):
+        write_history(probes / mode / "run", auto.probe(cfg, mode, probes / mode), *histories(plan, 234, 12))
+    choice = {"probes": {m: str(probes / m / "run") for m in ("sync", "async")}, "startup_s": [1.0, 1.2]}
+    (probes / "choice.json").write_text(json.dumps(choice))
+    run_dir = tmp_path / "the-run"
+    write_history(run_dir, auto.applied(cfg, SEPARATE), *histories(SEPARATE, 234, 40))
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(run_dir)})})
+    calls = []
+
+    def driver_run(c, prompts, backend, *, resume, watch=None, **kw) -> int:
+        calls.append((c, resume, watch))
+        return 0
+
+    monkeypatch.setattr(auto.driver, "run", driver_run)
+    monkeypatch.setattr(auto, "resolve", lambda *a: pytest.fail("a resumed run profiles again"))
+    assert auto.run(cfg, None, lambda: None, console_enabled=False, resume=run_dir) == 0
+    ((c, resume, mover),) = calls
+    assert resume == run_dir and c.placement.mode == "separate" and c.run.mode == "async"
+    assert isinstance(mover, auto.Mover) and mover.plan == SEPARATE
+    assert mover.next_at == 40 + 1 + cfg.placement.replan_every  # judged from where it stopped
+    assert mover.move_s == pytest.approx(1.1)  # the probes' start-up, until a move is measured
+    assert "after step 40: predicted 41.0 ms/step" in capsys.readouterr().out  # max(40, 40) + 1 ms
+
+    (probes / "choice.json").unlink()
+    calls.clear()
+    assert auto.run(cfg, None, lambda: None, console_enabled=False, resume=run_dir) == 0
+    ((c, _, mover),) = calls
+    assert mover is None and c.placement.mode == "separate"
+    assert "keeps its plan without re-planning" in capsys.readouterr().out
 
 
 class ForcedOnce(Replanner):
