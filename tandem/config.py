@@ -268,9 +268,10 @@ class RolloutConfig(Section):
         0,
         ge=0,
         description="Batches a server holds at once (claimed, not yet appended): with more than 1 the next "
-        "batch generates while the last is scored and appended. 0: 1 for hf (in-process, it shares the "
-        "CPU), 3 for vllm/sglang (their own process). Always 1 when max_staleness is 0 (sync mode), with "
-        "environment episodes played in rounds (env.progression), or without inflight_updates.",
+        "batch generates while the last is scored and appended (on hf it joins the engine's running batch; "
+        "2 pays where generation sets the pace). 0: 1 for hf (in-process, it shares the CPU), 3 for "
+        "vllm/sglang (their own process). Always 1 when max_staleness is 0 (sync mode), with environment "
+        "episodes played in rounds (env.progression), or without inflight_updates.",
     )
     threads: int = Field(
         0,
