@@ -87,6 +87,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " multi-node cluster on this machine), or a cluster address; same as --backend ray",
     )
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after any flag
+    if args.resume and args.config is not None:
+        # The run directory holds the config, so the first positional is an override, not a config file.
+        if "=" not in args.config:
+            ap.error(f"--resume reads the run directory's config; {args.config} is not a key=value override")
+        args.overrides, args.config = [args.config, *args.overrides], None
     if args.ray is not None:
         if args.backend not in ("local", "ray"):
             ap.error("--ray and --backend disagree")
@@ -145,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return offline.run(cfg, resume=resume, fresh=args.fresh, dry_run=args.dry_run)
     console = cfg.logging.console and not args.no_console
-    if cfg.placement.mode == "auto":  # profile both placements and run the best (a resumed run: its plan)
+    if cfg.placement.mode == "auto" or resume is not None:
         from launcher import auto
-
+    # Profile both placements and run the best; a resumed auto run goes on under its plan and re-plans.
+    if cfg.placement.mode == "auto" or (resume is not None and auto.started_by_auto(resume)):
         if not args.dry_run:
             try:
                 return auto.run(

@@ -45,6 +45,7 @@ from tandem.telemetry import history_key
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("launch")
 SAMPLES = 400  # phase times the re-planner fits to: the probes', then the run's latest
+MARKER = "placement_auto.json"  # in the run directory of a run auto placed: where its probes are
 
 
 class ProbeFailed(RuntimeError):
@@ -151,13 +152,22 @@ def read_probe(cfg: Config, run_dir: Path, cores: int) -> RunProfile:
     return read_run(run_dir, cores, skip=skip, window=cfg.placement.profile_steps)
 
 
+def started_by_auto(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run that ``placement.mode: auto`` placed (its saved config names the plan
+    it runs, not auto)."""
+    return (run_dir / MARKER).is_file()
+
+
 def reload(cfg: Config, run_dir: Path) -> Resolved | None:
     """What a resumed run re-plans from: its probes' profiles, read again from the run directories
     ``choice.json`` names, under the plan its saved config runs. None, saying why, when they are gone."""
     cores = os.cpu_count() or 1
     current = adopt(cfg, run_dir)
     try:
-        choice = json.loads((probes_dir(cfg) / "choice.json").read_text())
+        probes = (
+            Path(json.loads((run_dir / MARKER).read_text())["probes"]) if started_by_auto(run_dir) else None
+        )
+        choice = json.loads(((probes or probes_dir(cfg)) / "choice.json").read_text())
         profiles = [read_probe(cfg, Path(d), cores) for d in choice["probes"].values()]
     except (OSError, KeyError, ValueError) as e:
         print(f"[launch] placement auto: the resumed run keeps its plan without re-planning: its probes "
@@ -276,7 +286,8 @@ def run(
     cores = os.cpu_count() or 1
     if resume is None:
         resolved: Resolved | None = resolve(cfg, prompts, make_backend)
-        current, after = resolved.cfg, 0
+        current, after = started(resolved.cfg, probes_dir(cfg), fresh=fresh), 0
+        fresh = False  # done: the run directory is new
     else:
         resolved = reload(cfg, resume) if cfg.placement.replan_every else None
         current, after = adopt(cfg, resume), max((r["step"] for r in learner_steps(resume)), default=0)
@@ -312,6 +323,14 @@ def run(
         segments.append(Segment(mover.decision.plan, stopped, mover.decision.predicted_s))
         mover.start(stopped, mover.decision.plan)
         resume, moved = run_dir, True
+
+
+def started(cfg: Config, probes: Path, *, fresh: bool) -> Config:
+    """``cfg`` with its run directory made now and fixed (``run.dir``), marked as placed by auto with where its
+    probes are, so that ``launch.py --resume`` of it re-plans too (:func:`reload`)."""
+    run_dir = driver.prepare_run_dir(cfg, None, fresh=fresh)
+    (run_dir / MARKER).write_text(json.dumps({"probes": str(probes)}) + "\n")
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(run_dir)})})
 
 
 def adopt(cfg: Config, run_dir: Path) -> Config:

@@ -80,6 +80,16 @@ def test_a_chat_template_the_tokenizer_lacks_is_refused(tiny_ckpt, prompts: Path
         PromptSet.load(load_config(args[0], args[1:]))
 
 
+def test_overrides_after_resume_are_overrides_and_a_config_file_is_refused(tmp_path: Path, capsys) -> None:
+    """The run directory holds a resumed run's config: every positional is an override (the first one was
+    once read as the config's path and dropped)."""
+    args = launch.parse_args(["--resume", str(tmp_path), "learner.total_steps=40", "run.seed=3"])
+    assert args.config is None and args.overrides == ["learner.total_steps=40", "run.seed=3"]
+    with pytest.raises(SystemExit):
+        launch.parse_args(["configs/tiny.yaml", "--resume", str(tmp_path)])
+    assert "configs/tiny.yaml is not a key=value override" in capsys.readouterr().err
+
+
 def test_help_lists_the_pipeline_and_plan_commands(capsys) -> None:
     with pytest.raises(SystemExit):
         launch.main(["--help"])

@@ -129,9 +129,11 @@ def write_history(run_dir: Path, cfg: Config, learner: list, servers: list) -> N
 def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    """``launch.py --resume`` on an auto run: the probes are read again from the directories the choice
-    names, the run goes on under the plan its saved config says, and the re-planner judges it from the
-    step it stopped at. Without the probes it goes on, said so, under its plan, with no re-planner."""
+    """An auto run's directory is made before it starts, marked with where its probes are, so that
+    ``launch.py --resume`` of it (whose saved config names the plan, not auto) comes back here. The probes
+    are read again from the directories the choice names, the run goes on under the plan its saved config
+    says, and the re-planner judges it from the step it stopped at. Without the probes it goes on, said
+    so, under its plan, with no re-planner."""
     cfg = config()
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": str(tmp_path)})})
     probes = auto.probes_dir(cfg)
@@ -139,18 +141,34 @@ def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
         write_history(probes / mode / "run", auto.probe(cfg, mode, probes / mode), *histories(plan, 234, 12))
     choice = {"probes": {m: str(probes / m / "run") for m in ("sync", "async")}, "startup_s": [1.0, 1.2]}
     (probes / "choice.json").write_text(json.dumps(choice))
-    run_dir = tmp_path / "the-run"
-    write_history(run_dir, auto.applied(cfg, SEPARATE), *histories(SEPARATE, 234, 40))
-    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"dir": str(run_dir)})})
     calls = []
 
     def driver_run(c, prompts, backend, *, resume, watch=None, **kw) -> int:
+        """Stands in for the driver: a fresh run leaves its saved config and 40 steps in its directory."""
         calls.append((c, resume, watch))
+        if resume is None:
+            (Path(c.run.dir) / "config.public.yaml").write_text(dump_config(c))
+            learner, _ = histories(SEPARATE, 234, 40)
+            (Path(c.run.dir) / "learner_history.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in learner)
+            )
         return 0
 
     monkeypatch.setattr(auto.driver, "run", driver_run)
+    monkeypatch.setattr(auto, "latest_run_dir", lambda c: Path(c.run.dir))
+    monkeypatch.setattr(auto, "resolve", lambda c, *a: resolved(c))
+    assert auto.run(cfg, None, lambda: None, console_enabled=False) == 0  # a fresh run
+    ((c, resume, _),) = calls
+    run_dir = Path(c.run.dir)
+    assert resume is None and run_dir.parent == tmp_path and auto.started_by_auto(run_dir)
+    assert json.loads((run_dir / auto.MARKER).read_text()) == {"probes": str(probes)}
+
+    # What launch.py --resume loads names the plan, not auto.
+    saved = load_config(run_dir / "config.public.yaml")
+    assert saved.placement.mode == "separate"
+    calls.clear()
     monkeypatch.setattr(auto, "resolve", lambda *a: pytest.fail("a resumed run profiles again"))
-    assert auto.run(cfg, None, lambda: None, console_enabled=False, resume=run_dir) == 0
+    assert auto.run(saved, None, lambda: None, console_enabled=False, resume=run_dir) == 0
     ((c, resume, mover),) = calls
     assert resume == run_dir and c.placement.mode == "separate" and c.run.mode == "async"
     assert isinstance(mover, auto.Mover) and mover.plan == SEPARATE
@@ -160,7 +178,7 @@ def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
 
     (probes / "choice.json").unlink()
     calls.clear()
-    assert auto.run(cfg, None, lambda: None, console_enabled=False, resume=run_dir) == 0
+    assert auto.run(saved, None, lambda: None, console_enabled=False, resume=run_dir) == 0
     ((c, _, mover),) = calls
     assert mover is None and c.placement.mode == "separate"
     assert "keeps its plan without re-planning" in capsys.readouterr().out
