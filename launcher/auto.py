@@ -290,7 +290,8 @@ def run(
         fresh = False  # done: the run directory is new
     else:
         resolved = reload(cfg, resume) if cfg.placement.replan_every else None
-        current, after = adopt(cfg, resume), max((r["step"] for r in learner_steps(resume)), default=0)
+        current = adopt(cfg, resume)
+        after = driver.checkpointed_version(current, resume) or 0  # the step the learner goes on from
     plan = configured_plan(current, cores)
     segments = [Segment(plan, after, resolved.best.step_s if resolved else float("nan"))]
     mover = None

@@ -101,8 +101,10 @@ def read_recent(cfg: Config, learner: list[dict], servers: list[dict], cores: in
 
 
 def learner_steps(run_dir: Path) -> list[dict]:
-    """The learner's step rows of ``run_dir``, from the history the driver writes."""
-    return [r for r in _rows(run_dir / "learner_history.jsonl") if "batch/tokens" in r]
+    """The learner's step rows of ``run_dir``, from the history the driver writes when a run ends (none
+    for a run that is running or was killed)."""
+    path = run_dir / "learner_history.jsonl"
+    return [r for r in _rows(path) if "batch/tokens" in r] if path.is_file() else []
 
 
 def _histories(run_dir: Path) -> tuple[Config, list[dict], list[dict]]:

@@ -144,9 +144,11 @@ def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
     calls = []
 
     def driver_run(c, prompts, backend, *, resume, watch=None, **kw) -> int:
-        """Stands in for the driver: a fresh run leaves its saved config and 40 steps in its directory."""
+        """Stands in for the driver: a fresh run leaves its saved config, 40 steps and their checkpoint."""
         calls.append((c, resume, watch))
         if resume is None:
+            (Path(c.run.dir) / "checkpoints").mkdir()
+            (Path(c.run.dir) / "checkpoints/latest.json").write_text('{"version": 40}')
             (Path(c.run.dir) / "config.public.yaml").write_text(dump_config(c))
             learner, _ = histories(SEPARATE, 234, 40)
             (Path(c.run.dir) / "learner_history.jsonl").write_text(
@@ -164,6 +166,7 @@ def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
     assert json.loads((run_dir / auto.MARKER).read_text()) == {"probes": str(probes)}
 
     # What launch.py --resume loads names the plan, not auto.
+    (run_dir / "learner_history.jsonl").unlink()  # killed: the driver never wrote its history
     saved = load_config(run_dir / "config.public.yaml")
     assert saved.placement.mode == "separate"
     calls.clear()
@@ -172,7 +175,7 @@ def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
     ((c, resume, mover),) = calls
     assert resume == run_dir and c.placement.mode == "separate" and c.run.mode == "async"
     assert isinstance(mover, auto.Mover) and mover.plan == SEPARATE
-    assert mover.next_at == 40 + 1 + cfg.placement.replan_every  # judged from where it stopped
+    assert mover.next_at == 40 + 1 + cfg.placement.replan_every  # judged from its checkpoint's step
     assert mover.move_s == pytest.approx(1.1)  # the probes' start-up, until a move is measured
     assert "after step 40: predicted 41.0 ms/step" in capsys.readouterr().out  # max(40, 40) + 1 ms
 
@@ -233,6 +236,7 @@ def test_a_moved_run_resumes_under_its_new_plan_and_trains_every_trajectory_once
     moved = re.search(rf"placement auto: step (\d+): .* move to {second} .*\(forced by the test\)", out)
     assert moved, out[-3000:]
     run_dir = auto.latest_run_dir(cfg)
+    (run_dir / "learner_history.jsonl").unlink()  # killed: the driver never wrote its history
     saved = load_config(run_dir / "config.public.yaml")
     assert saved.placement.mode == second and saved.run.mode == ("sync" if second == "colocate" else "async")
     # Both stretches reported, predicted against measured, the second after the step the first stopped at.
