@@ -158,25 +158,25 @@ def started_by_auto(run_dir: Path) -> bool:
     return (run_dir / MARKER).is_file()
 
 
-def reload(cfg: Config, run_dir: Path) -> Resolved | None:
+def reload(current: Config, run_dir: Path) -> Resolved | None:
     """What a resumed run re-plans from: its probes' profiles, read again from the run directories
-    ``choice.json`` names, under the plan its saved config runs. None, saying why, when they are gone."""
+    ``choice.json`` names, under ``current``, the config its saved plan applied (:func:`adopt`). None,
+    saying why, when they are gone."""
     cores = os.cpu_count() or 1
-    current = adopt(cfg, run_dir)
     try:
         probes = (
             Path(json.loads((run_dir / MARKER).read_text())["probes"]) if started_by_auto(run_dir) else None
         )
-        choice = json.loads(((probes or probes_dir(cfg)) / "choice.json").read_text())
-        profiles = [read_probe(cfg, Path(d), cores) for d in choice["probes"].values()]
+        choice = json.loads(((probes or probes_dir(current)) / "choice.json").read_text())
+        profiles = [read_probe(current, Path(d), cores) for d in choice["probes"].values()]
     except (OSError, KeyError, ValueError) as e:
         print(f"[launch] placement auto: the resumed run keeps its plan without re-planning: its probes "
               f"cannot be read ({e})", flush=True)  # fmt: skip
         return None
     plan = configured_plan(current, cores)
-    best = next((p for p in choose(cfg, profiles, cores) if p.plan == plan), None)
+    best = next((p for p in choose(current, profiles, cores) if p.plan == plan), None)
     if best is None:
-        print(f"[launch] placement auto: the resumed run's plan {plan.label(roles_of(cfg))} is not one "
+        print(f"[launch] placement auto: the resumed run's plan {plan.label(roles_of(current))} is not one "
               "the planner ranks here; it keeps it without re-planning", flush=True)  # fmt: skip
         return None
     return Resolved(current, best, profiles, statistics.mean(choice["startup_s"]))
@@ -289,8 +289,8 @@ def run(
         current, after = started(resolved.cfg, probes_dir(cfg), fresh=fresh), 0
         fresh = False  # done: the run directory is new
     else:
-        resolved = reload(cfg, resume) if cfg.placement.replan_every else None
         current = adopt(cfg, resume)
+        resolved = reload(current, resume) if cfg.placement.replan_every else None
         after = driver.checkpointed_version(current, resume) or 0  # the step the learner goes on from
     plan = configured_plan(current, cores)
     segments = [Segment(plan, after, resolved.best.step_s if resolved else float("nan"))]

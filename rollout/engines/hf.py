@@ -229,7 +229,8 @@ class HFEngine:
                         batch.take_over(request)
                 request.wake.clear()
                 if between_steps is not None and not request.finished.is_set():
-                    batch.hooked = request if driving else batch.hooked
+                    if driving:
+                        batch.hooked = request
                     try:
                         between_steps()  # may apply a weight update: the next forward uses the new weights
                     finally:

@@ -29,7 +29,6 @@ the longest row leaves, the columns that no row uses any more are cut off.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +37,6 @@ from transformers import DynamicCache
 from rollout.engines.base import Completion, OnToken, SamplingParams
 
 WAIT_POLL_S = 0.2  # how often a call that is not driving asks its own hook whether it is still wanted
-
-# (ids (B, t), mask (B, T) or None, positions (B, t), cache) -> last position's logits (B, V)
-Forward = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, DynamicCache], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -102,10 +98,6 @@ class RunningBatch:
 
     def __len__(self) -> int:
         return len(self.entries)
-
-    @property
-    def idle(self) -> bool:
-        return not self.entries and not self.pending
 
     def kv_nbytes(self) -> int:
         if self.cache is None:
