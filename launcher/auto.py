@@ -52,9 +52,10 @@ class ProbeFailed(RuntimeError):
     """A profile-window probe run did not finish; its run directory holds the reason."""
 
 
-def runnable(plan: Plan) -> bool:
-    """Plans the processes run today (the planner predicts more; docs/design.md §11.1)."""
-    return plan.aux == 0 and all(getattr(plan, k) in v for k, v in RUNNABLE_PLACEMENT.items())
+def runnable(plan: Plan, *, own: bool = True) -> bool:
+    """Plans the processes run today (the planner predicts more; docs/design.md §11.1); without ``own``, none
+    with a worker of its own (the Ray backend does not start one yet)."""
+    return (own or not plan.aux) and all(getattr(plan, k) in v for k, v in RUNNABLE_PLACEMENT.items())
 
 
 def applied(cfg: Config, plan: Plan) -> Config:
@@ -64,6 +65,7 @@ def applied(cfg: Config, plan: Plan) -> Config:
         update={
             "mode": plan.mode,
             "generation_share": None if colocate else plan.generation / plan.devices,
+            "aux_share": plan.aux / plan.devices if plan.aux else None,
             "reference": plan.reference,
             "scoring": plan.scoring,
         }
@@ -88,12 +90,12 @@ def probe(cfg: Config, mode: str, out: Path) -> Config:
     return c.model_copy(update={"learner": learner, "run": run, "logging": logging})
 
 
-def choose(cfg: Config, profiles: list[RunProfile], cores: int) -> list[Prediction]:
+def choose(cfg: Config, profiles: list[RunProfile], cores: int, *, own: bool = True) -> list[Prediction]:
     """Every runnable plan on ``cores`` predicted from the probes' phase times, fastest first."""
     model = CostModel.from_samples([s for p in profiles for s in p.samples])
     work = profiled_workload(profiles, cfg.algorithm.batch_size)
     roles = roles_of(cfg)
-    plans = [p for p in candidates(roles, cores) if runnable(p)]
+    plans = [p for p in candidates(roles, cores) if runnable(p, own=own)]
     return rank(roles, cores, model, work, plans=plans)
 
 
@@ -105,6 +107,7 @@ class Resolved:
     best: Prediction
     probes: list[RunProfile]
     startup_s: float  # the probes' mean start-up: launch to the end of the first step, less that step
+    own: bool = True  # plans with a worker of their own may run (not on Ray yet)
 
 
 def probes_dir(cfg: Config) -> Path:
@@ -116,12 +119,14 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
     """Run both probes through the driver (each on a fresh backend), and apply the best plan."""
     cores = os.cpu_count() or 1
     out = probes_dir(cfg)
-    profiles, startups, probe_dirs = [], [], {}
+    profiles, startups, probe_dirs, own = [], [], {}, True
     for mode in ("sync", "async"):
         c = probe(cfg, mode, out / mode)
         print(f"[launch] placement auto: profiling {cfg.placement.profile_steps} steps {mode}", flush=True)
         launched = time.time()
-        if (code := driver.run(c, prompts, make_backend(), resume=None, console_enabled=False)) != 0:
+        backend = make_backend()
+        own = own and backend.name == "local"
+        if (code := driver.run(c, prompts, backend, resume=None, console_enabled=False)) != 0:
             raise ProbeFailed(
                 f"placement auto: the {mode} probe run failed (exit {code}); its logs: {out / mode}"
             )
@@ -129,7 +134,7 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
         profiles.append(read_probe(cfg, run_dir, cores))
         probe_dirs[mode] = str(run_dir)
         startups.append(max(0.0, profiles[-1].first_step_at - launched - profiles[-1].window_step_s))
-    ranked = choose(cfg, profiles, cores)
+    ranked = choose(cfg, profiles, cores, own=own)
     roles = roles_of(cfg)
     for p in ranked:
         print(f"[launch] placement auto:   {p.plan.label(roles):<50} {p.step_s * 1e3:8.1f} ms/step predicted")
@@ -143,7 +148,7 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
         "probes": probe_dirs,  # read again by a resumed run that re-plans (reload)
     }
     (out / "choice.json").write_text(json.dumps(choice) + "\n")
-    return Resolved(applied(cfg, best.plan), best, profiles, statistics.mean(startups))
+    return Resolved(applied(cfg, best.plan), best, profiles, statistics.mean(startups), own)
 
 
 def read_probe(cfg: Config, run_dir: Path, cores: int) -> RunProfile:
@@ -205,7 +210,7 @@ class Mover:
     def __init__(self, cfg: Config, resolved: Resolved, cores: int) -> None:
         self.cfg, self.cores, self.every = cfg, cores, cfg.placement.replan_every
         self.roles = roles_of(cfg)
-        self.plans = [p for p in candidates(self.roles, cores) if runnable(p)]
+        self.plans = [p for p in candidates(self.roles, cores) if runnable(p, own=resolved.own)]
         self.plan, self.move_s = resolved.best.plan, resolved.startup_s
         self.samples: list[Sample] = [s for p in resolved.probes for s in p.samples]
         self.observed: dict[Plan, float] = {}

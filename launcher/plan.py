@@ -2,7 +2,8 @@
 
 Computed from the config alone, so every backend starts the same thing and ``--dry-run`` can show it.
 A role is ready when its ``{run}:ready:<name>`` key exists (``tandem/telemetry.py``); the learner's
-processes are its ranks (rank 0 marks it ready); a server is one process. Restart policy per role:
+processes are its ranks (rank 0 marks it ready); a server is one process, and so is the reference worker
+(``placement.reference: own``). Restart policy per role:
 ``launcher/supervision.py`` (a restarted learner runs with ``--resume``, :attr:`Role.resume_argv`).
 """
 
@@ -12,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from placement.local import thread_split
+from placement.local import aux_threads, thread_split
 from tandem.config import Config
 
 SYNC_SPINCOUNT = 10_000  # libgomp busy-wait spins in sync mode, about 0.1 ms (GOMP_SPINCOUNT)
@@ -20,12 +21,16 @@ SYNC_SPINCOUNT = 10_000  # libgomp busy-wait spins in sync mode, about 0.1 ms (G
 
 @dataclass(frozen=True)
 class Role:
-    name: str  # "learner" or "server-<i>": the name of its ready, stats and history keys and of its log
+    name: str  # "learner", "server-<i>" or "reference": its ready, stats and history keys' and its log's name
     module: str  # entry point: ``python -m <module> *argv`` or ``<module>.main(argv)`` in-process
     argv: tuple[str, ...]
     processes: int  # learner ranks; 1 for a server
     threads: int  # CPU threads per process (OMP_NUM_THREADS) when on CPU
     gpus: int  # GPUs per process: 1 per learner rank on CUDA, the tensor-parallel degree per server
+
+    @property
+    def is_server(self) -> bool:
+        return self.name.startswith("server-")
 
     @property
     def is_learner(self) -> bool:
@@ -51,7 +56,12 @@ class RunPlan:
 
     @property
     def servers(self) -> list[Role]:
-        return self.roles[1:]
+        return [r for r in self.roles if r.is_server]
+
+    @property
+    def workers(self) -> list[Role]:
+        """Roles beside the learner and the servers: the reference worker (``placement.reference: own``)."""
+        return [r for r in self.roles[1:] if not r.is_server]
 
 
 def server_tp(cfg: Config) -> int:
@@ -64,7 +74,8 @@ def server_tp(cfg: Config) -> int:
 def plan_run(
     cfg: Config, run_dir: Path, config_path: Path, *, resume: bool, cores: int | None = None
 ) -> RunPlan:
-    """The learner first, then the servers, with entry points, resources and restart policy."""
+    """The learner first, then the servers, then any worker, with entry points, resources and restart
+    policy."""
     server_threads, learner_threads = thread_split(cfg, cores)
     on_gpu = cfg.run.device != "cpu"
     common = ("--config", str(config_path), "--run-dir", str(run_dir))
@@ -87,6 +98,18 @@ def plan_run(
         )
         for i in range(cfg.rollout.num_servers)
     ]
+    workers = []
+    if cfg.reference_scorer == "own":  # scores every trajectory as it arrives (rollout/reference_worker.py)
+        workers.append(
+            Role(
+                name="reference",
+                module="rollout.reference_worker",
+                argv=common,
+                processes=1,
+                threads=aux_threads(cfg, cores),
+                gpus=1 if on_gpu else 0,
+            )
+        )
     env = {"TANDEM_RUN_GROUP": run_dir.name, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     if cfg.placement_mode == "colocate" and "OMP_WAIT_POLICY" not in os.environ:
         # Sync processes share every core by turns: an OpenMP thread spinning after its phase ended would
@@ -97,4 +120,4 @@ def plan_run(
             # (torch's OpenMP) spinning ~0.1 ms bridges those gaps and still sleeps soon after a phase
             # (the tiny demo's learner and generation steps ran 17-23% slower with no spin at all).
             env["GOMP_SPINCOUNT"] = str(SYNC_SPINCOUNT)
-    return RunPlan(cfg, run_dir, config_path, [learner, *servers], env)
+    return RunPlan(cfg, run_dir, config_path, [learner, *servers, *workers], env)

@@ -20,8 +20,9 @@ What this module owns and why it looks the way it does:
   only they train (``learner/lora.py``); the reference stays the plain base model.
 - **Reference.** A frozen plain module (no optimizer state, nothing to partition), loaded only when
   ``kl_coef > 0``; with ``placement.reference: learner_cpu`` it lives on CPU and visits the device for its forward pass.
-  With ``placement.reference: server`` it is not loaded here at all: the rollout servers score it next to
-  generation (``rollout/reference.py``) and each trajectory carries its ``ref_logp``.
+  With ``placement.reference: server`` or ``own`` it is not loaded here at all: the rollout servers score it
+  next to generation (``rollout/reference.py``), or the reference worker as trajectories arrive
+  (``rollout/reference_worker.py``), and each trajectory carries its ``ref_logp``.
   The reward model itself is scored on the rollout servers, not here; the learner only reads it as a
   critic initialisation.
 - **dtype.** ``model.dtype: auto`` is bfloat16 on GPU and float32 on CPU. Logits are upcast to float32
@@ -212,7 +213,7 @@ def load_scalar_head(cfg: Config, path: str, dtype: torch.dtype, *, zero_head: b
 class Models:
     actor: deepspeed.DeepSpeedEngine
     critic: deepspeed.DeepSpeedEngine | None  # gae only
-    reference: nn.Module | None  # kl_coef > 0 and not placement.reference: server
+    reference: nn.Module | None  # when the learner scores the reference (Config.reference_scorer)
     tokenizer: Any
     device: torch.device
     temperature: float  # rollout sampling temperature (behav_logp is of the tempered distribution)
@@ -235,8 +236,8 @@ def load_models(cfg: Config, device: torch.device) -> Models:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
     reference = None
-    # placement.reference: server scores it next to generation; each trajectory brings its ref_logp.
-    if cfg.algorithm.kl_coef > 0 and cfg.placement.reference != "server":
+    # placement.reference server or own: scored elsewhere; each trajectory brings its ref_logp.
+    if cfg.reference_scorer == "learner":
         reference = (
             _causal_lm(cfg.model.reference or cfg.model.actor, cfg, dtype).eval().requires_grad_(False)
         )

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 import weightsync
 from buffer.admission import Admission
+from buffer.ref_scores import RefScores
 from buffer.retry import Incarnation, RedisUnavailable, connect_run
 from buffer.schema import Trajectory
 from buffer.streams import ReplayBuffer, Taken
@@ -111,6 +112,8 @@ class OnlineRuntime(Runtime):
         self.sync_bytes = 0  # bytes of the last published version (weightsync/bytes)
         self.admission_due = False  # a published version whose admission opens at the next take_batch
         self.switch: dict[str, float] = {}  # time/offload, time/reload of the last wait (colocated, GPU)
+        self.ref_scores: RefScores | None = None  # placement.reference: own: the reference worker's scores
+        self.reference_wait = 0.0  # time/reference_wait: the last batch's wait for the worker's scores
 
     def load_models(self) -> Models:
         raise NotImplementedError
@@ -128,6 +131,8 @@ class OnlineRuntime(Runtime):
             self.buffer = ReplayBuffer.from_config(self.client, self.cfg, CONSUMER)
             self.admission = Admission.from_config(self.client, self.cfg, CONSUMER)
             self.publisher = weightsync.make_publisher(self.cfg, self.client, run_dir=str(self.run_dir))
+            if self.cfg.reference_scorer == "own":
+                self.ref_scores = RefScores(self.client, self.cfg.run.name)
             self.telemetry = Telemetry(self.cfg, "learner", self.client, run_dir=str(self.run_dir))
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.trained_log = open(self.run_dir / "trained.jsonl", "a")  # noqa: SIM115 (closed in close())
@@ -242,6 +247,20 @@ class OnlineRuntime(Runtime):
                 admission=self.admission,
                 validate=self.unusable,
             )
+        return self.with_reference(taken) if self.ref_scores is not None else taken
+
+    def with_reference(self, taken: list[Taken]) -> list[Taken] | None:
+        """``placement.reference: own``: each trajectory's ``ref_logp`` from the reference worker's scores
+        (``buffer/ref_scores.py``), waiting for any it has not written yet; None on a stop request."""
+        t0 = time.perf_counter()
+        scores = self.ref_scores.wait(
+            [t.id for t in taken], timeout_s=self.cfg.learner.take_timeout_s, stop=self.stop_requested
+        )
+        if scores is None:
+            return None
+        for t in taken:
+            t.traj.ref_logp = scores[t.id]
+        self.reference_wait = time.perf_counter() - t0
         return taken
 
     def heal_redis(self) -> None:
@@ -367,6 +386,8 @@ class OnlineRuntime(Runtime):
         if self.lead:
             self.buffer.ack(self.pending)
             self.pending.clear()
+            if self.ref_scores is not None:  # the scores of every entry gone from the stream
+                self.ref_scores.drop_gone()
         self.checkpointed_version = self.version
         self.acked_through = self.version * self.cfg.algorithm.batch_size
 

@@ -63,9 +63,11 @@ def episode_metric_means(trajs: list[Trajectory]) -> dict[str, float]:
 
 
 def served_ref_logp(batch: Batch) -> Tensor:
-    """The reference logprobs the rollout servers scored (``placement.reference: server``), 0 off the mask.
+    """The reference logprobs scored outside the learner (``placement.reference`` server or own), 0 off
+    the mask.
 
-    Shape: (B, R). A trajectory without them came from a server that does not score the reference.
+    Shape: (B, R). With ``server``, a trajectory without them came from a server that does not score the
+    reference; with ``own``, the learner filled them from the reference worker before this.
     """
     if batch.ref_logp is None:
         t = next(t for t in batch.trajs if t.ref_logp is None)
@@ -97,8 +99,9 @@ class PPOLearner(OnlineRuntime):
         # actor's own (detached) and a separate no-grad pass would compute the same numbers again. Not
         # when the KL is folded into the reward: advantages need it before the first backward.
         self.prox_is_current = not a.proximal_pass
-        # placement.reference: server: the rollout servers score the reference; each trajectory brings it.
-        self.served_reference = cfg.placement.reference == "server" and a.kl_coef > 0
+        # placement.reference server or own: the rollout servers or the reference worker score the
+        # reference; each trajectory brings it.
+        self.served_reference = cfg.reference_scorer in ("server", "own")
         if cfg.placement.scoring == "split" and self.device.type != "cpu":  # run.device auto found a GPU
             raise ValueError(
                 f"placement.scoring=split shares the learner's CPU threads between its scoring passes; this "
@@ -161,6 +164,7 @@ class PPOLearner(OnlineRuntime):
                 "weightsync/bytes": float(self.sync_bytes),
                 "time/checkpoint": t4 - t3,
                 **self.switch,  # colocated: the learner's offload and reload around the wait (GPU)
+                **({"time/reference_wait": self.reference_wait} if self.ref_scores is not None else {}),
                 **self.timers,
                 "throughput/train_tokens_per_s": batch.num_tokens / (t2 - t1),
                 "batch/tokens": float(batch.seq_lens.sum()),
@@ -222,8 +226,9 @@ class PPOLearner(OnlineRuntime):
         """``prox_logp`` (None unless ``actor``), reference logprobs and critic values of every response
         token. Shape: (B, R) each.
 
-        With ``placement.reference: server`` the reference logprobs are the batch's own, scored by the
-        rollout servers with the same model, dtype and temperature (``rollout/reference.py``)."""
+        With ``placement.reference`` server or own the reference logprobs are the batch's own, scored by the
+        rollout servers or the reference worker with the same model, dtype and temperature
+        (``rollout/reference.py``)."""
         m = self.models
         served = served_ref_logp(batch) if self.served_reference else None  # fails before any pass
         if not actor and m.reference is None and m.critic is None:  # GRPO, one optimizer step: no pass

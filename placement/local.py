@@ -2,7 +2,8 @@
 
 - :func:`roles_of`: the models a config has besides the actor;
 - :func:`configured_plan`: the config's placement as a :class:`~placement.plan.Plan` on ``devices``;
-- :func:`thread_split`: on CPU a device is a thread, so a plan is a thread budget per process;
+- :func:`thread_split`, :func:`aux_threads`: on CPU a device is a thread, so a plan is a thread budget per
+  process;
 - :func:`prior_model`: per-phase laws from the checkpoints' sizes and a device's nominal speed, so
   ``launch.py plan`` can rank plans before a run has profiled anything. Measured laws replace it
   (``placement/cost.py``); its figures are orders of magnitude, and ``launch.py plan`` says so.
@@ -36,16 +37,40 @@ def roles_of(cfg: Config) -> Roles:
 
 
 def configured_plan(cfg: Config, devices: int) -> Plan:
-    """The config's placement on ``devices`` (separate: the servers' share, at least one each side)."""
+    """The config's placement on ``devices`` (separate: the servers' share, at least one each side, and
+    the own worker's, at least one, when a model is placed own)."""
     p = cfg.placement
     if cfg.placement_mode == "colocate":
         return Plan("colocate", devices, devices, 0, p.reference, p.critic, p.reward_model, p.scoring)
-    servers = cfg.rollout.num_servers
-    share = p.generation_share if p.generation_share is not None else servers / (servers + 1)
-    generation = min(devices - 1, max(1, round(share * devices)))
+    servers, own = cfg.rollout.num_servers, cfg.reference_scorer == "own"
+    aux = min(devices - 2, max(1, round(aux_share(cfg) * devices))) if own else 0
+    share = p.generation_share if p.generation_share is not None else servers / (servers + 1 + own)
+    generation = min(devices - 1 - aux, max(1, round(share * devices)))
     return Plan(
-        "separate", generation, devices - generation, 0, p.reference, p.critic, p.reward_model, p.scoring
+        "separate",
+        generation,
+        devices - generation - aux,
+        aux,
+        p.reference,
+        p.critic,
+        p.reward_model,
+        p.scoring,
     )
+
+
+def aux_share(cfg: Config) -> float:
+    """The own worker's share of the devices: ``placement.aux_share``, else an equal share per process."""
+    if cfg.placement.aux_share is not None:
+        return cfg.placement.aux_share
+    return 1 / (cfg.rollout.num_servers + 2)
+
+
+def aux_threads(cfg: Config, cores: int | None = None) -> int:
+    """CPU threads of the reference worker (``placement.reference: own``); 0 without one."""
+    if cfg.reference_scorer != "own":
+        return 0
+    cores = cores or os.cpu_count() or 1
+    return max(1, round(aux_share(cfg) * cores))
 
 
 def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
@@ -56,21 +81,21 @@ def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
     against; on the generation-heavy workload of ``bench/vs_trl.py`` it measured 1.6 -> 1.1 s/step against
     the split). separate: generation and training run at once, so they split the cores: the servers'
     ``placement.generation_share`` (or ``rollout.threads`` each, or an equal share per process), the
-    learner what is left. ``rollout.threads`` and ``learner.threads`` override either share (on a busy
+    reference worker its :func:`aux_threads` (``placement.reference: own``), the learner what is left. ``rollout.threads`` and ``learner.threads`` override either share (on a busy
     machine, 1 avoids OpenMP barrier stalls).
     """
     cores = cores or os.cpu_count() or 1
     servers, learner = cfg.rollout.num_servers, cfg.learner.threads
     if cfg.placement_mode == "colocate":
         return cfg.rollout.threads or max(1, cores // servers), learner or cores
-    share = cfg.placement.generation_share
+    share, aux = cfg.placement.generation_share, aux_threads(cfg, cores)
     if cfg.rollout.threads:
         per_server = cfg.rollout.threads
     elif share is not None:
         per_server = max(1, round(share * cores) // servers)
     else:
-        per_server = max(1, cores // (servers + 1))
-    return per_server, learner or max(1, cores - per_server * servers)
+        per_server = max(1, cores // (servers + 1 + (aux > 0)))
+    return per_server, learner or max(1, cores - per_server * servers - aux)
 
 
 def _params(path: str | None) -> tuple[float, float]:

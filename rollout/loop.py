@@ -110,7 +110,7 @@ class RolloutLoop:
         stop_event: threading.Event | None = None,
         evaluator: Evaluator | None = None,
     ) -> None:
-        if reference is None and cfg.placement.reference == "server" and cfg.algorithm.kl_coef > 0:
+        if reference is None and cfg.reference_scorer == "server":
             raise ValueError(
                 "placement.reference=server: the rollout loop needs the reference model to score"
             )

@@ -129,11 +129,16 @@ class ReferenceModel:
         ]
         return torch.cat(scored) if scored else torch.zeros(0)
 
-    def fill(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
-        """Set each trajectory's ``ref_logp`` (0 on environment tokens); returns them."""
+    def trajectories(self, trajs: Sequence[Trajectory]) -> list[np.ndarray]:
+        """Each trajectory's ``ref_logp``: log π_ref of its response tokens, 0 on environment tokens (the
+        learner's mask). Shape: one float32 (R,) per trajectory."""
         scored = self.logprobs([(t.prompt_tokens, t.response_tokens) for t in trajs])
-        for t, logp in zip(trajs, scored, strict=True):
-            t.ref_logp = np.where(t.generated, logp, 0.0).astype(np.float32)
+        return [np.where(t.generated, s, 0.0).astype(np.float32) for t, s in zip(trajs, scored, strict=True)]
+
+    def fill(self, trajs: Sequence[Trajectory]) -> list[Trajectory]:
+        """Set each trajectory's ``ref_logp``; returns them."""
+        for t, logp in zip(trajs, self.trajectories(trajs), strict=True):
+            t.ref_logp = logp
         return list(trajs)
 
 
@@ -152,8 +157,14 @@ def _passes(order: list[int], lens: list[int], budget: int) -> list[list[int]]:
 def load_reference(cfg: Config) -> ReferenceModel | None:
     """The server's reference when this run scores it there (``placement.reference: server`` with a KL
     penalty), else None."""
-    if cfg.placement.reference != "server" or cfg.algorithm.kl_coef <= 0:
+    if cfg.reference_scorer != "server":
         return None
+    return reference_of(cfg)
+
+
+def reference_of(cfg: Config) -> ReferenceModel:
+    """The run's reference: the learner's checkpoint (``model.reference``, else the actor's initial
+    weights), dtype and sampling temperature."""
     return ReferenceModel(
         cfg.model.reference or cfg.model.actor,
         temperature=cfg.rollout.temperature,

@@ -643,7 +643,7 @@ class LearnerConfig(Section):
 # The planner ranks every placement (placement/plan.py); these are the ones the processes run today, for a
 # config to ask for and for placement.mode: auto to choose.
 RUNNABLE_PLACEMENT: dict[str, tuple[str, ...]] = {
-    "reference": ("learner", "learner_cpu", "server"),
+    "reference": ("learner", "learner_cpu", "server", "own"),
     "critic": ("learner",),
     "reward_model": ("server",),
     "scoring": ("serial", "split"),
@@ -671,9 +671,15 @@ class PlacementConfig(Section):
         lt=1,
         description="separate mode: the fraction of the devices (CPU threads) given to the rollout servers; null gives every process an equal share.",
     )
+    aux_share: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="separate mode with a model placed own: the fraction of the devices (CPU threads) given to its worker; null gives it an equal share with every other process.",
+    )
     reference: Literal["learner", "learner_cpu", "server", "own"] = Field(
         "learner",
-        description="Where the reference runs (with kl_coef > 0): learner (resident on the learner's devices), learner_cpu (on the learner's CPU, moved to its devices for each pass), server (each rollout server holds a second model, the frozen reference, and scores every trajectory's ref_logp next to generation; the learner loads none); own is predicted by the planner only.",
+        description="Where the reference runs (with kl_coef > 0): learner (resident on the learner's devices), learner_cpu (on the learner's CPU, moved to its devices for each pass), server (each rollout server holds a second model, the frozen reference, and scores every trajectory's ref_logp next to generation; the learner loads none), own (a reference worker on devices of its own scores every trajectory as it is appended, and the learner reads the numbers; separate mode).",
     )
     critic: Literal["learner", "own"] = Field(
         "learner", description="Where the critic trains: learner; own (its own ranks) is predicted only."
@@ -900,6 +906,12 @@ class Config(Section):
                 "placement.mode=colocate takes turns on the same devices, which needs run.mode=sync "
                 "(max_staleness 0: the servers generate one batch per version, never while the learner trains)"
             )
+        if self.reference_scorer == "own" and self.placement_mode == "colocate":
+            raise ValueError(
+                "placement.reference=own gives the reference devices of its own, beside generation and "
+                "learning; colocated (run.mode=sync or placement.mode=colocate) every device is shared: use "
+                "placement.reference=learner or server there"
+            )
         if self.placement.scoring == "split" and (self.run.device == "cuda" or self.learner.num_ranks > 1):
             raise ValueError(
                 "placement.scoring=split runs the learner's scoring forwards at once on shares of its CPU "
@@ -1014,6 +1026,16 @@ class Config(Section):
         if self.placement.mode in ("separate", "colocate"):
             return self.placement.mode
         return "colocate" if self.run.mode == "sync" else "separate"  # auto: until launch.py resolves it
+
+    @property
+    def reference_scorer(self) -> Literal["learner", "server", "own"] | None:
+        """Who computes the reference log-probabilities (docs/design.md §11.1): None without one (no KL
+        penalty, or not PPO); else the learner (``placement.reference`` learner or learner_cpu), the rollout
+        servers, or the reference worker (``own``)."""
+        if self.algorithm.recipe != "ppo" or self.algorithm.kl_coef <= 0:
+            return None
+        at = self.placement.reference
+        return "learner" if at == "learner_cpu" else at
 
     @property
     def max_staleness(self) -> int:

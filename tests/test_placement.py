@@ -497,8 +497,12 @@ def test_thread_split_follows_the_placement() -> None:
 def test_placement_config_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match=r"placement.mode=colocate .* needs run.mode=sync"):
         cfg_of("placement.mode=colocate", "run.mode=async")
-    with pytest.raises(ConfigError, match=r"placement.reference=own is predicted by `launch.py plan`"):
-        cfg_of("placement.reference=own")
+    with pytest.raises(ConfigError, match=r"placement.critic=own is predicted by `launch.py plan`"):
+        cfg_of("placement.critic=own")
+    with pytest.raises(ConfigError, match=r"placement.reward_model=own is predicted by `launch.py plan`"):
+        cfg_of("placement.reward_model=own")
+    with pytest.raises(ConfigError, match=r"placement.reference=own .* colocated"):
+        cfg_of("placement.reference=own", "run.mode=sync", "algorithm.kl_coef=0.1")
     with pytest.raises(ConfigError, match=r"placement\.generation_share"):
         cfg_of("placement.generation_share=1.5")
     assert cfg_of("placement.reference=learner_cpu").placement.reference == "learner_cpu"
@@ -628,7 +632,8 @@ def test_observed_ratio_prices_a_plan_by_its_own_steps_phase_times() -> None:
 
 def test_auto_chooses_among_exactly_the_placements_a_config_can_ask_for() -> None:
     """``placement.mode: auto`` applies its pick through the config; what it may pick and what a config
-    accepts are one list (the reference on the servers included, since the processes run it)."""
+    accepts are one list (the reference on the servers and on a worker of its own included, since the
+    processes run them; the worker not on Ray, which does not start it yet)."""
     from launcher.auto import runnable
     from tandem.config import PlacementConfig
 
@@ -640,6 +645,7 @@ def test_auto_chooses_among_exactly_the_placements_a_config_can_ask_for() -> Non
             accepted = True
         except ValueError:
             accepted = False
-        assert runnable(plan) == (accepted and plan.aux == 0), plan
+        assert runnable(plan) == accepted, plan
+        assert runnable(plan, own=False) == (accepted and plan.aux == 0), plan
         picked |= {plan.reference} if runnable(plan) else set()
-    assert picked == {"learner", "learner_cpu", "server"}
+    assert picked == {"learner", "learner_cpu", "server", "own"}

@@ -169,6 +169,11 @@ class RayBackend:
 
     def prepare(self, cfg: Config) -> Config:
         c, ranks = cfg.cluster, cfg.learner.num_ranks
+        if cfg.reference_scorer == "own":
+            raise ConfigError(
+                "placement.reference=own runs its reference worker under the local backend only for now; on "
+                "Ray use placement.reference=learner, learner_cpu or server"
+            )
         if ranks % c.learner_nodes:
             raise ConfigError(
                 f"cluster.learner_nodes ({c.learner_nodes}) must divide learner.num_ranks ({ranks})"

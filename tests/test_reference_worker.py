@@ -1,0 +1,211 @@
+"""``placement.reference: own``: a reference worker scores every trajectory as it is appended, on threads of its
+own, and the learner reads the numbers (docs/design.md §11.1).
+
+Real Redis, real tiny checkpoints, a real DeepSpeed learner engine (one gloo rank) for the reference numbers
+the learner would compute itself, and ``launch.py`` runs for the process wiring and a kill -9 of the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from buffer.ref_scores import GROUP, RefScores
+from buffer.streams import ReplayBuffer
+from learner.batch import make_batch
+from learner.ppo import PPOLearner
+from placement.local import aux_threads, configured_plan, thread_split
+from rollout.reference import reference_of
+from rollout.reference_worker import ReferenceWorker
+from tandem.config import load_config
+from tandem.telemetry import Telemetry
+from tests.test_reference_placement import learner_of, mixed_trajectories, other_ckpt, ppo_config
+
+__all__ = ["other_ckpt"]  # the fixture, shared with test_reference_placement
+
+
+def worker_for(cfg, client, run: str, stop: threading.Event, batch: int = 4) -> ReferenceWorker:
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run})})
+    return ReferenceWorker(
+        reference_of(cfg), RefScores(client, run), Telemetry(cfg, "reference", client), batch=batch, stop=stop
+    )
+
+
+def run_until(worker: ReferenceWorker, done) -> None:
+    """The worker in a thread until ``done()`` holds (or 30 s pass), then stopped."""
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_worker_scores_equal_the_learners_reference(
+    redis_client, run_id, tiny_ckpt, other_ckpt, tmp_path
+) -> None:
+    """Trajectories appended to the stream, scored by the worker: each equals the learner's own reference
+    forward within 1e-5 on every trained token, 0 on environment tokens; the learner under ``own`` trains on
+    exactly these numbers; and the entries stay in the stream for the learner's group."""
+    want_cfg = ppo_config(tiny_ckpt, other_ckpt, tmp_path, "learner")
+    learner = learner_of(want_cfg, tmp_path)
+    trajs = mixed_trajectories()
+    _, want, _ = learner.score(make_batch(trajs, 0))  # (B, R)
+
+    buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
+    ids = buffer.put(trajs)
+    scores = RefScores(redis_client, run_id)
+    cfg = ppo_config(tiny_ckpt, other_ckpt, tmp_path, "own")
+    worker = worker_for(cfg, redis_client, run_id, threading.Event(), batch=4)  # two reads of 4 and 2
+    run_until(worker, lambda: len(scores.fetch(ids)) == len(ids))
+    got = scores.fetch(ids)
+    for i, (entry, t) in enumerate(zip(ids, trajs, strict=True)):
+        r = len(t.response_tokens)
+        assert got[entry].shape == (r,) and got[entry].dtype == np.float32
+        np.testing.assert_allclose(got[entry], want[i, :r].numpy(), atol=1e-5, rtol=0)
+        assert np.all(got[entry][~t.generated] == 0)
+    assert scores.pending() == 0  # acknowledged to the worker's own group...
+    assert buffer.trajectories_pending() == len(ids)  # ...never deleted: the entries are the learner's
+
+    own_learner = PPOLearner(cfg, tmp_path)
+    own_learner.models = learner.models  # the reference it would not load is never read
+    assert own_learner.served_reference and cfg.reference_scorer == "own"
+    own_learner.ref_scores = scores
+    taken = buffer.take(len(ids), timeout_s=5)
+    assert [t.id for t in taken] == ids
+    filled = own_learner.with_reference(taken)
+    _, got_batch, _ = own_learner.score(make_batch([t.traj for t in filled], 0))
+    torch.testing.assert_close(got_batch, want, atol=1e-5, rtol=0)
+
+
+def test_a_restarted_worker_scores_what_its_earlier_life_read(
+    redis_client, run_id, tiny_ckpt, other_ckpt, tmp_path
+) -> None:
+    """An earlier life read entries and died before writing: they stay pending in the worker's group and its
+    next life scores them first. An entry the learner deleted meanwhile is acknowledged, not scored."""
+    buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
+    ids = buffer.put(mixed_trajectories())
+    scores = RefScores(redis_client, run_id)
+    scores.ensure_group()
+    read = scores.read(len(ids), 100, pending=False)  # read, then "killed": nothing written, nothing acked
+    assert [i for i, _ in read] == ids and scores.pending() == len(ids)
+    redis_client.xdel(f"{run_id}:traj", ids[0])  # trained and acked by the learner meanwhile
+    assert scores.read(len(ids), 100, pending=False) == []  # nothing new: they are pending, not undelivered
+
+    cfg = ppo_config(tiny_ckpt, other_ckpt, tmp_path, "own")
+    worker = worker_for(cfg, redis_client, run_id, threading.Event())
+    run_until(worker, lambda: scores.pending() == 0)
+    assert set(scores.fetch(ids)) == set(ids[1:])  # every survivor scored, the deleted one skipped
+    assert worker.scored == len(ids) - 1
+
+
+def test_learner_waits_for_missing_scores_and_drops_those_of_entries_gone(redis_client, run_id) -> None:
+    buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
+    ids = buffer.put(mixed_trajectories()[:3])
+    scores = RefScores(redis_client, run_id)
+    scores.ensure_group()
+    scores.write([(ids[0], np.array([-1.0, -2.0]))], [ids[0]])
+    with pytest.raises(TimeoutError, match=r"2 of 3 trajectories .*placement.reference=own"):
+        scores.wait(ids, timeout_s=0.05)
+    assert scores.wait(ids, timeout_s=5, stop=lambda: True) is None  # a stop request ends the wait
+
+    late = threading.Timer(0.2, scores.write, args=([(i, np.array([-0.5])) for i in ids[1:]], ids[1:]))
+    late.start()
+    t0 = time.monotonic()
+    got = scores.wait(ids, timeout_s=5)
+    assert time.monotonic() - t0 >= 0.15 and set(got) == set(ids)
+    np.testing.assert_array_equal(got[ids[0]], np.array([-1.0, -2.0], dtype=np.float32))
+
+    buffer.ack(ids[:2])  # trained and checkpointed: deleted from the stream
+    assert scores.drop_gone() == 2
+    assert set(scores.fetch(ids)) == {ids[2]}  # the entry still in the stream keeps its scores
+    buffer.ack(ids[2:])
+    assert scores.drop_gone() == 1 and scores.fetch(ids) == {}
+
+
+def test_own_is_separate_only_and_gets_threads_of_its_own(tiny_ckpt, other_ckpt, tmp_path) -> None:
+    cfg = ppo_config(tiny_ckpt, other_ckpt, tmp_path, "own")
+    assert cfg.reference_scorer == "own"
+    per_server, learner = thread_split(cfg, 8)
+    aux = aux_threads(cfg, 8)
+    # Three processes: a server 8 // 3, the worker round(8 / 3), the learner what is left.
+    assert (per_server, aux, learner) == (2, 3, 3)
+    shared = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"aux_share": 0.5})})
+    assert aux_threads(shared, 8) == 4 and thread_split(shared, 8) == (2, 2)
+    plan = configured_plan(cfg, 8)
+    assert (plan.generation, plan.learning, plan.aux, plan.reference) == (3, 2, 3, "own")
+    assert (configured_plan(shared, 8).aux, configured_plan(shared, 8).learning) == (4, 1)
+    no_kl = ppo_config(tiny_ckpt, other_ckpt, tmp_path, "own")
+    no_kl = no_kl.model_copy(update={"algorithm": no_kl.algorithm.model_copy(update={"kl_coef": 0.0})})
+    assert no_kl.reference_scorer is None and aux_threads(no_kl, 8) == 0
+    raw = json.loads(cfg.model_dump_json())
+    raw["run"]["mode"] = "sync"
+    with pytest.raises(ValueError, match=r"placement.reference=own .*colocated"):
+        load_config(None, raw=raw)
+
+
+@pytest.mark.slow
+@pytest.mark.faults  # kill -9 of a role through launch.py (make test-faults)
+def test_ppo_with_the_reference_worker_survives_its_kill(tiny_ckpt, tmp_path) -> None:
+    """``launch.py`` with ``placement.reference=own``: three processes; the learner loads no reference and
+    trains with a KL term on the worker's numbers. The worker is killed with SIGKILL mid-run: it is
+    restarted, the run finishes, every step trains a distinct batch (no trajectory twice), and the scores
+    of trained entries are gone from Redis at the end."""
+    from tandem.data import write_prompts
+    from tests.test_launch import ROOT, attach, inspect_redis, launch_cmd
+    from toy.tasks import make_records
+
+    prompts = write_prompts(tmp_path / "echo.jsonl", make_records("echo", 200))
+    steps, out = 40, tmp_path / "runs"
+    cmd = launch_cmd(
+        tiny_ckpt, prompts, out, f"learner.total_steps={steps}", "algorithm.kl_coef=0.05",
+        "placement.reference=own", "learner.checkpoint_interval=10",
+    )  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        run_dir, client = attach(proc, out, deadline)
+        key = f"{run_dir.name}:ready:reference"
+        while not (client.exists(key) and int(client.get(f"{run_dir.name}:version") or 0) >= 3):
+            assert time.monotonic() < deadline and proc.poll() is None, "run did not reach step 3"
+            time.sleep(0.02)
+        os.kill(json.loads(client.get(key))["pid"], signal.SIGKILL)
+        killed_at = int(client.get(f"{run_dir.name}:version"))
+        out_text, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out_text[-4000:]
+    assert killed_at < steps - 5, f"the kill landed too late (version {killed_at})"
+    assert "started learner, server-0, reference" in out_text
+    assert (run_dir / "logs" / "reference.log").read_text().count("=== ") >= 2  # restarted
+
+    rows = [json.loads(x) for x in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "reward/mean" in r]
+    assert len(trained) == steps and all(np.isfinite(r["policy/kl"]) for r in trained)
+    assert all("time/reference_wait" in r and "time/reference" not in r for r in trained)
+    worker_rows = [json.loads(x) for x in (run_dir / "reference_history.jsonl").read_text().splitlines()]
+    assert sum(r["reference/trajectories"] for r in worker_rows) >= steps * 8
+
+    ids = [
+        i for line in (run_dir / "trained.jsonl").read_text().splitlines() for i in json.loads(line)["ids"]
+    ]
+    assert len(ids) == steps * 8 and len(set(ids)) == len(ids)  # exactly once, from the learner's records
+    server, client, run = inspect_redis(run_dir)
+    try:
+        left = {f.decode() for f in client.hkeys(f"{run}:ref_logp")}
+        assert not left & set(ids), "scores of trained, acknowledged trajectories stayed in Redis"
+        assert GROUP in {g["name"].decode() for g in client.xinfo_groups(f"{run}:traj")}
+    finally:
+        client.close()
+        server.stop()
