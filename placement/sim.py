@@ -201,7 +201,7 @@ class SimRun:
         learner_roles = ["actor"]
         learner_roles += ["reference"] if roles.reference and plan.reference == "learner" else []
         learner_roles += ["critic"] if roles.critic and plan.critic == "learner" else []
-        own = plan.own(roles)
+        own = [r for r in plan.own(roles) if r != "reference"]  # an own reference streams (separated)
         offloaded = roles.reference and plan.reference == "learner_cpu"
         if offloaded:  # parked in host memory between uses; brought back for the scoring forwards
             self.cluster.park(self.truth.memory["reference"][0], "reference")
@@ -282,29 +282,58 @@ class SimRun:
     def _run_separated(
         self, plan: Plan, groups: Groups, first: int, steps: int, stop: Callable[[int], bool] | None
     ) -> int:
+        # The servers' batches reach the learner through the buffer; with the reference on its own group, the
+        # reference worker scores each batch on its way (rollout/reference_worker.py), a third stage.
+        streamed = "reference" in plan.own(self.roles)
         ready: queue.Queue[Workload] = queue.Queue(maxsize=max(1, self.max_staleness))
+        made: queue.Queue[Workload] = queue.Queue(maxsize=1) if streamed else ready
         halt = threading.Event()
         errors: list[BaseException] = []
+
+        def put(q: queue.Queue[Workload], work: Workload) -> bool:
+            while not halt.is_set():
+                try:
+                    q.put(work, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def servers() -> None:
             try:
                 for i in range(first, first + steps):
                     work = self.work_at(i)
                     self.generate(plan, work, groups.generation, i)
-                    while not halt.is_set():
-                        try:
-                            ready.put(work, timeout=0.05)
-                            break
-                        except queue.Full:
-                            continue
-                    if halt.is_set():
+                    if not put(made, work):
                         return
             except BaseException as e:  # surfaced in the caller's thread
                 errors.append(e)
                 halt.set()
 
-        gen = threading.Thread(target=servers, daemon=True)
-        gen.start()
+        def reference() -> None:
+            try:
+                for _ in range(steps):
+                    work = None
+                    while work is None and not halt.is_set():
+                        try:
+                            work = made.get(timeout=0.05)
+                        except queue.Empty:
+                            continue
+                    if work is None:
+                        return
+                    with self.resident("reference", work, groups.aux):
+                        self.phase("reference", work, groups.aux, plan)
+                    if not put(ready, work):
+                        return
+            except BaseException as e:
+                errors.append(e)
+                halt.set()
+
+        stages = [threading.Thread(target=servers, daemon=True)]
+        if streamed:
+            stages.append(threading.Thread(target=reference, daemon=True))
+        for t in stages:
+            t.start()
         done = 0
         try:
             for i in range(first, first + steps):
@@ -323,7 +352,8 @@ class SimRun:
                     break
         finally:
             halt.set()
-            gen.join()
+            for t in stages:
+                t.join()
         if errors:
             raise errors[0]
         return done

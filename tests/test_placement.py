@@ -225,6 +225,24 @@ def test_split_scoring_takes_the_slowest_forward_and_own_roles_run_beside() -> N
     assert offloaded.learning_s == 1 + 2 + 3 + 0.75 + 6 + 7 + 0.5
 
 
+def test_a_reference_on_its_own_group_streams_as_a_third_stage() -> None:
+    """``reference=own``: the worker scores each batch on its way from the servers to the learner, so it is
+    not in the learner's step; it sets the pace only when its group's work per batch is the slowest."""
+    ref_only = Roles(reference=True, critic=False, reward_model=False)
+    plan = Plan("separate", 2, 1, 1, reference="own")
+    times = {"generate": 5.0, "reference": 3.0, "actor_logp": 1.0, "actor_train": 6.0, "sync": 0.5}
+    p = predict(plan, ref_only, constant_model(**times), WORK)
+    assert p.learning_s == 1 + 6 + 0.5 and p.step_s == max(5, 7, 3) + 0.5
+    slow = predict(plan, ref_only, constant_model(**{**times, "reference": 9.0}), WORK)
+    assert slow.learning_s == 7.5 and slow.step_s == 9 + 0.5
+    # sharing its group with an own critic: the group's work per batch is the reference and the critic's
+    both = predict(
+        Plan("separate", 2, 1, 1, reference="own", critic="own"), ALL, constant_model(**TIMES), WORK
+    )
+    assert both.learning_s == max(1, 3) + max(6, 7) + 0.5  # the critic beside the actor, no reference pass
+    assert both.step_s == max(5 + 4, max(1, 3) + max(6, 7), 2 + 3 + 7) + 0.5  # servers | learner | own group
+
+
 def test_time_scales_with_w_over_g() -> None:
     model = CostModel({**constant_model(**TIMES).time, "generate": Law(1.0, 0.01)})
     # 400 generated tokens: 1 + 0.01 * 400 / g
@@ -365,6 +383,25 @@ def test_sim_weight_sync_holds_the_servers_devices() -> None:
     sim = SimRun(Cluster(2, 80 * GiB), truth, GRPO, lambda i: WORK, seed=0)
     sim.run(Plan("separate", 1, 1), 0, 7)
     assert (sim.ends[-1] - sim.ends[2]) / 4 == pytest.approx(4 * PHASE, rel=0.2)
+
+
+def test_sim_streams_an_own_reference_between_generation_and_learning() -> None:
+    # Each stage one phase a batch (generation; the reference on the aux device; the learner's logp and
+    # train, then the broadcast that holds the servers too): a step costs the learner's 3 phases, not 4.
+    # A reference three phases long is the slowest stage and sets the pace, as the planner prices it.
+    roles = Roles(reference=True, critic=False, reward_model=False)
+    plan = Plan("separate", 1, 1, 1, reference="own")
+    sim = SimRun(Cluster(3, 80 * GiB), flat_truth(), roles, lambda i: WORK, seed=0)
+    sim.run(plan, 0, 8)
+    assert (sim.ends[-1] - sim.ends[2]) / 5 == pytest.approx(3 * PHASE, rel=0.2)
+    assert {s.devices for s in sim.samples if s.name == "reference"} == {1}
+    assert not any(s.name == "reference" and s.value > 2 * PHASE for s in sim.samples)
+    truth = flat_truth()
+    truth = Truth({**truth.phases, "reference": PhaseTruth(4 * PHASE, 0.0)}, truth.memory, contention=0.0,
+                  colocated_slowdown=0.0, jitter=0.0, switch_jitter=0.0)  # fmt: skip
+    sim = SimRun(Cluster(3, 80 * GiB), truth, roles, lambda i: WORK, seed=0)
+    sim.run(plan, 0, 8)
+    assert (sim.ends[-1] - sim.ends[2]) / 5 == pytest.approx(4 * PHASE, rel=0.2)
 
 
 def test_sim_device_locks_are_exclusive() -> None:
