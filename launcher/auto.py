@@ -52,10 +52,9 @@ class ProbeFailed(RuntimeError):
     """A profile-window probe run did not finish; its run directory holds the reason."""
 
 
-def runnable(plan: Plan, *, own: bool = True) -> bool:
-    """Plans the processes run today (the planner predicts more; docs/design.md §11.1); without ``own``, none
-    with a worker of its own (the Ray backend does not start one yet)."""
-    return (own or not plan.aux) and all(getattr(plan, k) in v for k, v in RUNNABLE_PLACEMENT.items())
+def runnable(plan: Plan) -> bool:
+    """Plans the processes run today (the planner predicts more; docs/design.md §11.1)."""
+    return all(getattr(plan, k) in v for k, v in RUNNABLE_PLACEMENT.items())
 
 
 def applied(cfg: Config, plan: Plan) -> Config:
@@ -90,12 +89,12 @@ def probe(cfg: Config, mode: str, out: Path) -> Config:
     return c.model_copy(update={"learner": learner, "run": run, "logging": logging})
 
 
-def choose(cfg: Config, profiles: list[RunProfile], cores: int, *, own: bool = True) -> list[Prediction]:
+def choose(cfg: Config, profiles: list[RunProfile], cores: int) -> list[Prediction]:
     """Every runnable plan on ``cores`` predicted from the probes' phase times, fastest first."""
     model = CostModel.from_samples([s for p in profiles for s in p.samples])
     work = profiled_workload(profiles, cfg.algorithm.batch_size)
     roles = roles_of(cfg)
-    plans = [p for p in candidates(roles, cores) if runnable(p, own=own)]
+    plans = [p for p in candidates(roles, cores) if runnable(p)]
     return rank(roles, cores, model, work, plans=plans)
 
 
@@ -107,7 +106,6 @@ class Resolved:
     best: Prediction
     probes: list[RunProfile]
     startup_s: float  # the probes' mean start-up: launch to the end of the first step, less that step
-    own: bool = True  # plans with a worker of their own may run (not on Ray yet)
 
 
 def probes_dir(cfg: Config) -> Path:
@@ -119,14 +117,12 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
     """Run both probes through the driver (each on a fresh backend), and apply the best plan."""
     cores = os.cpu_count() or 1
     out = probes_dir(cfg)
-    profiles, startups, probe_dirs, own = [], [], {}, True
+    profiles, startups, probe_dirs = [], [], {}
     for mode in ("sync", "async"):
         c = probe(cfg, mode, out / mode)
         print(f"[launch] placement auto: profiling {cfg.placement.profile_steps} steps {mode}", flush=True)
         launched = time.time()
-        backend = make_backend()
-        own = own and backend.name == "local"
-        if (code := driver.run(c, prompts, backend, resume=None, console_enabled=False)) != 0:
+        if (code := driver.run(c, prompts, make_backend(), resume=None, console_enabled=False)) != 0:
             raise ProbeFailed(
                 f"placement auto: the {mode} probe run failed (exit {code}); its logs: {out / mode}"
             )
@@ -134,7 +130,7 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
         profiles.append(read_probe(cfg, run_dir, cores))
         probe_dirs[mode] = str(run_dir)
         startups.append(max(0.0, profiles[-1].first_step_at - launched - profiles[-1].window_step_s))
-    ranked = choose(cfg, profiles, cores, own=own)
+    ranked = choose(cfg, profiles, cores)
     roles = roles_of(cfg)
     for p in ranked:
         print(f"[launch] placement auto:   {p.plan.label(roles):<50} {p.step_s * 1e3:8.1f} ms/step predicted")
@@ -148,7 +144,7 @@ def resolve(cfg: Config, prompts: PromptSet, make_backend: Callable[[], Backend]
         "probes": probe_dirs,  # read again by a resumed run that re-plans (reload)
     }
     (out / "choice.json").write_text(json.dumps(choice) + "\n")
-    return Resolved(applied(cfg, best.plan), best, profiles, statistics.mean(startups), own)
+    return Resolved(applied(cfg, best.plan), best, profiles, statistics.mean(startups))
 
 
 def read_probe(cfg: Config, run_dir: Path, cores: int) -> RunProfile:
@@ -210,7 +206,7 @@ class Mover:
     def __init__(self, cfg: Config, resolved: Resolved, cores: int) -> None:
         self.cfg, self.cores, self.every = cfg, cores, cfg.placement.replan_every
         self.roles = roles_of(cfg)
-        self.plans = [p for p in candidates(self.roles, cores) if runnable(p, own=resolved.own)]
+        self.plans = [p for p in candidates(self.roles, cores) if runnable(p)]
         self.plan, self.move_s = resolved.best.plan, resolved.startup_s
         self.samples: list[Sample] = [s for p in resolved.probes for s in p.samples]
         self.observed: dict[Plan, float] = {}

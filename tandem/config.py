@@ -781,6 +781,13 @@ class ClusterConfig(Section):
         default_factory=dict,
         description="Custom Ray resources each rollout server takes, e.g. {rollout: 1}.",
     )
+    aux_cpus: float = Field(
+        1.0, gt=0, description="CPUs reserved for the reference worker (placement.reference: own)."
+    )
+    aux_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources the reference worker takes (placement.reference: own), e.g. {aux: 1}.",
+    )
     redis_host: str | None = Field(
         None,
         description="Address the embedded Redis binds to under Ray; null: the head node's Ray address (never 0.0.0.0 unless set).",

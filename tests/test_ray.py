@@ -11,6 +11,7 @@ Nothing is mocked; all nodes share this machine's filesystem and cores.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -178,6 +179,35 @@ def test_placement_auto_profiles_both_modes_and_runs_its_pick_on_the_cluster(
     assert saved["run"]["mode"] == ("sync" if saved["placement"]["mode"] == "colocate" else "async")
     assert f"learner finished at step {steps}" in proc.stdout
     assert re.search(r"placement auto: .* after step 0: predicted .* measured", proc.stdout)
+    assert leftover_processes(run_dir) == []
+
+
+@pytest.mark.ray
+def test_the_reference_worker_runs_on_a_node_of_its_own(
+    cluster, tiny_ckpt, prompts: Path, tmp_path: Path
+) -> None:
+    """``placement.reference=own`` on Ray: the worker is an actor on a node with the resources it asks
+    for, apart from the learner and the server, and the learner trains on its numbers (docs/design.md
+    §11.1)."""
+    steps = 6
+    extra = (*SMALL, f"learner.total_steps={steps}", "algorithm.kl_coef=0.05", "placement.reference=own",
+             "cluster.aux_resources={rollout: 1}")  # fmt: skip
+    proc = subprocess.run(
+        ray_cmd(cluster, tiny_ckpt, prompts, tmp_path, *extra), cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = run_dir_of(tmp_path)
+    where = placement(run_dir)
+    assert len({where["learner/rank-0"], where["server-0"], where["reference"]}) == 3
+    assert KIND[node_of(cluster, where["reference"]).node_id] == ROLLOUT
+    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "reward/mean" in r]
+    assert len(trained) == steps and all(
+        "time/reference_wait" in r and math.isfinite(r["policy/kl"]) for r in trained
+    )
+    worker = [json.loads(line) for line in (run_dir / "reference_history.jsonl").read_text().splitlines()]
+    assert sum(r["reference/trajectories"] for r in worker) >= steps * 8
     assert leftover_processes(run_dir) == []
 
 

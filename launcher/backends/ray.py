@@ -11,6 +11,9 @@
   against the server restart policy (``launcher/supervision.py``): when a server's process or node dies,
   also before it was ready, the launcher runs the server again under the same consumer name, so the
   prompts the dead one held are re-delivered (docs/design.md §6.1).
+- **The reference worker** (``placement.reference: own``): one actor (``cluster.aux_cpus``, a GPU on
+  GPUs, ``cluster.aux_resources``), restarted the same way; it reads the trajectories under one consumer
+  name, so what the dead one read is scored by the next (docs/design.md §11.1).
 - **Nothing shared on disk**: every actor writes its own copy of the per-process config (0600) and its
   log under the run directory's path on its node.
 - **Checks before anything runs**: the plan must fit the cluster's resources (the shortfall is named);
@@ -73,7 +76,7 @@ class Process:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_private(path, config_text)
         cfg = load_config(path)
-        if cfg.weightsync.transport == "shm" and not role.is_learner:
+        if cfg.weightsync.transport == "shm" and role.is_server:  # the worker's model is frozen: no weights
             learner = cfg.cluster.placement.get("learner/rank-0", "")
             here = ray.get_runtime_context().get_node_id()
             if learner and not learner.startswith(here[:12]):
@@ -156,7 +159,7 @@ class RayBackend:
     cluster: object | None = None  # ray.cluster_utils.Cluster for --ray local
     pg: object | None = None
     ranks: list = field(default_factory=list)
-    servers: dict = field(default_factory=dict)  # name -> actor
+    actors: dict = field(default_factory=dict)  # every server's and worker's actor, by role name
     refs: dict = field(default_factory=dict)  # process name -> ObjectRef of its run()
     roles: dict = field(default_factory=dict)
     restarts: dict = field(default_factory=dict)
@@ -169,11 +172,6 @@ class RayBackend:
 
     def prepare(self, cfg: Config) -> Config:
         c, ranks = cfg.cluster, cfg.learner.num_ranks
-        if cfg.reference_scorer == "own":
-            raise ConfigError(
-                "placement.reference=own runs its reference worker under the local backend only for now; on "
-                "Ray use placement.reference=learner, learner_cpu or server"
-            )
         if ranks % c.learner_nodes:
             raise ConfigError(
                 f"cluster.learner_nodes ({c.learner_nodes}) must divide learner.num_ranks ({ranks})"
@@ -191,6 +189,11 @@ class RayBackend:
                     {"CPU": c.server_cpus, "GPU": server_tp(cfg) if gpu else 0, **c.server_resources},
                     cfg.rollout.num_servers,
                 ),
+                *(
+                    [Demand("the reference worker", self._aux_demand(cfg, gpu), 1)]
+                    if cfg.reference_scorer == "own"
+                    else []
+                ),
             ],
             nodes,
         )
@@ -201,6 +204,18 @@ class RayBackend:
     def _learner_bundle(self, cfg: Config, per_node: int, gpu: bool) -> dict[str, float]:
         c = cfg.cluster
         return {"CPU": c.learner_cpus * per_node, "GPU": per_node if gpu else 0, **c.learner_resources}
+
+    @staticmethod
+    def _aux_demand(cfg: Config, gpu: bool) -> dict[str, float]:
+        c = cfg.cluster
+        return {"CPU": c.aux_cpus, "GPU": 1 if gpu else 0, **c.aux_resources}
+
+    def _demand(self, cfg: Config, role: Role) -> dict[str, float]:
+        """What a server's or the worker's actor reserves: CPUs, GPUs and custom resources."""
+        c = cfg.cluster
+        if role.is_server:
+            return {"CPU": c.server_cpus, "GPU": role.gpus, **c.server_resources}
+        return self._aux_demand(cfg, role.gpus > 0)
 
     def _connect(self, cfg: Config) -> None:
         env = {"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}}
@@ -225,8 +240,8 @@ class RayBackend:
             f" {self._learner_bundle(plan.cfg, per_node, plan.cfg.run.device != 'cpu')} ({strategy});"
             f" each runs {plan.learner.module}.main({list(plan.learner.argv)})"
         ]
-        for r in plan.servers:
-            res = {"CPU": c.server_cpus, "GPU": r.gpus, **c.server_resources}
+        for r in [*plan.servers, *plan.workers]:
+            res = self._demand(plan.cfg, r)
             blocks.append(
                 f"# {r.name}: actor {res}, restarts: {RestartPolicy.for_role(plan.cfg, r.name).describe()}; runs {r.module}.main({list(r.argv)})"
             )
@@ -265,16 +280,17 @@ class RayBackend:
             ).remote(f"learner/rank-{r}")
             for r in range(learner.processes)
         ]
-        for s in plan.servers:
-            self.servers[s.name] = Process.options(
-                num_cpus=c.server_cpus,
+        for s in [*plan.servers, *plan.workers]:
+            demand = self._demand(cfg, s)
+            self.actors[s.name] = Process.options(
+                num_cpus=demand["CPU"],
                 num_gpus=s.gpus,
-                resources=c.server_resources,
-                max_restarts=-1,  # the server restart policy decides when to give up
+                resources={k: v for k, v in demand.items() if k not in ("CPU", "GPU")},
+                max_restarts=-1,  # the role's restart policy decides when to give up
             ).remote(s.name)
             self.restarts[s.name] = Restarts(s.name, RestartPolicy.for_role(cfg, s.name))
-        names = [f"learner/rank-{r}" for r in range(learner.processes)] + list(self.servers)
-        actors = self.ranks + list(self.servers.values())
+        names = [f"learner/rank-{r}" for r in range(learner.processes)] + list(self.actors)
+        actors = self.ranks + list(self.actors.values())
         try:
             wheres = ray.get([a.where.remote() for a in actors], timeout=timeout)
         except GetTimeoutError:
@@ -316,7 +332,7 @@ class RayBackend:
                 self._log(f"learner-rank{r}" if r else "learner"),
                 env,
             )
-        for s in plan.servers:
+        for s in [*plan.servers, *plan.workers]:
             self._run_server(s.name)
         self._record_placement()
         print(
@@ -338,9 +354,10 @@ class RayBackend:
         return str(self.plan.run_dir / "logs" / f"{name}.log")
 
     def _run_server(self, name: str) -> None:
+        """Run a server's or the worker's ``main`` in its actor, with the threads its CPUs reserve."""
         role = self.roles[name]
-        env = {**self.plan.env, "OMP_NUM_THREADS": str(max(1, int(self.cfg.cluster.server_cpus)))}
-        actor = self.servers[name]
+        env = {**self.plan.env, "OMP_NUM_THREADS": str(max(1, int(self._demand(self.cfg, role)["CPU"])))}
+        actor = self.actors[name]
         self.refs[name] = actor.run.remote(
             role, self.config_text, str(self.plan.config_path), self._log(name), env
         )
@@ -390,7 +407,7 @@ class RayBackend:
                 continue
             log.warning("%s: %s; restart %d (%s)", name, why, restarts.total, restarts.policy.describe())
             if not isinstance(self._error(name), RayActorError):
-                ray.kill(self.servers[name], no_restart=False)  # a fresh process, as after a crash
+                ray.kill(self.actors[name], no_restart=False)  # a fresh process, as after a crash
             self.client.delete(ready_key(self.cfg.run.name, name))
             try:
                 self.where[name] = self._await_restart(name)
@@ -406,7 +423,7 @@ class RayBackend:
         deadline = time.monotonic() + self.cfg.cluster.start_timeout_s
         while True:
             try:
-                return ray.get(self.servers[name].where.remote(), timeout=self.cfg.cluster.start_timeout_s)
+                return ray.get(self.actors[name].where.remote(), timeout=self.cfg.cluster.start_timeout_s)
             except ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise
@@ -435,7 +452,7 @@ class RayBackend:
         refs = list(self.refs.values())
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-        for actor in [*self.ranks, *self.servers.values()]:
+        for actor in [*self.ranks, *self.actors.values()]:
             with contextlib.suppress(RayError):
                 ray.kill(actor, no_restart=True)
         if self.pg is not None:
@@ -463,6 +480,8 @@ def start_local_cluster(cfg: Config):
         cluster.add_node(num_cpus=math.ceil(c.learner_cpus * per_node), resources=dict(c.learner_resources))
     for _ in range(cfg.rollout.num_servers):
         cluster.add_node(num_cpus=math.ceil(c.server_cpus), resources=dict(c.server_resources))
+    if cfg.reference_scorer == "own":
+        cluster.add_node(num_cpus=math.ceil(c.aux_cpus), resources=dict(c.aux_resources))
     cluster.wait_for_nodes()
     return cluster
 
