@@ -323,10 +323,12 @@ def _predict(
         )
     if roles.reference and plan.reference == "learner_cpu":
         scoring += phase("reference_reload", learn_devs)
-    # A reference on its own group scores each trajectory as it arrives (rollout/reference_worker.py): a
-    # pipeline stage between generation and learning, not a pass of the learner's step.
-    streamed = "reference" in own
-    beside = [r for r in own if r != "reference"]
+    # A reference alone on its own group scores each trajectory as it arrives (rollout/reference_worker.py):
+    # a pipeline stage between generation and learning, not a pass of the learner's step. Sharing the group
+    # with roles that work beside the step, it is priced beside them, as before: the group's devices serve
+    # one phase at a time, so a batch being scored holds up the critic's forward of the step.
+    streamed = own == ["reference"]
+    beside = [] if streamed else own
     own_scoring = sum((phase({"critic": "critic_values"}.get(r, r), aux) for r in beside), Span())
     train, own_train = phase("actor_train", learn_devs), Span()
     if roles.critic:
@@ -344,11 +346,10 @@ def _predict(
     else:
         # The weight broadcast holds the servers too (they pause to load it), so it is on both sides'
         # path: each step both sides do their work, then the broadcast. A streamed reference is a third
-        # stage: its group's work per batch (the reference, and any own role's share) sets the pace only
-        # when it is the slowest.
+        # stage, which sets the pace only when it is the slowest.
         sides = slower(server, rest)
         if streamed:
-            sides = slower(sides, phase("reference", aux) + own_scoring + own_train)
+            sides = slower(sides, phase("reference", aux))
         step = sides.mean + sync
 
     # Memory per device of each group; colocated sides take turns, so only the larger is resident.

@@ -195,13 +195,18 @@ class SimRun:
                 with self.resident("reward_model", work, devs):
                     self.phase("reward_model", work, devs, plan)
 
+    def streams_reference(self, plan: Plan) -> bool:
+        """A reference alone on its own group scores each batch on its way to the learner (a stage of its
+        own); sharing the group with other own roles, it scores beside the learner's step with them."""
+        return plan.mode == "separate" and plan.own(self.roles) == ["reference"]
+
     def learn(self, plan: Plan, work: Workload, groups: Groups) -> None:
         """The learner's side: scoring on the learning group (and own group beside it), training, sync."""
         learn, aux, roles = groups.learning, groups.aux, self.roles
         learner_roles = ["actor"]
         learner_roles += ["reference"] if roles.reference and plan.reference == "learner" else []
         learner_roles += ["critic"] if roles.critic and plan.critic == "learner" else []
-        own = [r for r in plan.own(roles) if r != "reference"]  # an own reference streams (separated)
+        own = [] if self.streams_reference(plan) else plan.own(roles)
         offloaded = roles.reference and plan.reference == "learner_cpu"
         if offloaded:  # parked in host memory between uses; brought back for the scoring forwards
             self.cluster.park(self.truth.memory["reference"][0], "reference")
@@ -284,7 +289,7 @@ class SimRun:
     ) -> int:
         # The servers' batches reach the learner through the buffer; with the reference on its own group, the
         # reference worker scores each batch on its way (rollout/reference_worker.py), a third stage.
-        streamed = "reference" in plan.own(self.roles)
+        streamed = self.streams_reference(plan)
         ready: queue.Queue[Workload] = queue.Queue(maxsize=max(1, self.max_staleness))
         made: queue.Queue[Workload] = queue.Queue(maxsize=1) if streamed else ready
         halt = threading.Event()

@@ -235,12 +235,12 @@ def test_a_reference_on_its_own_group_streams_as_a_third_stage() -> None:
     assert p.learning_s == 1 + 6 + 0.5 and p.step_s == max(5, 7, 3) + 0.5
     slow = predict(plan, ref_only, constant_model(**{**times, "reference": 9.0}), WORK)
     assert slow.learning_s == 7.5 and slow.step_s == 9 + 0.5
-    # sharing its group with an own critic: the group's work per batch is the reference and the critic's
+    # sharing its group with an own critic, it scores beside the learner's step with the critic's forward
     both = predict(
         Plan("separate", 2, 1, 1, reference="own", critic="own"), ALL, constant_model(**TIMES), WORK
     )
-    assert both.learning_s == max(1, 3) + max(6, 7) + 0.5  # the critic beside the actor, no reference pass
-    assert both.step_s == max(5 + 4, max(1, 3) + max(6, 7), 2 + 3 + 7) + 0.5  # servers | learner | own group
+    assert both.learning_s == max(1, 2 + 3) + max(6, 7) + 0.5
+    assert both.step_s == max(5 + 4, 12) + 0.5
 
 
 def test_time_scales_with_w_over_g() -> None:
