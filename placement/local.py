@@ -43,9 +43,9 @@ def configured_plan(cfg: Config, devices: int) -> Plan:
     if cfg.placement_mode == "colocate":
         return Plan("colocate", devices, devices, 0, p.reference, p.critic, p.reward_model, p.scoring)
     servers, own = cfg.rollout.num_servers, cfg.reference_scorer == "own"
-    aux = min(devices - 2, max(1, round(aux_share(cfg) * devices))) if own else 0
+    aux = max(1, min(devices - 2, round(aux_share(cfg) * devices))) if own else 0
     share = p.generation_share if p.generation_share is not None else servers / (servers + 1 + own)
-    generation = min(devices - 1 - aux, max(1, round(share * devices)))
+    generation = max(0, min(devices - 1 - aux, max(1, round(share * devices))))
     return Plan(
         "separate",
         generation,

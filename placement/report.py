@@ -15,7 +15,7 @@ from pathlib import Path
 
 from placement.cost import CostModel, Prediction, Workload
 from placement.local import configured_plan, prior_model, roles_of
-from placement.plan import Roles
+from placement.plan import Roles, validate
 from placement.planner import rank
 from placement.profile import profiled_workload, read_run
 from tandem.config import Config, ConfigError, load_config
@@ -109,6 +109,13 @@ def main(argv: list[str]) -> int:
     preds = rank(roles, devices, model, work, device_bytes=device_bytes, host_bytes=host_bytes)
     configured = configured_plan(cfg, devices)
     mine = next((p for p in preds if p.plan == configured), None)
+    if devices > 1 and mine is None and (why := validate(configured, roles, devices)):
+        print(
+            f"error: the configured placement ({configured.label(roles)}) cannot run on {devices} device(s): "
+            f"{why}",
+            file=sys.stderr,
+        )
+        return 2
     if devices == 1 or mine is None:
         print(f"error: {devices} device(s) leave no choice of placement for this config", file=sys.stderr)
         return 2

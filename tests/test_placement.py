@@ -561,6 +561,26 @@ def test_launch_plan_prints_ranked_plans_with_the_configured_one_marked() -> Non
     assert "configured (*): rank" in out
 
 
+def test_launch_plan_says_why_the_configured_placement_cannot_run() -> None:
+    """The reference on its own group needs a device beside generation and learning: on 2 devices the
+    configured plan is named with the reason; on 3 it is ranked and marked."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "launch.py"),
+        "plan",
+        "configs/tiny-ppo.yaml",
+        "placement.reference=own",
+    ]
+    two = subprocess.run([*cmd, "--devices", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert two.returncode == 2
+    assert re.search(
+        r"configured placement \(separate 0:1\+1 ref=own .*\) cannot run on 2 device", two.stderr
+    )
+    three = subprocess.run([*cmd, "--devices", "3"], cwd=ROOT, capture_output=True, text=True, check=True)
+    (marked,) = [line for line in three.stdout.splitlines() if line.rstrip().endswith("*")]
+    assert "separate 1:1+1 ref=own" in marked
+
+
 # ------------------------------------------------------------------------------------------ a real run's profile
 
 
