@@ -27,7 +27,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from tests.test_launch import attach, inspect_redis, leftover_processes, run_dir_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow  # the heavier tests below are also marked `ray`: make test-ray
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # a local Ray cluster per module: make test-ray
 
 LEARNER = {"learner": 1}
 ROLLOUT = {"rollout": 1}
@@ -143,7 +143,6 @@ def test_async_demo_learns_across_nodes_over_dist(cluster, tiny_ckpt, prompts: P
     assert leftover_processes(run_dir) == []
 
 
-@pytest.mark.ray
 def test_placement_auto_profiles_both_modes_and_runs_its_pick_on_the_cluster(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
@@ -182,7 +181,6 @@ def test_placement_auto_profiles_both_modes_and_runs_its_pick_on_the_cluster(
     assert leftover_processes(run_dir) == []
 
 
-@pytest.mark.ray
 def test_the_reference_worker_runs_on_a_node_of_its_own(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
@@ -216,7 +214,6 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss/policy"] for r in rows if "loss/policy" in r]
 
 
-@pytest.mark.ray
 def test_two_ranks_on_two_nodes_train_like_two_ranks_on_one(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
@@ -240,7 +237,6 @@ def test_two_ranks_on_two_nodes_train_like_two_ranks_on_one(
     assert len(set(a)) > 1  # the losses moved: a real comparison, not four zeros
 
 
-@pytest.mark.ray
 def test_killed_server_node_moves_the_server_and_loses_no_prompt(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
@@ -308,7 +304,6 @@ def test_killed_server_node_moves_the_server_and_loses_no_prompt(
         server.stop()
 
 
-@pytest.mark.ray
 def test_killed_learner_node_ends_the_run_and_resume_continues(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
@@ -349,7 +344,6 @@ def test_killed_learner_node_ends_the_run_and_resume_continues(
     assert len(ids) == len(set(ids)) == steps * 8  # every trajectory in the final model trained once
 
 
-@pytest.mark.ray
 def test_the_two_node_preset_runs_on_its_node_labels(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
