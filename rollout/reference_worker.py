@@ -9,7 +9,8 @@ learner reads the numbers instead of running a reference pass (Puzzle's disjoint
 reference on a node group of its own). Each iteration:
 
 1. **read** up to ``algorithm.batch_size`` trajectories from ``{run}:traj`` through the worker's own
-   consumer group (its pending entries first after a restart, then new ones, waiting up to 1 s);
+   consumer group (its pending entries first after a restart, then new ones, waiting up to 1 s; its
+   pending entries again after a wait that brought nothing);
 2. **score** log π_ref of their response tokens with :class:`rollout.reference.ReferenceModel`, the numbers
    the learner's reference pass and the servers' (``placement.reference: server``) make;
 3. **write** them to ``{run}:ref_logp`` and acknowledge the entries to the worker's group, in one
@@ -62,10 +63,11 @@ class ReferenceWorker:
         pending = True  # an earlier life's unscored entries first
         while not self.stop.is_set() and not self.telemetry.stop_requested():
             entries = self.scores.read(self.batch, BLOCK_MS, pending=pending)
-            if pending and not entries:
-                pending = False
-            elif entries:
+            if entries:
                 self.score(entries)
+            # Own pending entries until none is left; read again whenever nothing new came, since a Redis
+            # restart can keep a delivery and lose the transaction that scored it (the learner would wait).
+            pending = bool(entries) if pending else not entries
 
     def score(self, entries: Sequence[tuple[str, bytes | None]]) -> None:
         """Score what decodes; acknowledge everything read. An entry that is gone (the learner deleted it)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from buffer.ref_scores import GROUP, RefScores
+from buffer.ref_scores import CONSUMER, GROUP, RefScores
 from buffer.streams import ReplayBuffer
 from learner.batch import make_batch
 from learner.ppo import PPOLearner
@@ -107,6 +107,36 @@ def test_a_restarted_worker_scores_what_its_earlier_life_read(
     run_until(worker, lambda: scores.pending() == 0)
     assert set(scores.fetch(ids)) == set(ids[1:])  # every survivor scored, the deleted one skipped
     assert worker.scored == len(ids) - 1
+
+
+def test_a_running_worker_scores_a_delivery_whose_scoring_was_lost(
+    redis_client, run_id, tiny_ckpt, other_ckpt, tmp_path
+) -> None:
+    """A Redis restart can keep a delivery to the worker's group and lose the transaction that scored it:
+    the entry sits pending under the worker's name while the worker runs on. It reads its own pending
+    entries again whenever a wait brings nothing new, so the entry is scored and the learner never waits
+    for it forever."""
+    buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
+    scores = RefScores(redis_client, run_id)
+    scores.ensure_group()
+    ids = buffer.put(mixed_trajectories()[:2])
+    # Delivered, so never read again as new; held under another name until the worker is running.
+    redis_client.xreadgroup(GROUP, "elsewhere", {f"{run_id}:traj": ">"}, count=2)
+    cfg = ppo_config(tiny_ckpt, other_ckpt, tmp_path, "own")
+    worker = worker_for(cfg, redis_client, run_id, threading.Event())
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)  # the worker's first scan of its own pending entries found none
+        assert scores.fetch(ids) == {}
+        redis_client.xclaim(f"{run_id}:traj", GROUP, CONSUMER, 0, ids)  # now pending under its name
+        deadline = time.monotonic() + 10
+        while len(scores.fetch(ids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(scores.fetch(ids)) == set(ids) and scores.pending() == 0
+    finally:
+        worker.stop.set()
+        thread.join(10)
 
 
 def test_learner_waits_for_missing_scores_and_drops_those_of_entries_gone(redis_client, run_id) -> None:
