@@ -89,6 +89,7 @@ def test_dist_joiner_gets_the_current_version_at_once(
 
 
 @pytest.mark.slow
+@pytest.mark.faults  # a server killed and restarted (make test-faults)
 @pytest.mark.timeout(180)
 def test_a_restarted_dist_subscriber_asks_for_a_new_round(
     redis_server, redis_client, run_id, tiny_ckpt, tmp_path
@@ -261,6 +262,7 @@ def child_pids(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.faults  # a joined server is killed with SIGKILL (make test-faults)
 @pytest.mark.timeout(1200)
 def test_servers_join_and_leave_a_running_run(tiny_ckpt, prompts, tmp_path: Path) -> None:
     """One launched server; two join with ``--attach`` (dist weights: each starts at the current version);
