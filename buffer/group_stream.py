@@ -86,6 +86,16 @@ return ids
 ID_PAGE = 1_000  # ids per script call: keeps each call short and under Lua's unpack limit
 
 
+def create_group(client: redis.Redis, key: str, group: str) -> None:
+    """Consumer group ``group`` on stream ``key`` from its first entry, the stream made if missing;
+    idempotent (an existing group is kept as it is)."""
+    try:
+        client.xgroup_create(key, group, id="0", mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
 def _str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
@@ -293,11 +303,7 @@ class GroupStream(Generic[R]):
             return fn(*args)
 
     def ensure_group(self) -> None:
-        try:
-            self.client.xgroup_create(self.key, self.group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        create_group(self.client, self.key, self.group)
         self._group_ready = True
 
     def reclaim(self, k: int, screen: Screen[R] | None = None) -> list[tuple[str, R, bool]]:

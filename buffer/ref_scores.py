@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import redis
 
+from buffer.group_stream import create_group
+
 GROUP = "reference"  # the worker's consumer group on {run}:traj
 CONSUMER = "reference"  # one worker: its pending entries survive its restarts under this name
 POLL_S = 0.005  # the learner's re-read of scores still missing
@@ -54,11 +56,7 @@ class RefScores:
     def ensure_group(self) -> None:
         """The worker's group, from the stream's start (idempotent): entries appended before it existed
         are scored too."""
-        try:
-            self.client.xgroup_create(self.traj_key, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        create_group(self.client, self.traj_key, GROUP)
 
     def read(self, count: int, block_ms: int, *, pending: bool) -> list[tuple[str, bytes | None]]:
         """Up to ``count`` entries as (id, payload): the worker's own pending entries (``pending``; an
