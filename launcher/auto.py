@@ -52,8 +52,11 @@ class ProbeFailed(RuntimeError):
     """A profile-window probe run did not finish; its run directory holds the reason."""
 
 
-def runnable(plan: Plan) -> bool:
-    """Plans the processes run today (the planner predicts more; docs/design.md §11.1)."""
+def runnable(plan: Plan, cfg: Config) -> bool:
+    """Plans the processes run today for ``cfg`` (the planner predicts more; docs/design.md §11.1). A
+    reward model on its own worker cannot feed dynamic sampling, which drops groups on the servers."""
+    if plan.reward_model == "own" and cfg.algorithm.dynamic_sampling:
+        return False
     return all(getattr(plan, k) in v for k, v in RUNNABLE_PLACEMENT.items())
 
 
@@ -66,6 +69,7 @@ def applied(cfg: Config, plan: Plan) -> Config:
             "generation_share": None if colocate else plan.generation / plan.devices,
             "aux_share": plan.aux / plan.devices if plan.aux else None,
             "reference": plan.reference,
+            "reward_model": plan.reward_model,
             "scoring": plan.scoring,
         }
     )
@@ -94,7 +98,7 @@ def choose(cfg: Config, profiles: list[RunProfile], cores: int) -> list[Predicti
     model = CostModel.from_samples([s for p in profiles for s in p.samples])
     work = profiled_workload(profiles, cfg.algorithm.batch_size)
     roles = roles_of(cfg)
-    plans = [p for p in candidates(roles, cores) if runnable(p)]
+    plans = [p for p in candidates(roles, cores) if runnable(p, cfg)]
     return rank(roles, cores, model, work, plans=plans)
 
 
@@ -206,7 +210,7 @@ class Mover:
     def __init__(self, cfg: Config, resolved: Resolved, cores: int) -> None:
         self.cfg, self.cores, self.every = cfg, cores, cfg.placement.replan_every
         self.roles = roles_of(cfg)
-        self.plans = [p for p in candidates(self.roles, cores) if runnable(p)]
+        self.plans = [p for p in candidates(self.roles, cores) if runnable(p, cfg)]
         self.plan, self.move_s = resolved.best.plan, resolved.startup_s
         self.samples: list[Sample] = [s for p in resolved.probes for s in p.samples]
         self.observed: dict[Plan, float] = {}

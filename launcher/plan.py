@@ -21,7 +21,7 @@ SYNC_SPINCOUNT = 10_000  # libgomp busy-wait spins in sync mode, about 0.1 ms (G
 
 @dataclass(frozen=True)
 class Role:
-    name: str  # "learner", "server-<i>" or "reference": its ready, stats and history keys' and its log's name
+    name: str  # "learner", "server-<i>", "reference" or "reward_model": its ready, stats and history keys' and its log's name
     module: str  # entry point: ``python -m <module> *argv`` or ``<module>.main(argv)`` in-process
     argv: tuple[str, ...]
     processes: int  # learner ranks; 1 for a server
@@ -98,18 +98,17 @@ def plan_run(
         )
         for i in range(cfg.rollout.num_servers)
     ]
-    workers = []
-    if cfg.reference_scorer == "own":  # scores every trajectory as it arrives (rollout/reference_worker.py)
-        workers.append(
-            Role(
-                name="reference",
-                module="rollout.reference_worker",
-                argv=common,
-                processes=1,
-                threads=aux_threads(cfg, cores),
-                gpus=1 if on_gpu else 0,
-            )
+    workers = [  # each scores every trajectory as it arrives (rollout/scoring_worker.py)
+        Role(
+            name=role,
+            module="rollout.scoring_worker",
+            argv=("--role", role, *common),
+            processes=1,
+            threads=aux_threads(cfg, cores),
+            gpus=1 if on_gpu else 0,
         )
+        for role in cfg.own_scorers
+    ]
     env = {"TANDEM_RUN_GROUP": run_dir.name, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     if cfg.placement_mode == "colocate" and "OMP_WAIT_POLICY" not in os.environ:
         # Sync processes share every core by turns: an OpenMP thread spinning after its phase ended would

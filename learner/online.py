@@ -50,9 +50,9 @@ import torch.distributed as dist
 
 import weightsync
 from buffer.admission import Admission
-from buffer.ref_scores import RefScores
 from buffer.retry import Incarnation, RedisUnavailable, connect_run
 from buffer.schema import Trajectory
+from buffer.stream_scores import RULES_REWARD, StreamScores
 from buffer.streams import ReplayBuffer, Taken
 from learner import acked_ranges, checkpoint, lora
 from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
@@ -60,6 +60,7 @@ from learner.models import Models
 from learner.runtime import Runtime
 from tandem import fleet
 from tandem.config import Config
+from tandem.rewards import total_reward
 from tandem.telemetry import Telemetry
 from weightsync.source import is_zero3, unwrap
 
@@ -112,8 +113,9 @@ class OnlineRuntime(Runtime):
         self.sync_bytes = 0  # bytes of the last published version (weightsync/bytes)
         self.admission_due = False  # a published version whose admission opens at the next take_batch
         self.switch: dict[str, float] = {}  # time/offload, time/reload of the last wait (colocated, GPU)
-        self.ref_scores: RefScores | None = None  # placement.reference: own: the reference worker's scores
-        self.reference_wait = 0.0  # time/reference_wait: the last batch's wait for the worker's scores
+        # Scores of the roles on workers of their own (placement.reference / reward_model: own), by role.
+        self.stream_scores: dict[str, StreamScores] = {}
+        self.score_waits: dict[str, float] = {}  # time/<role>_wait: the last batch's wait for each worker
 
     def load_models(self) -> Models:
         raise NotImplementedError
@@ -131,8 +133,9 @@ class OnlineRuntime(Runtime):
             self.buffer = ReplayBuffer.from_config(self.client, self.cfg, CONSUMER)
             self.admission = Admission.from_config(self.client, self.cfg, CONSUMER)
             self.publisher = weightsync.make_publisher(self.cfg, self.client, run_dir=str(self.run_dir))
-            if self.cfg.reference_scorer == "own":
-                self.ref_scores = RefScores(self.client, self.cfg.run.name)
+            self.stream_scores = {
+                r: StreamScores(self.client, self.cfg.run.name, r) for r in self.cfg.own_scorers
+            }
             self.telemetry = Telemetry(self.cfg, "learner", self.client, run_dir=str(self.run_dir))
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.trained_log = open(self.run_dir / "trained.jsonl", "a")  # noqa: SIM115 (closed in close())
@@ -247,21 +250,36 @@ class OnlineRuntime(Runtime):
                 admission=self.admission,
                 validate=self.unusable,
             )
-        return self.with_reference(taken) if self.ref_scores is not None else taken
+        return self.with_stream_scores(taken) if self.stream_scores else taken
 
-    def with_reference(self, taken: list[Taken]) -> list[Taken] | None:
-        """``placement.reference: own``: each trajectory's ``ref_logp`` from the reference worker's scores
-        (``buffer/ref_scores.py``), waiting for any it has not written yet; None on a stop request."""
-        t0 = time.perf_counter()
-        scores = self.ref_scores.wait(
-            [t.id for t in taken], timeout_s=self.cfg.learner.take_timeout_s, stop=self.stop_requested
-        )
-        if scores is None:
-            return None
-        for t in taken:
-            t.traj.ref_logp = scores[t.id]
-        self.reference_wait = time.perf_counter() - t0
+    def with_stream_scores(self, taken: list[Taken]) -> list[Taken] | None:
+        """Fill each trajectory from the workers of their own (``buffer/stream_scores.py``), waiting for any
+        score not yet written; None on a stop request. The reference's are its ``ref_logp``; the reward
+        model's is added to the rules' total the server recorded, as the server would have added it."""
+        for role, scores in self.stream_scores.items():
+            t0 = time.perf_counter()
+            wanted = [t for t in taken if role != "reward_model" or RULES_REWARD in t.traj.meta]
+            got = scores.wait(
+                [t.id for t in wanted], timeout_s=self.cfg.learner.take_timeout_s, stop=self.stop_requested
+            )
+            if got is None:
+                return None
+            for t in wanted:
+                if role == "reference":
+                    t.traj.ref_logp = got[t.id]
+                else:
+                    self.add_reward_model_score(t.traj, float(got[t.id][0]))
+            self.score_waits[f"time/{role}_wait"] = time.perf_counter() - t0
         return taken
+
+    def add_reward_model_score(self, traj: Trajectory, score: float) -> None:
+        traj.reward_parts["reward_model"] = score
+        traj.reward = total_reward(
+            traj.meta[RULES_REWARD],
+            self.cfg.reward,
+            model=score,
+            overlong=traj.reward_parts.get("overlong"),
+        )
 
     def heal_redis(self) -> None:
         """After a Redis restart, undo what the lost tail of its AOF (or a retried command) can have done
@@ -386,8 +404,8 @@ class OnlineRuntime(Runtime):
         if self.lead:
             self.buffer.ack(self.pending)
             self.pending.clear()
-            if self.ref_scores is not None:  # the scores of every entry gone from the stream
-                self.ref_scores.drop_gone()
+            for scores in self.stream_scores.values():  # the scores of every entry gone from the stream
+                scores.drop_gone()
         self.checkpointed_version = self.version
         self.acked_through = self.version * self.cfg.algorithm.batch_size
 

@@ -164,7 +164,7 @@ class PPOLearner(OnlineRuntime):
                 "weightsync/bytes": float(self.sync_bytes),
                 "time/checkpoint": t4 - t3,
                 **self.switch,  # colocated: the learner's offload and reload around the wait (GPU)
-                **({"time/reference_wait": self.reference_wait} if self.ref_scores is not None else {}),
+                **self.score_waits,  # placement.reference / reward_model: own
                 **self.timers,
                 "throughput/train_tokens_per_s": batch.num_tokens / (t2 - t1),
                 "batch/tokens": float(batch.seq_lens.sum()),

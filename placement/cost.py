@@ -294,6 +294,13 @@ def predict(
         return Prediction(plan, float("inf"), float("inf"), float("inf"), 0.0, 0.0, str(e.args[0]))
 
 
+def streams(plan: Plan, roles: Roles) -> bool:
+    """Whether ``plan``'s own group is a stage of its own between generation and learning: separated, and
+    holding frozen scorers only (the reference, the reward model), which need nothing from the step."""
+    own = plan.own(roles)
+    return plan.mode == "separate" and bool(own) and set(own) <= {"reference", "reward_model"}
+
+
 def _predict(
     plan: Plan, roles: Roles, model: CostModel, work: Workload, device_bytes: float, host_bytes: float
 ) -> Prediction:
@@ -323,11 +330,12 @@ def _predict(
         )
     if roles.reference and plan.reference == "learner_cpu":
         scoring += phase("reference_reload", learn_devs)
-    # A reference alone on its own group scores each trajectory as it arrives (rollout/reference_worker.py):
-    # a pipeline stage between generation and learning, not a pass of the learner's step. Sharing the group
-    # with roles that work beside the step, it is priced beside them, as before: the group's devices serve
-    # one phase at a time, so a batch being scored holds up the critic's forward of the step.
-    streamed = own == ["reference"]
+    # Frozen models alone on their own group (the reference, the reward model) score each trajectory as it
+    # arrives (rollout/scoring_worker.py): a pipeline stage between generation and learning, not a pass of
+    # the learner's step. Sharing the group with an own critic, which works beside the step, they are
+    # priced beside it, as before: the group's devices serve one phase at a time, so a batch being scored
+    # holds up the critic's forward of the step.
+    streamed = streams(plan, roles)
     beside = [] if streamed else own
     own_scoring = sum((phase({"critic": "critic_values"}.get(r, r), aux) for r in beside), Span())
     train, own_train = phase("actor_train", learn_devs), Span()
@@ -345,11 +353,11 @@ def _predict(
         step = server.mean + t("switch", work, gen_devs) + learning
     else:
         # The weight broadcast holds the servers too (they pause to load it), so it is on both sides'
-        # path: each step both sides do their work, then the broadcast. A streamed reference is a third
+        # path: each step both sides do their work, then the broadcast. A streamed own group is a third
         # stage, which sets the pace only when it is the slowest.
         sides = slower(server, rest)
         if streamed:
-            sides = slower(sides, phase("reference", aux))
+            sides = slower(sides, sum((phase(r, aux) for r in own), Span()))
         step = sides.mean + sync
 
     # Memory per device of each group; colocated sides take turns, so only the larger is resident.

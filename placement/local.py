@@ -42,7 +42,7 @@ def configured_plan(cfg: Config, devices: int) -> Plan:
     p = cfg.placement
     if cfg.placement_mode == "colocate":
         return Plan("colocate", devices, devices, 0, p.reference, p.critic, p.reward_model, p.scoring)
-    servers, own = cfg.rollout.num_servers, cfg.reference_scorer == "own"
+    servers, own = cfg.rollout.num_servers, bool(cfg.own_scorers)
     aux = max(1, min(devices - 2, round(aux_share(cfg) * devices))) if own else 0
     share = p.generation_share if p.generation_share is not None else servers / (servers + 1 + own)
     generation = max(0, min(devices - 1 - aux, max(1, round(share * devices))))
@@ -59,18 +59,20 @@ def configured_plan(cfg: Config, devices: int) -> Plan:
 
 
 def aux_share(cfg: Config) -> float:
-    """The own worker's share of the devices: ``placement.aux_share``, else an equal share per process."""
+    """The own group's share of the devices, for all its workers: ``placement.aux_share``, else an equal
+    share per process."""
     if cfg.placement.aux_share is not None:
         return cfg.placement.aux_share
     return 1 / (cfg.rollout.num_servers + 2)
 
 
 def aux_threads(cfg: Config, cores: int | None = None) -> int:
-    """CPU threads of the reference worker (``placement.reference: own``); 0 without one."""
-    if cfg.reference_scorer != "own":
+    """CPU threads of each scoring worker (``placement.reference`` or ``reward_model: own``): the own
+    group's share, split between them; 0 without one."""
+    if not (n := len(cfg.own_scorers)):
         return 0
     cores = cores or os.cpu_count() or 1
-    return max(1, round(aux_share(cfg) * cores))
+    return max(1, round(aux_share(cfg) * cores) // n)
 
 
 def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
@@ -80,15 +82,15 @@ def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
     while generating, then the learner has them all (the colocated baseline TRL, verl and AReaL compare
     against; on the generation-heavy workload of ``bench/vs_trl.py`` it measured 1.6 -> 1.1 s/step against
     the split). separate: generation and training run at once, so they split the cores: the servers'
-    ``placement.generation_share`` (or ``rollout.threads`` each, or an equal share per process), the
-    reference worker its :func:`aux_threads` (``placement.reference: own``), the learner what is left. ``rollout.threads`` and ``learner.threads`` override either share (on a busy
+    ``placement.generation_share`` (or ``rollout.threads`` each, or an equal share per process), each
+    scoring worker its :func:`aux_threads` (a model placed ``own``), the learner what is left. ``rollout.threads`` and ``learner.threads`` override either share (on a busy
     machine, 1 avoids OpenMP barrier stalls).
     """
     cores = cores or os.cpu_count() or 1
     servers, learner = cfg.rollout.num_servers, cfg.learner.threads
     if cfg.placement_mode == "colocate":
         return cfg.rollout.threads or max(1, cores // servers), learner or cores
-    share, aux = cfg.placement.generation_share, aux_threads(cfg, cores)
+    share, aux = cfg.placement.generation_share, aux_threads(cfg, cores) * len(cfg.own_scorers)
     if cfg.rollout.threads:
         per_server = cfg.rollout.threads
     elif share is not None:

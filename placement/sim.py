@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.cost import Sample, Workload
+from placement.cost import Sample, Workload, streams
 from placement.plan import Plan, Roles
 from placement.sim_truth import GiB, Truth
 
@@ -195,18 +195,13 @@ class SimRun:
                 with self.resident("reward_model", work, devs):
                     self.phase("reward_model", work, devs, plan)
 
-    def streams_reference(self, plan: Plan) -> bool:
-        """A reference alone on its own group scores each batch on its way to the learner (a stage of its
-        own); sharing the group with other own roles, it scores beside the learner's step with them."""
-        return plan.mode == "separate" and plan.own(self.roles) == ["reference"]
-
     def learn(self, plan: Plan, work: Workload, groups: Groups) -> None:
         """The learner's side: scoring on the learning group (and own group beside it), training, sync."""
         learn, aux, roles = groups.learning, groups.aux, self.roles
         learner_roles = ["actor"]
         learner_roles += ["reference"] if roles.reference and plan.reference == "learner" else []
         learner_roles += ["critic"] if roles.critic and plan.critic == "learner" else []
-        own = [] if self.streams_reference(plan) else plan.own(roles)
+        own = [] if streams(plan, roles) else plan.own(roles)
         offloaded = roles.reference and plan.reference == "learner_cpu"
         if offloaded:  # parked in host memory between uses; brought back for the scoring forwards
             self.cluster.park(self.truth.memory["reference"][0], "reference")
@@ -287,9 +282,9 @@ class SimRun:
     def _run_separated(
         self, plan: Plan, groups: Groups, first: int, steps: int, stop: Callable[[int], bool] | None
     ) -> int:
-        # The servers' batches reach the learner through the buffer; with the reference on its own group, the
-        # reference worker scores each batch on its way (rollout/reference_worker.py), a third stage.
-        streamed = self.streams_reference(plan)
+        # The servers' batches reach the learner through the buffer; with frozen scorers alone on their own
+        # group, their workers score each batch on its way (rollout/scoring_worker.py), a third stage.
+        streamed = streams(plan, self.roles)
         ready: queue.Queue[Workload] = queue.Queue(maxsize=max(1, self.max_staleness))
         made: queue.Queue[Workload] = queue.Queue(maxsize=1) if streamed else ready
         halt = threading.Event()
@@ -315,7 +310,7 @@ class SimRun:
                 errors.append(e)
                 halt.set()
 
-        def reference() -> None:
+        def scorers() -> None:
             try:
                 for _ in range(steps):
                     work = None
@@ -326,8 +321,9 @@ class SimRun:
                             continue
                     if work is None:
                         return
-                    with self.resident("reference", work, groups.aux):
-                        self.phase("reference", work, groups.aux, plan)
+                    for role in plan.own(self.roles):
+                        with self.resident(role, work, groups.aux):
+                            self.phase(role, work, groups.aux, plan)
                     if not put(ready, work):
                         return
             except BaseException as e:
@@ -336,7 +332,7 @@ class SimRun:
 
         stages = [threading.Thread(target=servers, daemon=True)]
         if streamed:
-            stages.append(threading.Thread(target=reference, daemon=True))
+            stages.append(threading.Thread(target=scorers, daemon=True))
         for t in stages:
             t.start()
         done = 0

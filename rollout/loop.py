@@ -51,6 +51,7 @@ from transformers import PreTrainedTokenizerBase
 
 from buffer.admission import Admission
 from buffer.schema import PromptRecord, Trajectory, Turns
+from buffer.stream_scores import RM_TEXT, RULES_REWARD
 from buffer.streams import ClaimHeartbeat, ReplayBuffer, TakenPrompt
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
 from rollout.envs.base import Task, load_env_factory
@@ -62,7 +63,7 @@ from rollout.reward_model import RewardModel
 from rollout.shaping import is_informative, overlong_penalty
 from rollout.weights import EngineWeights
 from tandem.config import Config
-from tandem.rewards import RewardFunctions
+from tandem.rewards import RewardFunctions, clip_reward, total_reward
 from tandem.telemetry import Telemetry
 from tandem.timing import BusyClock, Timers
 from weightsync.base import Subscriber, WeightSyncError, weights_key
@@ -118,6 +119,9 @@ class RolloutLoop:
         self.reference = reference  # placement.reference: server (rollout/reference.py)
         self.buffer, self.subscriber, self.telemetry = buffer, subscriber, telemetry
         self.server_index, self.rewards, self.reward_model = server_index, rewards, reward_model
+        self.rm_own = (
+            "reward_model" in cfg.own_scorers
+        )  # placement.reward_model: own (rollout/scoring_worker.py)
         self.evaluator = evaluator
         self.metrics = metrics or ServerMetrics(engine)
         self.stop_event = stop_event or threading.Event()
@@ -354,7 +358,8 @@ class RolloutLoop:
         self, prompts: list[TakenPrompt], completions: list[list[Completion]]
     ) -> list[list[Trajectory]]:
         """Reward functions on the completion text plus the reward model's score weighted by
-        ``reward.model_weight``; the total is clipped by ``reward.clip``."""
+        ``reward.model_weight``; the total is clipped by ``reward.clip``. With the reward model on a worker
+        of its own, the trajectory carries the text it reads and the rules' total instead."""
         with self.timers("time/score"):
             a = self.cfg.algorithm
             texts = [[self.completion_text(c) for c in group] for group in completions]
@@ -364,19 +369,22 @@ class RolloutLoop:
                 p, group_id = taken.prompt, uuid.uuid4().hex
                 trajs = []
                 for c, text in zip(group, group_texts, strict=True):
-                    reward, parts = self.rewards.score(p.text, text, p.record)
+                    rules, parts = self.rewards.score(p.text, text, p.record)
+                    model = overlong = None
                     if self.reward_model is not None:
-                        parts["reward_model"] = next(rm_scores)
-                        reward = self.clip(reward + self.cfg.reward.model_weight * parts["reward_model"])
+                        model = parts["reward_model"] = next(rm_scores)
                     if a.overlong_buffer is not None:
-                        parts["overlong"] = overlong_penalty(
+                        overlong = parts["overlong"] = overlong_penalty(
                             len(c.token_ids),
                             self.sampling.max_new_tokens,
                             a.overlong_buffer,
                             a.overlong_penalty,
                         )
-                        reward = self.clip(reward + parts["overlong"])
-                    trajs.append(self.trajectory(p, c, reward, parts, group_id))
+                    reward = total_reward(rules, self.cfg.reward, model=model, overlong=overlong)
+                    traj = self.trajectory(p, c, reward, parts, group_id)
+                    if self.rm_own:  # the learner adds the worker's score to these parts (§11.1)
+                        traj.meta |= {RM_TEXT: p.text + text, RULES_REWARD: rules}
+                    trajs.append(traj)
                 groups.append(trajs)
         return groups
 
@@ -489,8 +497,7 @@ class RolloutLoop:
             self.reference.fill([t for g in groups for t in g])
 
     def clip(self, reward: float) -> float:
-        c = self.cfg.reward.clip
-        return reward if c is None else max(-c, min(c, reward))
+        return clip_reward(reward, self.cfg.reward.clip)
 
     def completion_text(self, c: Completion) -> str:
         """What the reward sees: special tokens skipped, cut before a stop string (as the API returns it)."""

@@ -89,7 +89,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     warm_up(engine, tokenizer)
     rewards = RewardFunctions(cfg.reward)
     reward_model = None
-    if cfg.model.reward_model is not None:
+    if cfg.model.reward_model is not None and "reward_model" not in cfg.own_scorers:
         reward_model = RewardModel(
             cfg.model.reward_model,
             device=cfg.run.device,

@@ -645,7 +645,7 @@ class LearnerConfig(Section):
 RUNNABLE_PLACEMENT: dict[str, tuple[str, ...]] = {
     "reference": ("learner", "learner_cpu", "server", "own"),
     "critic": ("learner",),
-    "reward_model": ("server",),
+    "reward_model": ("server", "own"),
     "scoring": ("serial", "split"),
 }
 
@@ -685,7 +685,8 @@ class PlacementConfig(Section):
         "learner", description="Where the critic trains: learner; own (its own ranks) is predicted only."
     )
     reward_model: Literal["server", "own"] = Field(
-        "server", description="Where the reward model scores: server; own (its own worker) is predicted only."
+        "server",
+        description="Where the reward model scores (with model.reward_model): server (next to generation); own (a reward model worker on devices of its own scores every single-turn trajectory as it is appended, and the learner adds the score to the reward; separate mode, no dynamic_sampling).",
     )
     scoring: Literal["serial", "split"] = Field(
         "serial",
@@ -782,11 +783,13 @@ class ClusterConfig(Section):
         description="Custom Ray resources each rollout server takes, e.g. {rollout: 1}.",
     )
     aux_cpus: float = Field(
-        1.0, gt=0, description="CPUs reserved for the reference worker (placement.reference: own)."
+        1.0,
+        gt=0,
+        description="CPUs reserved for each scoring worker (placement.reference or placement.reward_model: own).",
     )
     aux_resources: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources the reference worker takes (placement.reference: own), e.g. {aux: 1}.",
+        description="Custom Ray resources each scoring worker takes (placement.reference or placement.reward_model: own), e.g. {aux: 1}.",
     )
     redis_host: str | None = Field(
         None,
@@ -919,6 +922,22 @@ class Config(Section):
                 "learning; colocated (run.mode=sync or placement.mode=colocate) every device is shared: use "
                 "placement.reference=learner or server there"
             )
+        if self.placement.reward_model == "own":
+            if self.model.reward_model is None:
+                raise ValueError(
+                    "placement.reward_model=own needs model.reward_model (the checkpoint it scores with)"
+                )
+            if self.placement_mode == "colocate":
+                raise ValueError(
+                    "placement.reward_model=own gives the reward model devices of its own, beside generation "
+                    "and learning; colocated (run.mode=sync or placement.mode=colocate) every device is "
+                    "shared: use placement.reward_model=server there"
+                )
+            if a.dynamic_sampling:
+                raise ValueError(
+                    "algorithm.dynamic_sampling drops groups of equal rewards on the rollout servers, before "
+                    "an own reward model's score exists: use placement.reward_model=server with it"
+                )
         if self.placement.scoring == "split" and (self.run.device == "cuda" or self.learner.num_ranks > 1):
             raise ValueError(
                 "placement.scoring=split runs the learner's scoring forwards at once on shares of its CPU "
@@ -1043,6 +1062,15 @@ class Config(Section):
             return None
         at = self.placement.reference
         return "learner" if at == "learner_cpu" else at
+
+    @property
+    def own_scorers(self) -> list[str]:
+        """The roles that score the stream on workers of their own (rollout/scoring_worker.py), in the
+        order the learner reads their scores: ``reference``, ``reward_model``."""
+        own = ["reference"] if self.reference_scorer == "own" else []
+        if self.model.reward_model is not None and self.placement.reward_model == "own":
+            own.append("reward_model")
+        return own
 
     @property
     def max_staleness(self) -> int:

@@ -68,3 +68,23 @@ class RewardFunctions:
         if self.clip is not None:
             total = max(-self.clip, min(self.clip, total))
         return total, parts
+
+
+def clip_reward(reward: float, clip: float | None) -> float:
+    """``reward`` within ``[-clip, clip]`` (``reward.clip``; None leaves it)."""
+    return reward if clip is None else max(-clip, min(clip, reward))
+
+
+def total_reward(
+    rules: float, cfg: RewardConfig, *, model: float | None = None, overlong: float | None = None
+) -> float:
+    """A sample's reward from its parts, in one order wherever they were scored (docs/design.md §1.3, step 5): the
+    rule functions' clipped total, plus ``reward.model_weight`` times the reward model's score, clipped, plus
+    the over-long penalty, clipped. The rollout server sums it when the reward model scores there; under
+    ``placement.reward_model: own`` the learner sums the same parts once the worker's score arrives."""
+    reward = rules
+    if model is not None:
+        reward = clip_reward(reward + cfg.model_weight * model, cfg.clip)
+    if overlong is not None:
+        reward = clip_reward(reward + overlong, cfg.clip)
+    return reward

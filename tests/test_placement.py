@@ -243,6 +243,25 @@ def test_a_reference_on_its_own_group_streams_as_a_third_stage() -> None:
     assert both.step_s == max(5 + 4, 12) + 0.5
 
 
+def test_frozen_scorers_on_their_own_group_stream_together() -> None:
+    """``reward_model=own`` streams as the reference does, and the two on one group are one stage whose
+    work per batch is both forwards (TIMES: reference 2, reward model 4); beside an own critic, neither
+    streams."""
+    model = constant_model(**TIMES)
+    rm = predict(Plan("separate", 2, 1, 1, reward_model="own"), ALL, model, WORK)
+    # the learning group: logp, reference, critic forward, then both trains; the servers generate only
+    assert rm.learning_s == 1 + 2 + 3 + 6 + 7 + 0.5 and rm.step_s == max(5, 19, 4) + 0.5
+    frozen = predict(Plan("separate", 2, 1, 1, reference="own", reward_model="own"), ALL, model, WORK)
+    assert frozen.learning_s == 1 + 3 + 6 + 7 + 0.5 and frozen.step_s == max(5, 17, 2 + 4) + 0.5
+    slow = predict(
+        Plan("separate", 2, 1, 1, reference="own", reward_model="own"),
+        ALL,
+        constant_model(**{**TIMES, "reward_model": 20.0}),
+        WORK,
+    )
+    assert slow.step_s == 2 + 20 + 0.5
+
+
 def test_time_scales_with_w_over_g() -> None:
     model = CostModel({**constant_model(**TIMES).time, "generate": Law(1.0, 0.01)})
     # 400 generated tokens: 1 + 0.01 * 400 / g
@@ -536,8 +555,14 @@ def test_placement_config_errors_name_the_field() -> None:
         cfg_of("placement.mode=colocate", "run.mode=async")
     with pytest.raises(ConfigError, match=r"placement.critic=own is predicted by `launch.py plan`"):
         cfg_of("placement.critic=own")
-    with pytest.raises(ConfigError, match=r"placement.reward_model=own is predicted by `launch.py plan`"):
+    with pytest.raises(ConfigError, match=r"placement.reward_model=own needs model.reward_model"):
         cfg_of("placement.reward_model=own")
+    rm = "model.reward_model=assets/tiny/critic"
+    with pytest.raises(ConfigError, match=r"placement.reward_model=own .* colocated"):
+        cfg_of("placement.reward_model=own", rm, "run.mode=sync")
+    with pytest.raises(ConfigError, match=r"algorithm.dynamic_sampling .* placement.reward_model=server"):
+        cfg_of("placement.reward_model=own", rm, "algorithm.dynamic_sampling=true")
+    assert cfg_of("placement.reward_model=own", rm).own_scorers == ["reward_model"]
     with pytest.raises(ConfigError, match=r"placement.reference=own .* colocated"):
         cfg_of("placement.reference=own", "run.mode=sync", "algorithm.kl_coef=0.1")
     with pytest.raises(ConfigError, match=r"placement\.generation_share"):
@@ -691,11 +716,14 @@ def test_observed_ratio_prices_a_plan_by_its_own_steps_phase_times() -> None:
 
 def test_auto_chooses_among_exactly_the_placements_a_config_can_ask_for() -> None:
     """``placement.mode: auto`` applies its pick through the config; what it may pick and what a config
-    accepts are one list (the reference on the servers and on a worker of its own included, since the
-    processes run them)."""
+    accepts are one list (the reference on the servers and on a worker of its own included, and the reward
+    model on a worker of its own, since the processes run them). A config with dynamic sampling, which the
+    servers apply before an own reward model's score exists, may not pick the latter."""
     from launcher.auto import runnable
     from tandem.config import PlacementConfig
 
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    sampled = load_config(ROOT / "configs" / "tiny.yaml", ["algorithm.dynamic_sampling=true"])
     picked = set()
     for plan in candidates(ALL, 4):
         fields = {k: getattr(plan, k) for k in ("reference", "critic", "reward_model", "scoring")}
@@ -704,6 +732,8 @@ def test_auto_chooses_among_exactly_the_placements_a_config_can_ask_for() -> Non
             accepted = True
         except ValueError:
             accepted = False
-        assert runnable(plan) == accepted, plan
-        picked |= {plan.reference} if runnable(plan) else set()
-    assert picked == {"learner", "learner_cpu", "server", "own"}
+        assert runnable(plan, cfg) == accepted, plan
+        assert runnable(plan, sampled) == (accepted and plan.reward_model != "own"), plan
+        picked |= {(plan.reference, plan.reward_model)} if runnable(plan, cfg) else set()
+    assert {r for r, _ in picked} == {"learner", "learner_cpu", "server", "own"}
+    assert {m for _, m in picked} == {"server", "own"}

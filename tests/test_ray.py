@@ -181,14 +181,15 @@ def test_placement_auto_profiles_both_modes_and_runs_its_pick_on_the_cluster(
     assert leftover_processes(run_dir) == []
 
 
-def test_the_reference_worker_runs_on_a_node_of_its_own(
+def test_the_scoring_workers_run_on_a_node_of_their_own(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
-    """``placement.reference=own`` on Ray: the worker is an actor on a node with the resources it asks
-    for, apart from the learner and the server, and the learner trains on its numbers (docs/design.md
-    §11.1)."""
+    """``placement.reference=own`` and ``placement.reward_model=own`` on Ray: each worker is an actor on a
+    node with the resources it asks for, apart from the learner and the server, and the learner trains on
+    their numbers (docs/design.md §11.1)."""
     steps = 6
     extra = (*SMALL, f"learner.total_steps={steps}", "algorithm.kl_coef=0.05", "placement.reference=own",
+             f"model.reward_model={tiny_ckpt['critic']}", "placement.reward_model=own",
              "cluster.aux_resources={rollout: 1}")  # fmt: skip
     proc = subprocess.run(
         ray_cmd(cluster, tiny_ckpt, prompts, tmp_path, *extra), cwd=ROOT, capture_output=True, text=True,
@@ -197,15 +198,19 @@ def test_the_reference_worker_runs_on_a_node_of_its_own(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = run_dir_of(tmp_path)
     where = placement(run_dir)
-    assert len({where["learner/rank-0"], where["server-0"], where["reference"]}) == 3
-    assert KIND[node_of(cluster, where["reference"]).node_id] == ROLLOUT
+    roles = ("reference", "reward_model")
+    assert len({where["learner/rank-0"], where["server-0"], *(where[r] for r in roles)}) >= 3
+    assert {where[r] for r in roles}.isdisjoint({where["learner/rank-0"], where["server-0"]})
+    assert all(KIND[node_of(cluster, where[r]).node_id] == ROLLOUT for r in roles)
     rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "reward/mean" in r]
     assert len(trained) == steps and all(
-        "time/reference_wait" in r and math.isfinite(r["policy/kl"]) for r in trained
+        "time/reference_wait" in r and "time/reward_model_wait" in r and math.isfinite(r["policy/kl"])
+        for r in trained
     )
-    worker = [json.loads(line) for line in (run_dir / "reference_history.jsonl").read_text().splitlines()]
-    assert sum(r["reference/trajectories"] for r in worker) >= steps * 8
+    for role in roles:
+        worker = [json.loads(line) for line in (run_dir / f"{role}_history.jsonl").read_text().splitlines()]
+        assert sum(r[f"{role}/trajectories"] for r in worker) >= steps * 8
     assert leftover_processes(run_dir) == []
 
 

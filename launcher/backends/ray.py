@@ -11,9 +11,10 @@
   against the server restart policy (``launcher/supervision.py``): when a server's process or node dies,
   also before it was ready, the launcher runs the server again under the same consumer name, so the
   prompts the dead one held are re-delivered (docs/design.md §6.1).
-- **The reference worker** (``placement.reference: own``): one actor (``cluster.aux_cpus``, a GPU on
-  GPUs, ``cluster.aux_resources``), restarted the same way; it reads the trajectories under one consumer
-  name, so what the dead one read is scored by the next (docs/design.md §11.1).
+- **The scoring workers** (``placement.reference`` or ``reward_model: own``): one actor each
+  (``cluster.aux_cpus``, a GPU on GPUs, ``cluster.aux_resources``), restarted the same way; each reads the
+  trajectories under one consumer name, so what the dead one read is scored by the next (docs/design.md
+  §11.1).
 - **Nothing shared on disk**: every actor writes its own copy of the per-process config (0600) and its
   log under the run directory's path on its node.
 - **Checks before anything runs**: the plan must fit the cluster's resources (the shortfall is named);
@@ -189,11 +190,7 @@ class RayBackend:
                     {"CPU": c.server_cpus, "GPU": server_tp(cfg) if gpu else 0, **c.server_resources},
                     cfg.rollout.num_servers,
                 ),
-                *(
-                    [Demand("the reference worker", self._aux_demand(cfg, gpu), 1)]
-                    if cfg.reference_scorer == "own"
-                    else []
-                ),
+                *(Demand(f"the {role} worker", self._aux_demand(cfg, gpu), 1) for role in cfg.own_scorers),
             ],
             nodes,
         )
@@ -480,8 +477,10 @@ def start_local_cluster(cfg: Config):
         cluster.add_node(num_cpus=math.ceil(c.learner_cpus * per_node), resources=dict(c.learner_resources))
     for _ in range(cfg.rollout.num_servers):
         cluster.add_node(num_cpus=math.ceil(c.server_cpus), resources=dict(c.server_resources))
-    if cfg.reference_scorer == "own":
-        cluster.add_node(num_cpus=math.ceil(c.aux_cpus), resources=dict(c.aux_resources))
+    if n := len(cfg.own_scorers):  # one node for the scoring workers, room for each
+        cluster.add_node(
+            num_cpus=math.ceil(c.aux_cpus * n), resources={k: v * n for k, v in c.aux_resources.items()}
+        )
     cluster.wait_for_nodes()
     return cluster
 

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from buffer.ref_scores import CONSUMER, GROUP, RefScores
+from buffer.stream_scores import StreamScores
 from buffer.streams import ReplayBuffer
 from learner.batch import make_batch
 from learner.ppo import PPOLearner
 from placement.local import aux_threads, configured_plan, thread_split
 from rollout.reference import reference_of
-from rollout.reference_worker import ReferenceWorker
+from rollout.scoring_worker import Scorer, ScoringWorker
 from tandem.config import load_config
 from tandem.telemetry import Telemetry
 from tests.test_reference_placement import learner_of, mixed_trajectories, other_ckpt, ppo_config
@@ -32,14 +32,26 @@ from tests.test_reference_placement import learner_of, mixed_trajectories, other
 __all__ = ["other_ckpt"]  # the fixture, shared with test_reference_placement
 
 
-def worker_for(cfg, client, run: str, stop: threading.Event, batch: int = 4) -> ReferenceWorker:
+GROUP = CONSUMER = "reference"  # the reference worker's consumer group on the stream, and its one consumer
+
+
+def ref_scores(client, run: str) -> StreamScores:
+    return StreamScores(client, run, "reference")
+
+
+def worker_for(cfg, client, run: str, stop: threading.Event, batch: int = 4) -> ScoringWorker:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run})})
-    return ReferenceWorker(
-        reference_of(cfg), RefScores(client, run), Telemetry(cfg, "reference", client), batch=batch, stop=stop
+    return ScoringWorker(
+        "reference",
+        Scorer.of_reference(reference_of(cfg)),
+        ref_scores(client, run),
+        Telemetry(cfg, "reference", client),
+        batch=batch,
+        stop=stop,
     )
 
 
-def run_until(worker: ReferenceWorker, done) -> None:
+def run_until(worker: ScoringWorker, done) -> None:
     """The worker in a thread until ``done()`` holds (or 30 s pass), then stopped."""
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -64,7 +76,7 @@ def test_worker_scores_equal_the_learners_reference(
 
     buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
     ids = buffer.put(trajs)
-    scores = RefScores(redis_client, run_id)
+    scores = ref_scores(redis_client, run_id)
     cfg = ppo_config(tiny_ckpt, other_ckpt, tmp_path, "own")
     worker = worker_for(cfg, redis_client, run_id, threading.Event(), batch=4)  # two reads of 4 and 2
     run_until(worker, lambda: len(scores.fetch(ids)) == len(ids))
@@ -80,10 +92,10 @@ def test_worker_scores_equal_the_learners_reference(
     own_learner = PPOLearner(cfg, tmp_path)
     own_learner.models = learner.models  # the reference it would not load is never read
     assert own_learner.served_reference and cfg.reference_scorer == "own"
-    own_learner.ref_scores = scores
+    own_learner.stream_scores = {"reference": scores}
     taken = buffer.take(len(ids), timeout_s=5)
     assert [t.id for t in taken] == ids
-    filled = own_learner.with_reference(taken)
+    filled = own_learner.with_stream_scores(taken)
     _, got_batch, _ = own_learner.score(make_batch([t.traj for t in filled], 0))
     torch.testing.assert_close(got_batch, want, atol=1e-5, rtol=0)
 
@@ -95,7 +107,7 @@ def test_a_restarted_worker_scores_what_its_earlier_life_read(
     next life scores them first. An entry the learner deleted meanwhile is acknowledged, not scored."""
     buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
     ids = buffer.put(mixed_trajectories())
-    scores = RefScores(redis_client, run_id)
+    scores = ref_scores(redis_client, run_id)
     scores.ensure_group()
     read = scores.read(len(ids), 100, pending=False)  # read, then "killed": nothing written, nothing acked
     assert [i for i, _ in read] == ids and scores.pending() == len(ids)
@@ -117,7 +129,7 @@ def test_a_running_worker_scores_a_delivery_whose_scoring_was_lost(
     entries again whenever a wait brings nothing new, so the entry is scored and the learner never waits
     for it forever."""
     buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
-    scores = RefScores(redis_client, run_id)
+    scores = ref_scores(redis_client, run_id)
     scores.ensure_group()
     ids = buffer.put(mixed_trajectories()[:2])
     # Delivered, so never read again as new; held under another name until the worker is running.
@@ -142,7 +154,7 @@ def test_a_running_worker_scores_a_delivery_whose_scoring_was_lost(
 def test_learner_waits_for_missing_scores_and_drops_those_of_entries_gone(redis_client, run_id) -> None:
     buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
     ids = buffer.put(mixed_trajectories()[:3])
-    scores = RefScores(redis_client, run_id)
+    scores = ref_scores(redis_client, run_id)
     scores.ensure_group()
     scores.write([(ids[0], np.array([-1.0, -2.0]))], [ids[0]])
     with pytest.raises(TimeoutError, match=r"2 of 3 trajectories .*placement.reference=own"):
@@ -186,11 +198,13 @@ def test_own_is_separate_only_and_gets_threads_of_its_own(tiny_ckpt, other_ckpt,
 
 @pytest.mark.slow
 @pytest.mark.faults  # kill -9 of a role through launch.py (make test-faults)
-def test_ppo_with_the_reference_worker_survives_kills_at_random_times(tiny_ckpt, tmp_path) -> None:
-    """``launch.py`` with ``placement.reference=own``: three processes; the learner loads no reference and
-    trains with a KL term on the worker's numbers. The worker is killed with SIGKILL three times, at random
-    steps (seeded, printed): each time it is restarted, the run finishes, every step trains a distinct batch
-    (no trajectory twice, audited from ``trained.jsonl``), and no trained entry's scores are left in Redis."""
+def test_ppo_with_both_scoring_workers_survives_kills_at_random_times(tiny_ckpt, tmp_path) -> None:
+    """``launch.py`` with ``placement.reference=own`` and ``placement.reward_model=own``: four processes; the
+    learner loads no reference, the servers no reward model, and the learner trains with a KL term and the
+    reward model's score from the workers' numbers. The workers are killed with SIGKILL four times in turn,
+    at random steps (seeded, printed): each time the one killed is restarted, the run finishes, every step
+    trains a distinct batch (no trajectory twice, audited from ``trained.jsonl``), and no trained entry's
+    scores are left in Redis."""
     import random
 
     from tandem.data import write_prompts
@@ -198,25 +212,27 @@ def test_ppo_with_the_reference_worker_survives_kills_at_random_times(tiny_ckpt,
     from toy.tasks import make_records
 
     prompts = write_prompts(tmp_path / "echo.jsonl", make_records("echo", 200))
-    steps, out, kills = 60, tmp_path / "runs", 3
+    steps, out, kills, roles = 60, tmp_path / "runs", 4, ("reference", "reward_model")
     seed = random.randrange(1 << 16)
     at = sorted(random.Random(seed).sample(range(3, steps - 20), kills))
-    print(f"killing the reference worker at versions {at} (seed {seed})")
+    print(f"killing the scoring workers in turn at versions {at} (seed {seed})")
     cmd = launch_cmd(
         tiny_ckpt, prompts, out, f"learner.total_steps={steps}", "algorithm.kl_coef=0.05",
-        "placement.reference=own", "learner.checkpoint_interval=10", "supervision.backoff_s=0.2",
+        f"model.reward_model={tiny_ckpt['critic']}", "placement.reference=own", "placement.reward_model=own",
+        "learner.checkpoint_interval=10", "supervision.backoff_s=0.2",
     )  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed: list[int] = []
+    killed: list[tuple[str, int]] = []
     try:
         deadline = time.monotonic() + 400
         run_dir, client = attach(proc, out, deadline)
-        key, version = f"{run_dir.name}:ready:reference", f"{run_dir.name}:version"
+        version = f"{run_dir.name}:version"
         pids: set[int] = set()
-        for target in at:
+        for k, target in enumerate(at):
+            role = roles[k % 2]
             # a live worker (ready, a process not killed before) and the learner at the target step
             while True:
-                ready = client.get(key)  # deleted by the launcher while it restarts the worker
+                ready = client.get(f"{run_dir.name}:ready:{role}")  # deleted while it is restarted
                 pid = json.loads(ready)["pid"] if ready else None
                 if pid not in (None, *pids) and int(client.get(version) or 0) >= target:
                     break
@@ -224,23 +240,28 @@ def test_ppo_with_the_reference_worker_survives_kills_at_random_times(tiny_ckpt,
                 time.sleep(0.02)
             os.kill(pid, signal.SIGKILL)
             pids.add(pid)
-            killed.append(int(client.get(version)))
+            killed.append((role, int(client.get(version))))
         print(f"killed at versions {killed}")
         out_text, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out_text[-4000:]
-    assert len(killed) == kills and max(killed) < steps, killed
-    assert "started learner, server-0, reference" in out_text
-    assert (run_dir / "logs" / "reference.log").read_text().count("=== ") == kills + 1  # restarted each time
+    assert len(killed) == kills and max(v for _, v in killed) < steps, killed
+    assert "started learner, server-0, reference, reward_model" in out_text
+    for role in roles:  # restarted each time
+        assert (run_dir / "logs" / f"{role}.log").read_text().count("=== ") == kills // 2 + 1
 
     rows = [json.loads(x) for x in (run_dir / "learner_history.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "reward/mean" in r]
     assert len(trained) == steps and all(np.isfinite(r["policy/kl"]) for r in trained)
     assert all("time/reference_wait" in r and "time/reference" not in r for r in trained)
-    worker_rows = [json.loads(x) for x in (run_dir / "reference_history.jsonl").read_text().splitlines()]
-    assert sum(r["reference/trajectories"] for r in worker_rows) >= steps * 8
+    assert all("time/reward_model_wait" in r and np.isfinite(r["reward/reward_model"]) for r in trained)
+    for role in roles:
+        worker_rows = [json.loads(x) for x in (run_dir / f"{role}_history.jsonl").read_text().splitlines()]
+        assert sum(r[f"{role}/trajectories"] for r in worker_rows) >= steps * 8
+    server_rows = (run_dir / "server-0_history.jsonl").read_text()
+    assert "time/reward_model" not in server_rows  # the servers hold no reward model
 
     ids = [
         i for line in (run_dir / "trained.jsonl").read_text().splitlines() for i in json.loads(line)["ids"]
@@ -248,9 +269,97 @@ def test_ppo_with_the_reference_worker_survives_kills_at_random_times(tiny_ckpt,
     assert len(ids) == steps * 8 and len(set(ids)) == len(ids)  # exactly once, from the learner's records
     server, client, run = inspect_redis(run_dir)
     try:
-        left = {f.decode() for f in client.hkeys(f"{run}:ref_logp")}
-        assert not left & set(ids), "scores of trained, acknowledged trajectories stayed in Redis"
-        assert GROUP in {g["name"].decode() for g in client.xinfo_groups(f"{run}:traj")}
+        for key in ("ref_logp", "rm_score"):
+            left = {f.decode() for f in client.hkeys(f"{run}:{key}")}
+            assert not left & set(ids), f"{key} of trained, acknowledged trajectories stayed in Redis"
+        assert set(roles) <= {g["name"].decode() for g in client.xinfo_groups(f"{run}:traj")}
     finally:
         client.close()
         server.stop()
+
+
+# --------------------------------------------------------------------- the reward model on its own worker
+
+
+def test_reward_model_worker_gives_the_rewards_the_servers_give(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path
+) -> None:
+    """One batch of completions scored by two rollout loops: one holding the reward model
+    (``placement.reward_model: server``), one not (``own``). The second's trajectories, scored by the reward
+    model worker and filled by the learner, carry the first's rewards and parts within 1e-5: the weighted
+    score added to the rules' total, clipped, then the over-long penalty, clipped (weights chosen so that
+    both clips bite). A multi-turn trajectory, which the reward model does not score, is acknowledged
+    unscored and keeps its reward."""
+    from buffer.schema import PromptRecord
+    from buffer.streams import TakenPrompt
+    from rollout.engines.base import Completion
+    from rollout.engines.hf import HFEngine
+    from rollout.loop import RolloutLoop
+    from rollout.reward_model import RewardModel
+    from tandem.rewards import RewardFunctions
+    from tests.test_rollout_loop import make_cfg
+    from weightsync import make_subscriber
+
+    def cfg_for(placement: str):
+        return make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{
+            "model.reward_model": str(tiny_ckpt["critic"]), "placement.reward_model": placement,
+            "reward.model_weight": 40.0, "reward.clip": 0.6, "algorithm.overlong_buffer": 4,
+            "rollout.max_new_tokens": 6,
+        })  # fmt: skip
+
+    engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0)
+    tok = engine.tokenizer
+    prompts = [
+        TakenPrompt(
+            f"0-{i}", PromptRecord(f"p{i}", text, tok(text).input_ids, {"id": f"p{i}", "prompt": text})
+        )
+        for i, text in enumerate(["repeat: ab", "repeat: hello there"])
+    ]
+    rng = np.random.default_rng(3)
+    completions = [
+        [
+            Completion(ids, [-1.0] * len(ids), "stop", [0] * len(ids))
+            for ids in (rng.integers(5, 60, size=k).tolist() for k in (2, 5, 6))
+        ]
+        for _ in prompts
+    ]
+
+    def loop_for(cfg, reward_model):
+        return RolloutLoop(
+            cfg, engine, tok, ReplayBuffer.from_config(redis_client, cfg, consumer="server-0"),
+            make_subscriber(cfg, redis_client, "server-0"), Telemetry(cfg, "server-0", redis_client),
+            server_index=0, rewards=RewardFunctions(cfg.reward), reward_model=reward_model,
+        )  # fmt: skip
+
+    server_cfg, own_cfg = cfg_for("server"), cfg_for("own")
+    assert own_cfg.own_scorers == ["reward_model"] and server_cfg.own_scorers == []
+    rm = RewardModel(str(tiny_ckpt["critic"]), device="cpu")
+    want = [t for g in loop_for(server_cfg, rm).score(prompts, completions) for t in g]
+    own = [t for g in loop_for(own_cfg, None).score(prompts, completions) for t in g]
+    clip = lambda r: max(-0.6, min(0.6, r))  # noqa: E731
+    for t in want:  # by hand: both clips bite (the score alone passes 0.6; the penalty reaches -1)
+        p = t.reward_parts
+        assert t.reward == pytest.approx(clip(clip(p["echo"] + 40 * p["reward_model"]) + p["overlong"]))
+    assert any(40 * t.reward_parts["reward_model"] > 0.6 for t in want)
+    assert any(t.reward_parts["overlong"] < -0.6 for t in want)
+    assert all("reward_model" not in t.reward_parts for t in own)
+
+    buffer = ReplayBuffer(redis_client, run_id, consumer="learner-0")
+    episode = mixed_trajectories()[5]  # a multi-turn trajectory: nothing for the reward model to read
+    ids = buffer.put([*own, episode])
+    scores = StreamScores(redis_client, run_id, "reward_model")
+    worker = ScoringWorker(
+        "reward_model", Scorer.of_reward_model(rm), scores, Telemetry(own_cfg, "reward_model", redis_client),
+        batch=4, stop=threading.Event(),
+    )  # fmt: skip
+    run_until(worker, lambda: scores.pending() == 0 and len(scores.fetch(ids)) == len(own))
+    assert ids[-1] not in scores.fetch(ids)
+
+    learner = PPOLearner(own_cfg, tmp_path)
+    learner.stream_scores = {"reward_model": scores}
+    taken = learner.with_stream_scores(buffer.take(len(ids), timeout_s=5))
+    assert [t.id for t in taken] == ids and "time/reward_model_wait" in learner.score_waits
+    for w, t in zip(want, taken, strict=False):
+        assert t.traj.reward == pytest.approx(w.reward, abs=1e-5)
+        assert t.traj.reward_parts == pytest.approx(w.reward_parts, abs=1e-5)
+    assert taken[-1].traj.reward == episode.reward
