@@ -54,8 +54,12 @@ class ProbeFailed(RuntimeError):
 
 def runnable(plan: Plan, cfg: Config) -> bool:
     """Plans the processes run today for ``cfg`` (the planner predicts more; docs/design.md §11.1). A
-    reward model on its own worker cannot feed dynamic sampling, which drops groups on the servers."""
+    reward model on its own worker cannot feed dynamic sampling, which drops groups on the servers; the
+    critic's own threads and split scoring share one CPU learner's threads."""
     if plan.reward_model == "own" and cfg.algorithm.dynamic_sampling:
+        return False
+    one_cpu_learner = cfg.run.device != "cuda" and cfg.learner.num_ranks == 1
+    if (plan.critic == "own" or plan.scoring == "split") and not one_cpu_learner:
         return False
     return all(getattr(plan, k) in v for k, v in RUNNABLE_PLACEMENT.items())
 
@@ -69,6 +73,7 @@ def applied(cfg: Config, plan: Plan) -> Config:
             "generation_share": None if colocate else plan.generation / plan.devices,
             "aux_share": plan.aux / plan.devices if plan.aux else None,
             "reference": plan.reference,
+            "critic": plan.critic,
             "reward_model": plan.reward_model,
             "scoring": plan.scoring,
         }

@@ -20,6 +20,7 @@ Design decisions:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_log
 from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
 from learner.online import OnlineRuntime, peak_memory_gb
 from learner.runtime import Stats, log
-from learner.scoring import Pass, run_passes
+from learner.scoring import Pass, beside, run_passes
+from placement.local import critic_threads
 from tandem.config import Config
 from tandem.timing import Timers
 
@@ -106,6 +108,13 @@ class PPOLearner(OnlineRuntime):
             raise ValueError(
                 f"placement.scoring=split shares the learner's CPU threads between its scoring passes; this "
                 f"learner runs on {self.device}: use placement.scoring=serial"
+            )
+        # placement.critic: own: the critic scores and trains beside the actor, on threads of its own.
+        self.critic_threads = critic_threads(cfg) if cfg.placement.critic == "own" else 0
+        if self.critic_threads and self.device.type != "cpu":
+            raise ValueError(
+                f"placement.critic=own trains the critic beside the actor on CPU threads of its own; this "
+                f"learner runs on {self.device}: use placement.critic=learner"
             )
         self.models: Models | None = None
 
@@ -260,7 +269,18 @@ class PPOLearner(OnlineRuntime):
 
             passes.append(("time/critic_values", critic_pass))
         mbs = list(self.micro(batch, torch.arange(len(batch))))
-        run_passes(passes, mbs, split=self.cfg.placement.scoring == "split", timers=self.timers)
+        split = self.cfg.placement.scoring == "split"
+        if self.critic_threads and old_values is not None:  # the critic's pass beside the others
+            mine, critic = passes[:-1], passes[-1:]
+
+            def scored(p: list[Pass], split: bool) -> Callable[[], None]:
+                return lambda: torch.no_grad()(run_passes)(p, mbs, split=split, timers=self.timers)
+
+            beside(
+                [(scored(mine, split), self.actor_threads()), (scored(critic, False), self.critic_threads)]
+            )
+        else:
+            run_passes(passes, mbs, split=split, timers=self.timers)
         # Each row was filled by exactly one rank (zeros elsewhere): a sum assembles the whole batch.
         prox_logp, ref_logp, old_values = (
             None if t is None else self.all_sum(t * batch.mask) for t in (prox_logp, ref_logp, old_values)
@@ -312,28 +332,52 @@ class PPOLearner(OnlineRuntime):
         returns: Tensor | None,
         old_values: Tensor | None,
     ) -> dict[str, float]:
-        """``ppo_epochs`` passes over shuffled minibatches; one optimizer step per minibatch per model."""
-        a, m, stats = self.cfg.algorithm, self.models, Stats()
+        """``ppo_epochs`` passes over shuffled minibatches; one optimizer step per minibatch per model.
+
+        The actor's updates and the critic's read the same minibatches and neither reads the other's, so
+        they run one after the other (``placement.critic: learner``) or at once, the critic on threads of
+        its own (``own``): the same numbers either way."""
+        a, m = self.cfg.algorithm, self.models
         # Same permutation on every rank; a function of (seed, version), so a resumed run repeats it.
         order = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.version)
-        m.actor.train()
-        if m.critic is not None:
-            m.critic.train()
-        for _ in range(a.ppo_epochs):
-            for rows in torch.randperm(len(batch), generator=order).split(a.minibatch_size):
+        minibatches = [
+            rows
+            for _ in range(a.ppo_epochs)
+            for rows in torch.randperm(len(batch), generator=order).split(a.minibatch_size)
+        ]
+        actor_stats, critic_stats = Stats(), Stats()
+
+        def actor() -> None:
+            m.actor.train()
+            for rows in minibatches:
                 num_tokens = batch.mask[rows].sum()  # the whole minibatch's, on all ranks
-                for mb in self.micro(batch, rows):
-                    with self.timers("time/actor_train"):
-                        self.actor_backward(mb, batch, prox_logp, ref_logp, adv, num_tokens, stats)
-                    if m.critic is not None:
-                        with self.timers("time/critic_train"):
-                            self.critic_backward(mb, batch, old_values, returns, num_tokens, stats)
                 with self.timers("time/actor_train"):
+                    for mb in self.micro(batch, rows):
+                        self.actor_backward(mb, batch, prox_logp, ref_logp, adv, num_tokens, actor_stats)
                     m.actor.step()
-                if m.critic is not None:
-                    with self.timers("time/critic_train"):
-                        m.critic.step()
-        return stats.reduce()
+
+        def critic() -> None:
+            m.critic.train()
+            for rows in minibatches:
+                num_tokens = batch.mask[rows].sum()
+                with self.timers("time/critic_train"):
+                    for mb in self.micro(batch, rows):
+                        self.critic_backward(mb, batch, old_values, returns, num_tokens, critic_stats)
+                    m.critic.step()
+
+        if m.critic is None:
+            actor()
+        elif self.critic_threads:
+            beside([(actor, self.actor_threads()), (critic, self.critic_threads)])
+        else:
+            actor()
+            critic()
+        actor_stats.extend(critic_stats)
+        return actor_stats.reduce()
+
+    def actor_threads(self) -> int:
+        """The actor's share of the learner's threads when the critic has its own."""
+        return max(1, torch.get_num_threads() - self.critic_threads)
 
     def actor_backward(
         self,

@@ -69,6 +69,12 @@ class Stats:
         self.totals.append(torch.stack([m.detach().float() for m in metrics.values()]) * weight)
         self.weights.append(weight.expand(len(metrics)))
 
+    def extend(self, other: Stats) -> None:
+        """``other``'s records after this one's (each thread that trains keeps its own, merged here)."""
+        self.keys += other.keys
+        self.totals += other.totals
+        self.weights += other.weights
+
     def reduce(self) -> dict[str, float]:
         """One all-reduce for every metric; only the keys with weight (a metric of no token is left out)."""
         keys = sorted(set(self.keys))  # the same keys on every rank: the same code ran

@@ -1,4 +1,5 @@
-"""The scoring forwards of a batch, one after another or at once (``placement.scoring``, docs/design.md §11.1).
+"""The learner's passes of a batch, one after another or at once (``placement.scoring``, ``placement.critic``;
+docs/design.md §11.1).
 
 Before it trains, the learner makes the proximal actor's log-probabilities, the reference's and the
 critic's values for every response token. These passes read the same batch and none needs another's
@@ -6,6 +7,9 @@ output, so they can run side by side (Puzzle's SMDD): ``split`` gives each pass 
 share of the learner's CPU threads (a thread's own OpenMP team, ``torch.set_num_threads`` in that thread),
 where ``serial`` runs them in turn, each with every thread. On CPU a small model's forward does not use two
 threads well, so two passes on one thread each can beat the pair run in turn on two.
+
+:func:`beside` is the one way to run work at once on shares of the threads: split scoring's passes, and
+the critic placed ``own``, whose value pass and training run beside the actor's on threads of its own.
 """
 
 from __future__ import annotations
@@ -41,17 +45,29 @@ def run_passes(
                     fill(mb)
         return
 
-    def one(p: Pass, threads: int) -> None:
+    def one(p: Pass) -> Callable[[], None]:
         name, fill = p
-        torch.set_num_threads(threads)  # this thread's team only: the caller keeps its own
-        with timers(name), torch.no_grad():
-            for mb in micro_batches:
-                fill(mb)
 
-    with ThreadPoolExecutor(len(passes), thread_name_prefix="scoring") as pool:
-        done = [
-            pool.submit(one, p, t)
-            for p, t in zip(passes, shares(torch.get_num_threads(), len(passes)), strict=True)
-        ]
-        for f in done:
-            f.result()  # the first failure, in the caller's thread
+        def run() -> None:
+            with timers(name), torch.no_grad():
+                for mb in micro_batches:
+                    fill(mb)
+
+        return run
+
+    beside(list(zip(map(one, passes), shares(torch.get_num_threads(), len(passes)), strict=True)))
+
+
+def beside(jobs: Sequence[tuple[Callable[[], None], int]]) -> None:
+    """Each ``(job, threads)`` at once in a thread of its own, with its own OpenMP team of ``threads``
+    (``torch.set_num_threads`` in that thread; the caller keeps its own); returns when all are done, raising
+    the first failure in the caller's thread. A new thread starts with gradients on: a job that only scores
+    turns them off itself."""
+
+    def run(job: Callable[[], None], threads: int) -> None:
+        torch.set_num_threads(threads)
+        job()
+
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="beside") as pool:
+        for f in [pool.submit(run, job, threads) for job, threads in jobs]:
+            f.result()

@@ -2,8 +2,8 @@
 
 - :func:`roles_of`: the models a config has besides the actor;
 - :func:`configured_plan`: the config's placement as a :class:`~placement.plan.Plan` on ``devices``;
-- :func:`thread_split`, :func:`aux_threads`: on CPU a device is a thread, so a plan is a thread budget per
-  process;
+- :func:`thread_split`, :func:`aux_threads`, :func:`critic_threads`: on CPU a device is a thread, so a plan
+  is a thread budget per process (and per role within the learner's);
 - :func:`prior_model`: per-phase laws from the checkpoints' sizes and a device's nominal speed, so
   ``launch.py plan`` can rank plans before a run has profiled anything. Measured laws replace it
   (``placement/cost.py``); its figures are orders of magnitude, and ``launch.py plan`` says so.
@@ -42,7 +42,7 @@ def configured_plan(cfg: Config, devices: int) -> Plan:
     p = cfg.placement
     if cfg.placement_mode == "colocate":
         return Plan("colocate", devices, devices, 0, p.reference, p.critic, p.reward_model, p.scoring)
-    servers, own = cfg.rollout.num_servers, bool(cfg.own_scorers)
+    servers, own = cfg.rollout.num_servers, bool(own_roles(cfg))
     aux = max(1, min(devices - 2, round(aux_share(cfg) * devices))) if own else 0
     share = p.generation_share if p.generation_share is not None else servers / (servers + 1 + own)
     generation = max(0, min(devices - 1 - aux, max(1, round(share * devices))))
@@ -66,13 +66,24 @@ def aux_share(cfg: Config) -> float:
     return 1 / (cfg.rollout.num_servers + 2)
 
 
+def own_roles(cfg: Config) -> list[str]:
+    """The roles placed ``own``: the scoring workers' (processes of their own) and the critic (threads of
+    its own in the learner's process)."""
+    return cfg.own_scorers + (["critic"] if cfg.critic_own else [])
+
+
 def aux_threads(cfg: Config, cores: int | None = None) -> int:
-    """CPU threads of each scoring worker (``placement.reference`` or ``reward_model: own``): the own
-    group's share, split between them; 0 without one."""
-    if not (n := len(cfg.own_scorers)):
+    """CPU threads of each role placed own (a scoring worker, the critic): the own group's share, split
+    between them; 0 without one."""
+    if not (n := len(own_roles(cfg))):
         return 0
     cores = cores or os.cpu_count() or 1
     return max(1, round(aux_share(cfg) * cores) // n)
+
+
+def critic_threads(cfg: Config, cores: int | None = None) -> int:
+    """The critic's threads in the learner's process under ``placement.critic: own``; else 0."""
+    return aux_threads(cfg, cores) if cfg.critic_own else 0
 
 
 def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
@@ -83,20 +94,22 @@ def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
     against; on the generation-heavy workload of ``bench/vs_trl.py`` it measured 1.6 -> 1.1 s/step against
     the split). separate: generation and training run at once, so they split the cores: the servers'
     ``placement.generation_share`` (or ``rollout.threads`` each, or an equal share per process), each
-    scoring worker its :func:`aux_threads` (a model placed ``own``), the learner what is left. ``rollout.threads`` and ``learner.threads`` override either share (on a busy
+    scoring worker its :func:`aux_threads` (a model placed ``own``), the learner what is left (with the
+    critic's own threads when it is placed ``own``). ``rollout.threads`` and ``learner.threads`` override either share (on a busy
     machine, 1 avoids OpenMP barrier stalls).
     """
     cores = cores or os.cpu_count() or 1
     servers, learner = cfg.rollout.num_servers, cfg.learner.threads
     if cfg.placement_mode == "colocate":
         return cfg.rollout.threads or max(1, cores // servers), learner or cores
+    # The critic's own threads are the learner process's: only the scoring workers' are left out.
     share, aux = cfg.placement.generation_share, aux_threads(cfg, cores) * len(cfg.own_scorers)
     if cfg.rollout.threads:
         per_server = cfg.rollout.threads
     elif share is not None:
         per_server = max(1, round(share * cores) // servers)
     else:
-        per_server = max(1, cores // (servers + 1 + (aux > 0)))
+        per_server = max(1, cores // (servers + 1 + bool(own_roles(cfg))))
     return per_server, learner or max(1, cores - per_server * servers - aux)
 
 

@@ -127,6 +127,8 @@ def _profile(cfg: Config, plan: Plan, win: list[dict], srv: list[dict], rest: li
     # Split scoring ran each forward on its share of the learning devices, in the planner's order.
     forwards = plan.learner_scoring(roles_of(cfg)) if plan.scoring == "split" else []
     on = {f: max(1, n) for f, n in zip(forwards, split_devices(plan.learning, len(forwards)), strict=True)}
+    if plan.critic == "own":  # its pass and its training ran on the critic's own threads
+        on |= {"critic_values": plan.aux, "critic_train": plan.aux}
     samples: list[Sample] = []
     for r in win:
         for phase in LEARNER_PHASES:

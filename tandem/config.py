@@ -644,7 +644,7 @@ class LearnerConfig(Section):
 # config to ask for and for placement.mode: auto to choose.
 RUNNABLE_PLACEMENT: dict[str, tuple[str, ...]] = {
     "reference": ("learner", "learner_cpu", "server", "own"),
-    "critic": ("learner",),
+    "critic": ("learner", "own"),
     "reward_model": ("server", "own"),
     "scoring": ("serial", "split"),
 }
@@ -682,7 +682,8 @@ class PlacementConfig(Section):
         description="Where the reference runs (with kl_coef > 0): learner (resident on the learner's devices), learner_cpu (on the learner's CPU, moved to its devices for each pass), server (each rollout server holds a second model, the frozen reference, and scores every trajectory's ref_logp next to generation; the learner loads none), own (a reference worker on devices of its own scores every trajectory as it is appended, and the learner reads the numbers; separate mode).",
     )
     critic: Literal["learner", "own"] = Field(
-        "learner", description="Where the critic trains: learner; own (its own ranks) is predicted only."
+        "learner",
+        description="Where the critic scores and trains (with algorithm.advantage=gae): learner (in turn with the actor, on every learner thread); own (at once with the actor, on CPU threads of its own in the learner's process: placement.aux_share of the cores, split with any scoring worker; run.device=cpu, learner.num_ranks=1, separate mode).",
     )
     reward_model: Literal["server", "own"] = Field(
         "server",
@@ -922,6 +923,21 @@ class Config(Section):
                 "learning; colocated (run.mode=sync or placement.mode=colocate) every device is shared: use "
                 "placement.reference=learner or server there"
             )
+        if self.placement.critic == "own":
+            if self.algorithm.advantage != "gae":
+                raise ValueError("placement.critic=own needs a critic: algorithm.advantage=gae")
+            if self.placement_mode == "colocate":
+                raise ValueError(
+                    "placement.critic=own gives the critic threads of its own, beside the actor's; colocated "
+                    "(run.mode=sync or placement.mode=colocate) every device is shared: use "
+                    "placement.critic=learner there"
+                )
+            if self.run.device == "cuda" or self.learner.num_ranks > 1:
+                raise ValueError(
+                    "placement.critic=own trains the critic beside the actor on CPU threads of its own in "
+                    "the learner's process: it needs run.device=cpu and learner.num_ranks=1 (on devices, "
+                    "critic ranks of their own are predicted by `launch.py plan` but not yet run)"
+                )
         if self.placement.reward_model == "own":
             if self.model.reward_model is None:
                 raise ValueError(
@@ -1062,6 +1078,11 @@ class Config(Section):
             return None
         at = self.placement.reference
         return "learner" if at == "learner_cpu" else at
+
+    @property
+    def critic_own(self) -> bool:
+        """The critic scores and trains beside the actor on threads of its own (``placement.critic: own``)."""
+        return self.placement.critic == "own" and self.algorithm.advantage == "gae"
 
     @property
     def own_scorers(self) -> list[str]:

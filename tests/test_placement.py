@@ -553,8 +553,16 @@ def test_thread_split_follows_the_placement() -> None:
 def test_placement_config_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match=r"placement.mode=colocate .* needs run.mode=sync"):
         cfg_of("placement.mode=colocate", "run.mode=async")
-    with pytest.raises(ConfigError, match=r"placement.critic=own is predicted by `launch.py plan`"):
-        cfg_of("placement.critic=own")
+    with pytest.raises(ConfigError, match=r"placement.critic=own needs a critic"):
+        cfg_of("placement.critic=own")  # GRPO
+    gae = ("placement.critic=own", "algorithm.advantage=gae")
+    with pytest.raises(
+        ConfigError, match=r"placement.critic=own .* needs run.device=cpu and learner.num_ranks=1"
+    ):
+        cfg_of(*gae, "run.device=cuda")
+    with pytest.raises(ConfigError, match=r"placement.critic=own .* colocated"):
+        cfg_of(*gae, "run.mode=sync")
+    assert cfg_of(*gae).critic_own and not cfg_of("algorithm.advantage=gae").critic_own
     with pytest.raises(ConfigError, match=r"placement.reward_model=own needs model.reward_model"):
         cfg_of("placement.reward_model=own")
     rm = "model.reward_model=assets/tiny/critic"
@@ -716,14 +724,15 @@ def test_observed_ratio_prices_a_plan_by_its_own_steps_phase_times() -> None:
 
 def test_auto_chooses_among_exactly_the_placements_a_config_can_ask_for() -> None:
     """``placement.mode: auto`` applies its pick through the config; what it may pick and what a config
-    accepts are one list (the reference on the servers and on a worker of its own included, and the reward
-    model on a worker of its own, since the processes run them). A config with dynamic sampling, which the
+    accepts are one list (the reference on the servers and on a worker of its own included, the reward
+    model on a worker of its own and the critic on threads of its own, since the processes run them). A config with dynamic sampling, which the
     servers apply before an own reward model's score exists, may not pick the latter."""
     from launcher.auto import runnable
     from tandem.config import PlacementConfig
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml")
     sampled = load_config(ROOT / "configs" / "tiny.yaml", ["algorithm.dynamic_sampling=true"])
+    on_gpu = load_config(ROOT / "configs" / "tiny.yaml", ["run.device=cuda"])
     picked = set()
     for plan in candidates(ALL, 4):
         fields = {k: getattr(plan, k) for k in ("reference", "critic", "reward_model", "scoring")}
@@ -734,6 +743,9 @@ def test_auto_chooses_among_exactly_the_placements_a_config_can_ask_for() -> Non
             accepted = False
         assert runnable(plan, cfg) == accepted, plan
         assert runnable(plan, sampled) == (accepted and plan.reward_model != "own"), plan
+        # the critic's own threads and split scoring share one CPU learner's threads
+        assert runnable(plan, on_gpu) == (accepted and plan.critic != "own" and plan.scoring != "split"), plan
         picked |= {(plan.reference, plan.reward_model)} if runnable(plan, cfg) else set()
     assert {r for r, _ in picked} == {"learner", "learner_cpu", "server", "own"}
     assert {m for _, m in picked} == {"server", "own"}
+    assert any(p.critic == "own" and runnable(p, cfg) for p in candidates(ALL, 4))
