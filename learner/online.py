@@ -273,6 +273,7 @@ class OnlineRuntime(Runtime):
         return taken
 
     def add_reward_model_score(self, traj: Trajectory, score: float) -> None:
+        """The worker's score as the part ``reward_model``, and the reward summed as the servers sum it."""
         traj.reward_parts["reward_model"] = score
         traj.reward = total_reward(
             traj.meta[RULES_REWARD],

@@ -110,7 +110,7 @@ class PPOLearner(OnlineRuntime):
                 f"learner runs on {self.device}: use placement.scoring=serial"
             )
         # placement.critic: own: the critic scores and trains beside the actor, on threads of its own.
-        self.critic_threads = critic_threads(cfg) if cfg.placement.critic == "own" else 0
+        self.critic_threads = critic_threads(cfg)
         if self.critic_threads and self.device.type != "cpu":
             raise ValueError(
                 f"placement.critic=own trains the critic beside the actor on CPU threads of its own; this "
@@ -274,7 +274,11 @@ class PPOLearner(OnlineRuntime):
             mine, critic = passes[:-1], passes[-1:]
 
             def scored(p: list[Pass], split: bool) -> Callable[[], None]:
-                return lambda: torch.no_grad()(run_passes)(p, mbs, split=split, timers=self.timers)
+                def run() -> None:
+                    with torch.no_grad():  # a new thread starts with gradients on
+                        run_passes(p, mbs, split=split, timers=self.timers)
+
+                return run
 
             beside(
                 [(scored(mine, split), self.actor_threads()), (scored(critic, False), self.critic_threads)]

@@ -119,9 +119,8 @@ class RolloutLoop:
         self.reference = reference  # placement.reference: server (rollout/reference.py)
         self.buffer, self.subscriber, self.telemetry = buffer, subscriber, telemetry
         self.server_index, self.rewards, self.reward_model = server_index, rewards, reward_model
-        self.rm_own = (
-            "reward_model" in cfg.own_scorers
-        )  # placement.reward_model: own (rollout/scoring_worker.py)
+        # placement.reward_model: own: a worker scores what this loop appends (rollout/scoring_worker.py)
+        self.rm_own = "reward_model" in cfg.own_scorers
         self.evaluator = evaluator
         self.metrics = metrics or ServerMetrics(engine)
         self.stop_event = stop_event or threading.Event()
