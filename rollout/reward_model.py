@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rollout.engines.devices import resolve_device, resolve_dtype
+from tandem.config import Config
 
 
 class RewardModel:
@@ -50,3 +51,16 @@ class RewardModel:
             logits = self.model(**batch.to(self.device)).logits  # (B, 1)
             scores.extend(logits[:, 0].float().tolist())
         return scores
+
+
+def reward_model_of(cfg: Config) -> RewardModel | None:
+    """The run's reward model (``model.reward_model``) on the run's device and dtype; None without one. The
+    rollout servers and the reward model worker load it alike."""
+    if cfg.model.reward_model is None:
+        return None
+    return RewardModel(
+        cfg.model.reward_model,
+        device=cfg.run.device,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )

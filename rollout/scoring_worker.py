@@ -37,7 +37,7 @@ import numpy as np
 from buffer.schema import SchemaError, Trajectory, decode_trajectory
 from buffer.stream_scores import RM_TEXT, SCORE_KEYS, StreamScores
 from rollout.reference import ReferenceModel, reference_of
-from rollout.reward_model import RewardModel
+from rollout.reward_model import RewardModel, reward_model_of
 from tandem.config import Config, load_config
 from tandem.procs import exit_with_driver
 from tandem.telemetry import Telemetry, setup_logging
@@ -135,10 +135,8 @@ def scorer_of(cfg: Config, role: str) -> Scorer:
         reference = reference_of(cfg)
         reference.logprobs([([0], [0])])
         return Scorer.of_reference(reference)
-    if cfg.model.reward_model is None:
+    if (rm := reward_model_of(cfg)) is None:
         raise ValueError("placement.reward_model=own needs model.reward_model (the checkpoint to score with)")
-    rm = RewardModel(cfg.model.reward_model, device=cfg.run.device, dtype=cfg.model.dtype,
-                     trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
     rm.score(["ok"])
     return Scorer.of_reward_model(rm)
 

@@ -64,7 +64,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     from buffer.streams import ReplayBuffer
     from rollout.loop import RolloutLoop
     from rollout.reference import load_reference
-    from rollout.reward_model import RewardModel
+    from rollout.reward_model import reward_model_of
     from tandem.rewards import RewardFunctions
     from weightsync import make_subscriber
 
@@ -88,14 +88,8 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code)
     warm_up(engine, tokenizer)
     rewards = RewardFunctions(cfg.reward)
-    reward_model = None
-    if cfg.model.reward_model is not None and "reward_model" not in cfg.own_scorers:
-        reward_model = RewardModel(
-            cfg.model.reward_model,
-            device=cfg.run.device,
-            dtype=cfg.model.dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
+    # placement.reward_model: own: the reward model worker scores instead (rollout/scoring_worker.py)
+    reward_model = None if "reward_model" in cfg.own_scorers else reward_model_of(cfg)
     reference = load_reference(cfg)  # placement.reference: server (docs/design.md §11.1)
     metrics = ServerMetrics(engine)
     http = None
