@@ -17,7 +17,8 @@ In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per
       process on the same token-id prompts and sampling (``logprobs=0``, processed logprobs, like the
       server); ``overhead_ratio`` = direct / loop (> 1: the loop is slower), ``loop_ratio`` = loop / direct;
   The three run in turns of ``--chunk`` batches each (the loop's batches in flight finish within its turn),
-  so load from other processes hits them alike. Each turn also counts the CPU seconds of every process
+  so load from other processes hits them alike; on vLLM each turn starts ``SETTLE_S`` after the last, once
+  the idle engine's worker has stopped spinning. Each turn also counts the CPU seconds of every process
   (this one, and for vllm the server's HTTP front, its scheduler and its worker), per 1,000 tokens: on a
   CPU build the worker computes on one core and everything else shares the one vLLM reserves, so a
   busier front slows the engine itself;
@@ -158,24 +159,30 @@ def main() -> None:
         tokens = {"engine": 0, "direct": 0}
         cpu: dict[str, dict[str, float]] = {key: {} for key in seconds}
         groups_before, done = loop.groups, 0
+        settle = SETTLE_S if args.engine == "vllm" else 0.0
         while done < args.steps:
             k = min(args.chunk, args.steps - done)
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            for _ in range(k):
-                loop.step()  # claims one batch; with several in flight, returns while it generates
-            loop.drain()
-            c1, t1 = cpu_seconds(), time.perf_counter()
-            for _ in range(k):
-                tokens["engine"] += sum(len(c.token_ids) for g in engine.generate(batch, sampling) for c in g)
-            c2, t2 = cpu_seconds(), time.perf_counter()
-            for _ in range(k):
-                tokens["direct"] += direct()
-            c3, t3 = cpu_seconds(), time.perf_counter()
-            for key, (a, b) in zip(seconds, ((c0, c1), (c1, c2), (c2, c3)), strict=True):
-                for proc in b:
-                    cpu[key][proc] = cpu[key].get(proc, 0.0) + b[proc] - a.get(proc, 0.0)
-            for key, dt in zip(seconds, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-                seconds[key] += dt
+            spans = []
+            for key in seconds:
+                time.sleep(settle)  # the engine measured last stops spinning before this one starts
+                c0, t0 = cpu_seconds(), time.perf_counter()
+                if key == "loop":
+                    for _ in range(k):
+                        loop.step()  # claims one batch; with several in flight, returns while it generates
+                    loop.drain()
+                elif key == "engine":
+                    for _ in range(k):
+                        tokens[key] += sum(
+                            len(c.token_ids) for g in engine.generate(batch, sampling) for c in g
+                        )
+                else:
+                    for _ in range(k):
+                        tokens[key] += direct()
+                spans.append((key, c0, t0, cpu_seconds(), time.perf_counter()))
+            for key, c0, t0, c1, t1 in spans:
+                for proc in c1:
+                    cpu[key][proc] = cpu[key].get(proc, 0.0) + c1[proc] - c0.get(proc, 0.0)
+                seconds[key] += t1 - t0
             done += k
         assert loop.groups - groups_before == args.prompts_per_batch * args.steps, "the loop appended short"
         stages = dict(loop.totals)
@@ -207,7 +214,7 @@ def main() -> None:
     for stage in STAGES:
         figures[f"{stage}_s"] = stages.get(f"time/{stage}", 0.0)
     # CPU seconds per 1,000 tokens of each process, in each measurement (the other side's idle processes
-    # spend next to nothing: a sleeping vLLM server, or the offline LLM between its calls)
+    # spend next to nothing once settled: a sleeping vLLM server, or the offline LLM between its calls)
     for key in seconds:
         for proc, secs in cpu[key].items():
             figures[f"cpu_{key}_{proc}_s_per_ktok"] = 1000 * secs / tokens[key]
@@ -259,6 +266,10 @@ def cpu_seconds() -> dict[str, float]:
 
 # The loop's phases (time/<stage> in its logged stats); generate overlaps itself with several in flight.
 STAGES = ("wait_admission", "take_prompts", "weight_sync", "generate", "score", "put")
+# vLLM's workers spin on their shared-memory queue for 1 s after their last step (SpinCondition's
+# busy_loop_s in vllm/distributed/device_communicators/shm_broadcast.py). Two vLLMs bind their workers to
+# the same core here, so without a pause the engine measured last takes CPU from the one measured next.
+SETTLE_S = 1.5
 VLLM_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20)]
 
 
