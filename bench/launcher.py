@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tandem.telemetry import read_history
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -35,7 +37,7 @@ def run(backend: list[str], config: str, steps: int, out: Path, overrides: list[
             f"{' '.join(backend) or 'local'} run failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         )
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     times = [r["time"] for r in rows if "reward/mean" in r]
     return {
         "first_step_s": times[0] - t0,

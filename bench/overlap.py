@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tandem.telemetry import read_history
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -44,12 +46,13 @@ def run_mode(mode: str, config: str, steps: int, out_dir: Path, overrides: list[
     return run_dir
 
 
-def read_history(run_dir: Path) -> tuple[list[dict], list[dict]]:
+def run_histories(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """Learner rows (from the run summary) and every server's rows (from Redis history dumped by launch)."""
-    learner = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    learner = read_history(run_dir, "learner")
     servers: list[dict] = []
     for p in sorted(run_dir.glob("server-*_history.jsonl")):
-        servers += [{**json.loads(line), "_server": p.name} for line in p.read_text().splitlines()]
+        proc = p.name.removesuffix("_history.jsonl")
+        servers += [{**row, "_server": p.name} for row in read_history(run_dir, proc)]
     return learner, servers
 
 
@@ -148,7 +151,7 @@ def main() -> None:
     results, histories = {}, {}
     for mode in ("sync", "async"):
         run_dir = run_mode(mode, args.config, args.steps, out / mode, args.overrides)
-        learner, servers = read_history(run_dir)
+        learner, servers = run_histories(run_dir)
         histories[mode] = learner
         results[mode] = figures(learner, servers, batch_size, args.target)
 

@@ -72,10 +72,10 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
 _spec = importlib.util.spec_from_file_location("bench_overlap", ROOT / "bench" / "overlap.py")
 overlap = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(overlap)
-figures, moving_average, read_history, run_mode = (
+figures, moving_average, run_histories, run_mode = (
     overlap.figures,
     overlap.moving_average,
-    overlap.read_history,
+    overlap.run_histories,
     overlap.run_mode,
 )
 
@@ -304,7 +304,7 @@ def run_tandem(
         print(f"[vs_trl] {run}: launch.py {' '.join(cmd[4:])} (thread split: {split})", flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
         (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    learner, servers = read_history(run_dir)
+    learner, servers = run_histories(run_dir)
     f = figures(learner, servers, PROMPTS_PER_STEP * GROUP, target)
     return {**f, "s_per_step": PROMPTS_PER_STEP * GROUP / f["samples_per_s"]}
 

@@ -11,7 +11,7 @@ import redis
 
 from tandem import fleet
 from tandem.config import Config
-from tandem.telemetry import history_key, stats_key
+from tandem.telemetry import history_key, history_path, read_history, stats_key
 
 
 class Console:
@@ -74,11 +74,10 @@ def summarize(
     servers = sorted(launched | set(fleet.seen(client, cfg.run.name)), key=lambda s: int(s.split("-")[1]))
     for proc in ["learner", *servers, *cfg.own_scorers]:  # own scorers: rollout/scoring_worker.py
         raw = client.lrange(history_key(cfg.run.name, proc), 0, -1)
-        (run_dir / f"{proc}_history.jsonl").write_text("".join(r.decode() + "\n" for r in raw))
+        history_path(run_dir, proc).write_text("".join(r.decode() + "\n" for r in raw))
     if placement:
         print("[launch] placement: " + "; ".join(f"{p} on {node}" for p, node in placement.items()))
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
+    rows = [r for r in read_history(run_dir, "learner") if "reward/mean" in r]
     if not rows:
         print("[launch] no learner steps were logged")
         if placement:
@@ -127,7 +126,7 @@ def summarize(
         pass
     evals = eval_history(client, cfg.run.name)
     if evals:
-        (run_dir / "eval_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+        history_path(run_dir, "eval").write_text("".join(json.dumps(r) + "\n" for r in evals))
         k = next(key for key in evals[0] if key.startswith("eval/pass@") and key != "eval/pass@1")
         summary["eval"] = [
             {"version": int(r["eval/version"]), "reward_mean": r["eval/reward_mean"],

@@ -11,7 +11,6 @@ time less the two sides' busy time.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from placement.local import configured_plan, roles_of
 from placement.plan import Plan
 from placement.planner import relative_error
 from tandem.config import Config, load_config
+from tandem.telemetry import read_history
 
 LEARNER_PHASES = ("actor_logp", "reference", "critic_values", "actor_train", "critic_train")
 SERVER_PHASES = ("generate", "reward_model", "reference")  # reference: placement.reference server
@@ -44,17 +44,6 @@ def profiled_workload(profiles: list[RunProfile], batch_size: int) -> Workload:
     tokens = statistics.mean(p.tokens for p in profiles)
     generated = statistics.mean(p.generated for p in profiles)
     return Workload(batch_size, (tokens - generated) / batch_size, generated / batch_size)
-
-
-def _rows(path: Path) -> list[dict]:
-    """A history's rows; a run in progress may be writing its last line, which is left out."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def _seconds_per_step(rows: list[dict]) -> float:
@@ -103,14 +92,14 @@ def read_recent(cfg: Config, learner: list[dict], servers: list[dict], cores: in
 def learner_steps(run_dir: Path) -> list[dict]:
     """The learner's step rows of ``run_dir``, from the history the driver writes when a run ends (none
     for a run that is running or was killed)."""
-    path = run_dir / "learner_history.jsonl"
-    return [r for r in _rows(path) if "batch/tokens" in r] if path.is_file() else []
+    return [r for r in read_history(run_dir, "learner") if "batch/tokens" in r]
 
 
 def _histories(run_dir: Path) -> tuple[Config, list[dict], list[dict]]:
     cfg: Config = load_config(run_dir / "config.public.yaml")
     learner = learner_steps(run_dir)
-    servers = [r for p in sorted(run_dir.glob("server-*_history.jsonl")) for r in _rows(p)]
+    names = sorted(p.name.removesuffix("_history.jsonl") for p in run_dir.glob("server-*_history.jsonl"))
+    servers = [r for name in names for r in read_history(run_dir, name)]
     return cfg, learner, servers
 
 

@@ -38,7 +38,7 @@ from stages.overoptimization import PPOWatch
 from stages.pipeline_config import PipelineConfig, load_pipeline, merge
 from stages.schedule import child_env, run_offline_stages
 from tandem.config import Config, ConfigError, dump_config, load_config
-from tandem.telemetry import setup_logging
+from tandem.telemetry import read_history, setup_logging
 
 log = logging.getLogger("pipeline")
 REPO = Path(__file__).resolve().parents[1]
@@ -280,9 +280,8 @@ class Pipeline:
             raise RuntimeError(
                 f"ppo: launch.py finished without a final actor in {final}: see {stage_dir / 'launch.log'}"
             )
-        history = run_dir / "learner_history.jsonl"  # absent when stopped before its first log line
-        rows = [json.loads(line) for line in history.read_text().splitlines()] if history.exists() else []
-        rows = [r for r in rows if "reward/mean" in r]
+        # none when stopped before its first log line
+        rows = [r for r in read_history(run_dir, "learner") if "reward/mean" in r]
         k = max(1, len(rows) // 10)
         result: dict[str, Any] = {
             "recipe": "ppo",

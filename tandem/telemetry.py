@@ -8,14 +8,19 @@ Run-level Redis keys every process shares (all prefixed by the run id):
 - ``{run}:stats:{proc}``  hash of the latest metric values (JSON numbers), read by launch.py's console;
 - ``{run}:history:{proc}`` list of every logged row (JSON, with ``step`` and ``time``), for the summary and plots;
 - ``{run}:stop``          set by launch.py to ask every process to finish cleanly.
+
+When a run ends, launch.py writes each process's history to ``<proc>_history.jsonl`` in the run directory
+(:func:`history_path`); :func:`read_history` reads it back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -40,6 +45,24 @@ def history_key(run: str, proc: str) -> str:
 
 def stop_key(run: str) -> str:
     return f"{run}:stop"
+
+
+def history_path(run_dir: str | os.PathLike[str], proc: str) -> Path:
+    """The file a run's history of ``proc`` (``learner``, ``server-0``, ``reference``, ...) is written to."""
+    return Path(run_dir) / f"{proc}_history.jsonl"
+
+
+def read_history(run_dir: str | os.PathLike[str], proc: str) -> list[dict[str, Any]]:
+    """Every row ``proc`` logged in the run at ``run_dir``, in order; none where no history was written (a
+    run still going, or one whose driver was killed). A last line still being written is left out."""
+    path = history_path(run_dir, proc)
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    rows = [json.loads(line) for line in lines[:-1]]
+    with contextlib.suppress(json.JSONDecodeError):
+        rows += [json.loads(line) for line in lines[-1:]]
+    return rows
 
 
 class RedactSecrets(logging.Filter):

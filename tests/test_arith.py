@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rollout.envs import reasoning_gym as rg
+from tandem.telemetry import read_history
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(
@@ -120,7 +121,7 @@ def test_sft_then_grpo_raises_held_out_accuracy(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = runs.iterdir()
-    evals = [json.loads(line) for line in (run_dir / "eval_history.jsonl").read_text().splitlines()]
+    evals = read_history(run_dir, "eval")
     versions = [int(r["eval/version"]) for r in evals]  # a server may skip a superseded version
     assert versions[0] == 0 and len(versions) >= 4 and all(v % 50 == 0 for v in versions), versions
     start, later = evals[0]["eval/pass@1"], [r["eval/pass@1"] for r in evals[1:]]

@@ -22,6 +22,7 @@ from buffer.redis_server import EmbeddedRedis
 from launcher.plan import thread_split
 from tandem.config import load_config
 from tandem.data import write_prompts
+from tandem.telemetry import read_history
 from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +110,7 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
     run_dir = run_dir_of(tmp_path)
     assert f"learner finished at step {steps}" in proc.stdout
 
-    learner = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    learner = read_history(run_dir, "learner")
     learner = [r for r in learner if "reward/mean" in r]
     assert [int(r["learner/version"]) for r in learner] == list(range(1, steps + 1))  # versions advanced
     bound = 0 if mode == "sync" else max_staleness
@@ -119,7 +120,7 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
         # admission must make every trajectory fresh, so none may have been refused.
         assert learner[-1]["buffer/stale_rejected"] == 0
 
-    server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    server = read_history(run_dir, "server-0")
     assert sum(r.get("rollout/groups", 0) for r in server) >= steps * 2  # trajectories flowed (2 groups/step)
     # weights reached the server: it reports holding a version above 0 before the end
     assert max(r.get("rollout/version", 0) for r in server) >= 1
@@ -269,7 +270,7 @@ def test_first_user_paths_run(path: str, tiny_ckpt, prompts: Path, tmp_path: Pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"learner finished at step {steps}" in proc.stdout
     run_dir = run_dir_of(tmp_path)
-    learner = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    learner = read_history(run_dir, "learner")
     assert [int(r["learner/version"]) for r in learner if "reward/mean" in r] == [1, 2, 3]
     if path == "gae_kl":
         assert all("loss/value" in r and "policy/kl" in r for r in learner if "reward/mean" in r)
@@ -303,7 +304,7 @@ def test_eval_and_sampling_switches_run_end_to_end(tiny_ckpt, prompts: Path, tmp
     assert versions[0] == 0 and versions == sorted(set(versions)) and len(versions) >= 2
     assert all(0.0 <= e["pass@1"] <= e["pass@2"] <= 1.0 for e in summary["eval"])
     assert "[launch] eval (held-out): v0:" in proc.stdout
-    server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    server = read_history(run_dir, "server-0")
     assert "rollout/uniform_groups_dropped" in server[-1]
-    learner = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    learner = read_history(run_dir, "learner")
     assert all("reward/overlong" in r for r in learner if "reward/mean" in r)  # the shaped part arrived

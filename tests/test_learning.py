@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from tandem.data import write_prompts
+from tandem.telemetry import read_history
 from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ def test_four_model_ppo_learns_echo(tiny_ckpt, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     rows = [r for r in rows if "reward/mean" in r]
     assert len(rows) == steps
     echo = [r["reward/echo"] for r in rows]

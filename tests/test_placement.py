@@ -40,6 +40,7 @@ from placement.sim import Cluster, SimOOM, SimRun, step_time, within
 from placement.sim_auto import run_auto
 from placement.sim_truth import GiB, PhaseTruth, Truth
 from tandem.config import ConfigError, load_config
+from tandem.telemetry import history_path
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL = Roles(reference=True, critic=True, reward_model=True)
@@ -625,8 +626,8 @@ def write_run(run_dir: Path, mode: str, learner_rows: list[dict], server_rows: l
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"run.mode={mode}"])
     run_dir.mkdir(parents=True)
     (run_dir / "config.public.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    (run_dir / "learner_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in learner_rows))
-    (run_dir / "server-0_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in server_rows))
+    history_path(run_dir, "learner").write_text("".join(json.dumps(r) + "\n" for r in learner_rows))
+    history_path(run_dir, "server-0").write_text("".join(json.dumps(r) + "\n" for r in server_rows))
 
 
 def test_read_run_turns_histories_into_phase_samples_and_the_colocated_switch(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from launcher.prepare import load_steps
+from tandem.telemetry import read_history
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -145,7 +146,7 @@ def test_every_shipped_preset_runs_with_one_command(
         assert json.loads((probes / "choice.json").read_text())["predicted_step_s"] > 0
         # after the run, its plan's prediction (against a measurement when it ran past 2 warm-up steps)
         assert re.search(r"placement auto: .* after step 0: predicted [\d.]+ ms/step", proc.stdout)
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
     if (raw.get("env") or {}).get("path"):  # episodes were played: the environment's own metrics arrived
         assert all({"env/turns"} < {k for k in r if k.startswith("env/")} for r in rows if "reward/mean" in r)

@@ -24,6 +24,7 @@ import yaml
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from tandem.telemetry import read_history  # noqa: E402
 from tests.test_launch import attach, inspect_redis, leftover_processes, run_dir_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +139,7 @@ def test_async_demo_learns_across_nodes_over_dist(cluster, tiny_ckpt, prompts: P
     assert KIND[node_of(cluster, server_node).node_id] == ROLLOUT
     assert "[launch] placement: learner/rank-0 on" in proc.stdout
     # every server version came over dist: the server held the learner's newest weights
-    server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    server = read_history(run_dir, "server-0")
     assert max(r.get("rollout/version", 0) for r in server) >= 150
     assert leftover_processes(run_dir) == []
 
@@ -166,7 +167,7 @@ def test_placement_auto_profiles_both_modes_and_runs_its_pick_on_the_cluster(
     probes = tmp_path / "tiny-auto-probes"
     for mode in ("sync", "async"):
         (probe_dir,) = [p for p in (probes / mode).iterdir() if p.is_dir()]
-        rows = (probe_dir / "learner_history.jsonl").read_text().splitlines()
+        rows = read_history(probe_dir, "learner")
         assert len(rows) == probe, (mode, len(rows))
         where = json.loads((probe_dir / "summary.json").read_text())["placement"]
         assert where["learner/rank-0"] != where["server-0"]  # on the cluster's nodes, not in-process
@@ -202,20 +203,20 @@ def test_the_scoring_workers_run_on_a_node_of_their_own(
     assert len({where["learner/rank-0"], where["server-0"], *(where[r] for r in roles)}) >= 3
     assert {where[r] for r in roles}.isdisjoint({where["learner/rank-0"], where["server-0"]})
     assert all(KIND[node_of(cluster, where[r]).node_id] == ROLLOUT for r in roles)
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     trained = [r for r in rows if "reward/mean" in r]
     assert len(trained) == steps and all(
         "time/reference_wait" in r and "time/reward_model_wait" in r and math.isfinite(r["policy/kl"])
         for r in trained
     )
     for role in roles:
-        worker = [json.loads(line) for line in (run_dir / f"{role}_history.jsonl").read_text().splitlines()]
+        worker = read_history(run_dir, role)
         assert sum(r[f"{role}/trajectories"] for r in worker) >= steps * 8
     assert leftover_processes(run_dir) == []
 
 
 def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     return [r["loss/policy"] for r in rows if "loss/policy" in r]
 
 
@@ -291,7 +292,7 @@ def test_killed_server_node_moves_the_server_and_loses_no_prompt(
     assert after != before and KIND[node_of(cluster, after).node_id] == ROLLOUT
     assert after != placement(run_dir)["server-1"]  # on the third rollout node: the one with room
     assert "server-0 restarted on node" in out
-    history = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    history = read_history(run_dir, "server-0")
     assert max(r.get("rollout/version", 0) for r in history) > killed_at  # weights reached the new one
 
     server, client, run = inspect_redis(run_dir)
@@ -376,6 +377,6 @@ def test_the_two_node_preset_runs_on_its_node_labels(
     servers = [where["server-0"], where["server-1"]]
     assert ranks[0] == ranks[1] and KIND[node_of(cluster, ranks[0]).node_id] == LEARNER  # learner_nodes: 1
     assert len(set(servers)) == 2 and all(KIND[node_of(cluster, s).node_id] == ROLLOUT for s in servers)
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
     assert leftover_processes(run_dir) == []

@@ -6,7 +6,6 @@ Real tiny checkpoints, real DeepSpeed learner engines (one gloo rank), real Redi
 
 from __future__ import annotations
 
-import json
 import subprocess
 import threading
 from pathlib import Path
@@ -25,7 +24,7 @@ from rollout.loop import RolloutLoop
 from rollout.reference import ReferenceModel, _passes, load_reference
 from tandem.config import load_config
 from tandem.rewards import RewardFunctions
-from tandem.telemetry import Telemetry
+from tandem.telemetry import Telemetry, read_history
 from tests.test_learner import raw_config
 from tests.test_rollout_loop import TIMEOUT, Learner, make_cfg, queue_prompts
 from weightsync import make_subscriber
@@ -245,9 +244,9 @@ def test_ppo_runs_end_to_end_with_the_reference_on_the_server(tiny_ckpt, tmp_pat
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = run_dir_of(tmp_path / "runs")
-    rows = [json.loads(x) for x in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     trained = [r for r in rows if "reward/mean" in r]
     assert len(trained) == steps and all(np.isfinite(r["policy/kl"]) for r in trained)
     assert not any("time/reference" in r for r in trained)  # no reference forward on the learner
-    server = [json.loads(x) for x in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    server = read_history(run_dir, "server-0")
     assert any("time/reference" in r for r in server)

@@ -24,7 +24,7 @@ from placement.planner import Decision, Replanner
 from placement.profile import read_recent
 from tandem import fleet
 from tandem.config import Config, dump_config, load_config
-from tandem.telemetry import history_key
+from tandem.telemetry import history_key, history_path, read_history
 
 ROOT = Path(__file__).resolve().parent.parent
 CORES = 2
@@ -122,8 +122,8 @@ def write_history(run_dir: Path, cfg: Config, learner: list, servers: list) -> N
     """A run directory as the driver leaves it: its public config and the histories it writes at the end."""
     run_dir.mkdir(parents=True)
     (run_dir / "config.public.yaml").write_text(dump_config(cfg))
-    (run_dir / "learner_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in learner))
-    (run_dir / "server-0_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in servers))
+    history_path(run_dir, "learner").write_text("".join(json.dumps(r) + "\n" for r in learner))
+    history_path(run_dir, "server-0").write_text("".join(json.dumps(r) + "\n" for r in servers))
 
 
 def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
@@ -151,9 +151,7 @@ def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
             (Path(c.run.dir) / "checkpoints/latest.json").write_text('{"version": 40}')
             (Path(c.run.dir) / "config.public.yaml").write_text(dump_config(c))
             learner, _ = histories(SEPARATE, 234, 40)
-            (Path(c.run.dir) / "learner_history.jsonl").write_text(
-                "".join(json.dumps(r) + "\n" for r in learner)
-            )
+            history_path(c.run.dir, "learner").write_text("".join(json.dumps(r) + "\n" for r in learner))
         return 0
 
     monkeypatch.setattr(auto.driver, "run", driver_run)
@@ -166,7 +164,7 @@ def test_a_resumed_run_re_plans_from_its_probes_without_profiling_again(
     assert json.loads((run_dir / auto.MARKER).read_text()) == {"probes": str(probes)}
 
     # What launch.py --resume loads names the plan, not auto.
-    (run_dir / "learner_history.jsonl").unlink()  # killed: the driver never wrote its history
+    history_path(run_dir, "learner").unlink()  # killed: the driver never wrote its history
     saved = load_config(run_dir / "config.public.yaml")
     assert saved.placement.mode == "separate"
     calls.clear()
@@ -242,7 +240,7 @@ def test_a_moved_run_resumes_under_its_new_plan_and_trains_every_trajectory_once
     assert re.search(rf"placement auto: {first} [^\n]* after step 0: predicted", out)
     stopped = int(re.search(rf"placement auto: {second} [^\n]* after step (\d+): predicted", out).group(1))
     assert stopped >= int(moved.group(1))
-    rows = [json.loads(x) for x in (run_dir / "learner_history.jsonl").read_text().splitlines() if x]
+    rows = read_history(run_dir, "learner")
     steps = [r["step"] for r in rows if "batch/tokens" in r]
     assert steps == list(range(1, 31))  # every step once, none lost at the move
     trained = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines() if x.strip()]

@@ -26,7 +26,7 @@ from placement.local import aux_threads, configured_plan, thread_split
 from rollout.reference import reference_of
 from rollout.scoring_worker import Scorer, ScoringWorker
 from tandem.config import load_config
-from tandem.telemetry import Telemetry
+from tandem.telemetry import Telemetry, read_history
 from tests.test_reference_placement import learner_of, mixed_trajectories, other_ckpt, ppo_config
 
 __all__ = ["other_ckpt"]  # the fixture, shared with test_reference_placement
@@ -252,13 +252,13 @@ def test_ppo_with_both_scoring_workers_survives_kills_at_random_times(tiny_ckpt,
     for role in roles:  # restarted each time
         assert (run_dir / "logs" / f"{role}.log").read_text().count("=== ") == kills // 2 + 1
 
-    rows = [json.loads(x) for x in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     trained = [r for r in rows if "reward/mean" in r]
     assert len(trained) == steps and all(np.isfinite(r["policy/kl"]) for r in trained)
     assert all("time/reference_wait" in r and "time/reference" not in r for r in trained)
     assert all("time/reward_model_wait" in r and np.isfinite(r["reward/reward_model"]) for r in trained)
     for role in roles:
-        worker_rows = [json.loads(x) for x in (run_dir / f"{role}_history.jsonl").read_text().splitlines()]
+        worker_rows = read_history(run_dir, role)
         assert sum(r[f"{role}/trajectories"] for r in worker_rows) >= steps * 8
     server_rows = (run_dir / "server-0_history.jsonl").read_text()
     assert "time/reward_model" not in server_rows  # the servers hold no reward model

@@ -6,7 +6,6 @@ Real tiny checkpoints and real DeepSpeed learner engines (one gloo rank).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
@@ -17,6 +16,7 @@ import torch
 from learner.batch import make_batch
 from learner.scoring import shares
 from tandem.config import ConfigError, load_config
+from tandem.telemetry import read_history
 from tests.test_learner import raw_config
 from tests.test_reference_placement import learner_of, mixed_trajectories
 
@@ -86,10 +86,7 @@ def test_four_model_ppo_runs_end_to_end_with_split_scoring(tiny_ckpt, tmp_path) 
     )  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [
-        json.loads(x)
-        for x in (run_dir_of(tmp_path / "runs") / "learner_history.jsonl").read_text().splitlines()
-    ]
+    rows = read_history(run_dir_of(tmp_path / "runs"), "learner")
     trained = [r for r in rows if "reward/mean" in r]
     assert len(trained) == steps
     assert all(

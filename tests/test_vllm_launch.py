@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tandem.data import write_prompts
+from tandem.telemetry import read_history
 from tests.test_launch import attach, inspect_redis, leftover_processes, run_dir_of
 from toy.tasks import make_records
 
@@ -79,7 +80,7 @@ def test_the_vllm_demo_learns_echo(assets, tmp_path: Path) -> None:
     proc = subprocess.run(launch_cmd(assets, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = run_dir_of(tmp_path)
-    rows = [json.loads(line) for line in (run_dir / "learner_history.jsonl").read_text().splitlines()]
+    rows = read_history(run_dir, "learner")
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     steps = len(rewards)
     assert steps == 300
@@ -92,7 +93,7 @@ def test_the_vllm_demo_learns_echo(assets, tmp_path: Path) -> None:
     vllm_log = (run_dir / "logs" / "vllm-server0.log").read_text()
     reloads = vllm_log.count('"POST /collective_rpc HTTP/1.1" 200')
     assert reloads >= steps / 3, f"{reloads} weight reloads for {steps} steps"
-    server = [json.loads(line) for line in (run_dir / "server-0_history.jsonl").read_text().splitlines()]
+    server = read_history(run_dir, "server-0")
     assert max(int(r.get("rollout/version", 0)) for r in server) >= steps - 2
     assert leftover_processes(run_dir) == []
     print(f"vLLM demo: reward {first:.3f} -> {last:.3f} over {steps} steps, {reloads} weight reloads")
