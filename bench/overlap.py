@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tandem.telemetry import read_history
+from tandem.telemetry import history_procs, read_history
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,9 +50,8 @@ def run_histories(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """Learner rows (from the run summary) and every server's rows (from Redis history dumped by launch)."""
     learner = read_history(run_dir, "learner")
     servers: list[dict] = []
-    for p in sorted(run_dir.glob("server-*_history.jsonl")):
-        proc = p.name.removesuffix("_history.jsonl")
-        servers += [{**row, "_server": p.name} for row in read_history(run_dir, proc)]
+    for proc in history_procs(run_dir, "server-*"):
+        servers += [{**row, "_server": proc} for row in read_history(run_dir, proc)]
     return learner, servers
 
 

@@ -40,7 +40,7 @@ from placement.planner import Decision, Replanner, observed_ratio, rank
 from placement.profile import RunProfile, learner_steps, profiled_workload, read_recent, read_run
 from tandem import fleet
 from tandem.config import RUNNABLE_PLACEMENT, Config, dump_config, load_config, write_private
-from tandem.telemetry import history_key
+from tandem.telemetry import HISTORY_SUFFIX, history_key
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("launch")
@@ -357,7 +357,9 @@ def latest_run_dir(cfg: Config) -> Path:
     if cfg.run.dir:
         return (ROOT / cfg.run.dir).resolve()
     parent = (ROOT / cfg.run.output_dir).resolve()
-    return max(parent.glob(f"{cfg.run.name}-*/learner_history.jsonl"), key=lambda p: p.stat().st_mtime).parent
+    return max(
+        parent.glob(f"{cfg.run.name}-*/learner{HISTORY_SUFFIX}"), key=lambda p: p.stat().st_mtime
+    ).parent
 
 
 def _rows(raw: list[bytes]) -> list[dict]:

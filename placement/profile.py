@@ -20,7 +20,7 @@ from placement.local import configured_plan, roles_of
 from placement.plan import Plan
 from placement.planner import relative_error
 from tandem.config import Config, load_config
-from tandem.telemetry import read_history
+from tandem.telemetry import history_procs, read_history
 
 LEARNER_PHASES = ("actor_logp", "reference", "critic_values", "actor_train", "critic_train")
 SERVER_PHASES = ("generate", "reward_model", "reference")  # reference: placement.reference server
@@ -98,8 +98,7 @@ def learner_steps(run_dir: Path) -> list[dict]:
 def _histories(run_dir: Path) -> tuple[Config, list[dict], list[dict]]:
     cfg: Config = load_config(run_dir / "config.public.yaml")
     learner = learner_steps(run_dir)
-    names = sorted(p.name.removesuffix("_history.jsonl") for p in run_dir.glob("server-*_history.jsonl"))
-    servers = [r for name in names for r in read_history(run_dir, name)]
+    servers = [r for name in history_procs(run_dir, "server-*") for r in read_history(run_dir, name)]
     return cfg, learner, servers
 
 

@@ -29,6 +29,7 @@ from tandem.config import Config, public_dict, redact
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 100_000
+HISTORY_SUFFIX = "_history.jsonl"  # <proc>_history.jsonl in a run directory
 
 
 def ready_key(run: str, proc: str) -> str:
@@ -49,7 +50,14 @@ def stop_key(run: str) -> str:
 
 def history_path(run_dir: str | os.PathLike[str], proc: str) -> Path:
     """The file a run's history of ``proc`` (``learner``, ``server-0``, ``reference``, ...) is written to."""
-    return Path(run_dir) / f"{proc}_history.jsonl"
+    return Path(run_dir) / f"{proc}{HISTORY_SUFFIX}"
+
+
+def history_procs(run_dir: str | os.PathLike[str], pattern: str) -> list[str]:
+    """The processes matching the glob ``pattern`` (``server-*``) whose history the run holds, by name."""
+    return sorted(
+        p.name.removesuffix(HISTORY_SUFFIX) for p in Path(run_dir).glob(f"{pattern}{HISTORY_SUFFIX}")
+    )
 
 
 def read_history(run_dir: str | os.PathLike[str], proc: str) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ import pytest
 from buffer.schema import PromptRecord
 from buffer.streams import ReplayBuffer
 from tandem import fleet
+from tandem.telemetry import history_path
 from tests.test_launch import ROOT, attach, inspect_redis, launch_cmd, leftover_processes
 from tests.test_launch import prompts as prompts
 from tests.test_weightsync import (
@@ -336,7 +337,7 @@ def test_servers_join_and_leave_a_running_run(tiny_ckpt, prompts, tmp_path: Path
     # 1, then 3 (with a dip while server-1 restarts), then 1 again (0 at the very end: shutdown)
     assert sizes[0] == 1 and 3 in sizes and 1 in sizes[sizes.index(3) :], summary["fleet"]
     for s in (1, 2):
-        assert (run_dir / f"server-{s}_history.jsonl").exists()
+        assert history_path(run_dir, f"server-{s}").exists()
     assert "handed back" in logs[2].read_text() or "stopped after" in logs[2].read_text()
     assert leftover_processes(run_dir) == []
 

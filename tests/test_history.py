@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.telemetry import history_path, read_history
+from tandem.telemetry import history_path, history_procs, read_history
 
 
 def test_rows_come_back_in_order_and_a_half_written_last_line_is_left_out(tmp_path: Path) -> None:
@@ -25,3 +25,11 @@ def test_no_file_is_no_rows_but_a_broken_middle_line_is_an_error(tmp_path: Path)
     history_path(tmp_path, "learner").write_text('{"step": 1}\n{"ste\n{"step": 3}\n')
     with pytest.raises(json.JSONDecodeError):
         read_history(tmp_path, "learner")
+
+
+def test_the_processes_a_run_holds_histories_of_are_found_by_name(tmp_path: Path) -> None:
+    for proc in ("server-1", "learner", "server-0", "reference", "server-10"):
+        history_path(tmp_path, proc).write_text('{"step": 1}\n')
+    (tmp_path / "server-2.log").write_text("not a history\n")
+    assert history_procs(tmp_path, "server-*") == ["server-0", "server-1", "server-10"]
+    assert history_procs(tmp_path, "*") == ["learner", "reference", "server-0", "server-1", "server-10"]

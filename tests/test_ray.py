@@ -24,7 +24,7 @@ import yaml
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tandem.telemetry import read_history  # noqa: E402
+from tandem.telemetry import history_path, read_history  # noqa: E402
 from tests.test_launch import attach, inspect_redis, leftover_processes, run_dir_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +120,7 @@ def test_shm_across_nodes_is_refused_before_any_process_runs(
     assert "set weightsync.transport=dist" in proc.stdout
     run_dir = run_dir_of(tmp_path)
     assert not list((run_dir / "logs").iterdir())  # no role ever ran: no log was opened
-    assert not (run_dir / "learner_history.jsonl").read_text()
+    assert not history_path(run_dir, "learner").read_text()
 
 
 def test_async_demo_learns_across_nodes_over_dist(cluster, tiny_ckpt, prompts: Path, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from placement.local import aux_threads, configured_plan, thread_split
 from rollout.reference import reference_of
 from rollout.scoring_worker import Scorer, ScoringWorker
 from tandem.config import load_config
-from tandem.telemetry import Telemetry, read_history
+from tandem.telemetry import Telemetry, history_path, read_history
 from tests.test_reference_placement import learner_of, mixed_trajectories, other_ckpt, ppo_config
 
 __all__ = ["other_ckpt"]  # the fixture, shared with test_reference_placement
@@ -260,7 +260,7 @@ def test_ppo_with_both_scoring_workers_survives_kills_at_random_times(tiny_ckpt,
     for role in roles:
         worker_rows = read_history(run_dir, role)
         assert sum(r[f"{role}/trajectories"] for r in worker_rows) >= steps * 8
-    server_rows = (run_dir / "server-0_history.jsonl").read_text()
+    server_rows = history_path(run_dir, "server-0").read_text()
     assert "time/reward_model" not in server_rows  # the servers hold no reward model
 
     ids = [
