@@ -16,9 +16,12 @@ In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per
       ``hf``: ``model.generate`` (sampling, KV cache); ``vllm``: an offline ``vllm.LLM.generate`` in this
       process on the same token-id prompts and sampling (``logprobs=0``, processed logprobs, like the
       server); ``overhead_ratio`` = direct / loop (> 1: the loop is slower), ``loop_ratio`` = loop / direct;
-  The three run in turns of ``--chunk`` batches each (the loop's batches in flight finish within its turn),
-  so load from other processes hits them alike; on vLLM each turn starts ``SETTLE_S`` after the last, once
-  the idle engine's worker has stopped spinning. Each turn also counts the CPU seconds of every process
+  The three run in rounds of three turns, ``--chunk`` batches each (the loop's batches in flight finish
+  within its turn), every other round in reverse order, so load from other processes hits them alike; on
+  vLLM each turn starts ``SETTLE_S`` after the last, once the idle engine's worker has stopped spinning.
+  Besides the ratio of the totals, ``loop_ratio_rounds_*`` are the median, least and greatest of each
+  round's own loop / bare: a round's two turns ran seconds apart, so a burst of outside load moves one
+  round, not the median. Each turn also counts the CPU seconds of every process
   (this one, and for vllm the server's HTTP front, its scheduler and its worker), per 1,000 tokens: on a
   CPU build the worker computes on one core and everything else shares the one vLLM reserves, so a
   busier front slows the engine itself;
@@ -156,14 +159,16 @@ def main() -> None:
         direct()
         loop.totals.clear()
         seconds = {"loop": 0.0, "engine": 0.0, "direct": 0.0}
-        tokens = {"engine": 0, "direct": 0}
+        tokens = {"loop": 0, "engine": 0, "direct": 0}
         cpu: dict[str, dict[str, float]] = {key: {} for key in seconds}
         groups_before, done = loop.groups, 0
         settle = SETTLE_S if args.engine == "vllm" else 0.0
+        rounds: list[float] = []  # loop / bare in each round: its turns ran under the same outside load
         while done < args.steps:
             k = min(args.chunk, args.steps - done)
-            spans = []
-            for key in seconds:
+            spans, before = [], dict(tokens)
+            # every other round backwards, so no measurement always follows the same one
+            for key in list(seconds)[:: 1 if len(rounds) % 2 == 0 else -1]:
                 time.sleep(settle)  # the engine measured last stops spinning before this one starts
                 c0, t0 = cpu_seconds(), time.perf_counter()
                 if key == "loop":
@@ -179,16 +184,19 @@ def main() -> None:
                     for _ in range(k):
                         tokens[key] += direct()
                 spans.append((key, c0, t0, cpu_seconds(), time.perf_counter()))
+            appended = buffer.take(rows * k, timeout_s=30)  # the loop's turn put all k batches
+            assert len(appended) == rows * k, "the loop appended short"
+            tokens["loop"] += sum(len(t.traj.response_tokens) for t in appended)
+            rate = {}
             for key, c0, t0, c1, t1 in spans:
                 for proc in c1:
                     cpu[key][proc] = cpu[key].get(proc, 0.0) + c1[proc] - c0.get(proc, 0.0)
                 seconds[key] += t1 - t0
+                rate[key] = (tokens[key] - before[key]) / (t1 - t0)
+            rounds.append(rate["loop"] / rate["direct"])
             done += k
         assert loop.groups - groups_before == args.prompts_per_batch * args.steps, "the loop appended short"
         stages = dict(loop.totals)
-        appended = buffer.take(rows * args.steps, timeout_s=30)
-        assert len(appended) == rows * args.steps
-        tokens["loop"] = sum(len(t.traj.response_tokens) for t in appended)
 
         # (d) the pause per update: what the generation thread spends inside one apply.
         pauses = []
@@ -208,6 +216,8 @@ def main() -> None:
     }
     figures["overhead_ratio"] = figures["direct_tokens_per_s"] / figures["tokens_per_s"]
     figures["loop_ratio"] = figures["tokens_per_s"] / figures["direct_tokens_per_s"]
+    figures["loop_ratio_rounds_median"] = statistics.median(rounds)
+    figures["loop_ratio_rounds_min"], figures["loop_ratio_rounds_max"] = min(rounds), max(rounds)
     figures["inflight"] = loop.window
     figures["engine_busy"] = stages.get("time/engine_busy", 0.0) / seconds["loop"]
     figures["loop_s"] = seconds["loop"]
@@ -223,6 +233,8 @@ def main() -> None:
         f"rollout loop   {figures['tokens_per_s']:9.0f} tok/s  (Redis, scoring, writes included)\n"
         f"{args.engine} engine{' ' * (9 - len(args.engine))}{figures['engine_tokens_per_s']:9.0f} tok/s\n"
         f"{bare:<15}{figures['direct_tokens_per_s']:9.0f} tok/s  -> loop / bare {figures['loop_ratio']:.2f}\n"
+        f"loop / bare    per round: median {figures['loop_ratio_rounds_median']:.2f} "
+        f"(min {min(rounds):.2f}, max {max(rounds):.2f}, {len(rounds)} rounds)\n"
         f"update pause   {figures['update_pause_s'] * 1e3:9.2f} ms (median of {len(pauses)}, shm transport)\n"
         f"loop stages    {loop.window} batch(es) in flight; engine busy {figures['engine_busy']:.2f} of "
         f"{seconds['loop']:.1f} s; " + ", ".join(f"{stage} {figures[f'{stage}_s']:.2f} s" for stage in STAGES)
