@@ -20,7 +20,7 @@ In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per
   within its turn), every other round in reverse order, so load from other processes hits them alike; on
   vLLM each turn starts ``SETTLE_S`` after the last, once the idle engine's worker has stopped spinning.
   Besides the ratio of the totals, ``loop_ratio_rounds_*`` are the median, least and greatest of each
-  round's own loop / bare: a round's two turns ran seconds apart, so a burst of outside load moves one
+  round's own loop / bare: a round's loop and bare turns run seconds apart, so a burst of outside load moves one
   round, not the median. Each turn also counts the CPU seconds of every process
   (this one, and for vllm the server's HTTP front, its scheduler and its worker), per 1,000 tokens: on a
   CPU build the worker computes on one core and everything else shares the one vLLM reserves, so a
