@@ -38,6 +38,7 @@ from pydantic import Field
 
 from placement.cost import CostModel, Law, Sample
 from tandem.config import Config, ConfigError, Section
+from tandem.telemetry import read_rows
 
 if TYPE_CHECKING:
     from stages.pipeline import Pipeline
@@ -227,16 +228,7 @@ def _stop(jobs: Sequence[Job]) -> None:
 
 
 def history(stage_dir: Path) -> list[dict[str, Any]]:
-    path = stage_dir / "history.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            break
-    return rows
+    return read_rows(stage_dir / "history.jsonl")
 
 
 def last_step(stage_dir: Path) -> int:

@@ -63,7 +63,14 @@ def history_procs(run_dir: str | os.PathLike[str], pattern: str) -> list[str]:
 def read_history(run_dir: str | os.PathLike[str], proc: str) -> list[dict[str, Any]]:
     """Every row ``proc`` logged in the run at ``run_dir``, in order; none where no history was written (a
     run still going, or one whose driver was killed). A last line still being written is left out."""
-    path = history_path(run_dir, proc)
+    return read_rows(history_path(run_dir, proc))
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines history that may still be written to (this one, or an offline learner's
+    ``history.jsonl``): none without the file, a half-written last line left out, a broken one before it an
+    error."""
+    path = Path(path)
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()

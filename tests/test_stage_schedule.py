@@ -24,6 +24,7 @@ from stages.schedule import (
     StageCost,
     candidates,
     fit_stage,
+    history,
     run_together,
     step_seconds,
     total_steps,
@@ -133,10 +134,6 @@ def test_a_failing_stage_stops_the_other_and_is_named(tmp_path: Path) -> None:
         os.kill(sleeper.proc.pid, 0)  # reaped: no process of that id is left
 
 
-def _history(stage_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (stage_dir / "history.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.stages  # a pipeline with PPO: its own tier (make test-stages), not make test
 @pytest.mark.timeout(900)
 def test_auto_schedule_trains_sft_and_rm_at_once_then_ppo_from_both(tmp_path: Path) -> None:
@@ -174,11 +171,11 @@ def test_auto_schedule_trains_sft_and_rm_at_once_then_ppo_from_both(tmp_path: Pa
         assert (d / "final" / "config.json").exists() and summary[stage]["steps"] == 160
         log = (d / "train.log").read_text()
         assert log.count("resumed at step") == 2 and "1 torch threads" in log and "2 torch threads" in log
-        steps = [r["step"] for r in _history(d)]
+        steps = [r["step"] for r in history(d)]
         assert steps == list(range(161)), steps  # every step logged once: none lost, none trained twice
         resumed = int(re.findall(r"resumed at step (\d+)", log)[-1])  # where the plan's run began
         assert 2 * profile <= resumed < 160
-        rows = [r for r in _history(d) if r["step"] > resumed]
+        rows = [r for r in history(d) if r["step"] > resumed]
         spans[stage] = (rows[0]["time"], rows[-1]["time"])
     # The two stages trained at the same time: each one's steps began before the other's ended.
     (s0, s1), (r0, r1) = spans["sft"], spans["rm"]
