@@ -22,9 +22,10 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
    (``algorithm.overlong_buffer``); with ``algorithm.dynamic_sampling`` a group of equal rewards is dropped
    here and its admission given back (``rollout/shaping.py``);
 6. **put** each group contiguously, acknowledging its prompt in the same atomic step (with
-   ``placement.reference: server``, after scoring every trajectory's reference log-probabilities). Steps 5
-   and 6 of every batch run in one scoring thread, in the order batches finish generating, off the
-   submission path.
+   ``placement.reference: server``, after scoring every trajectory's reference log-probabilities). With
+   several batches in flight, steps 5 and 6 run in one scoring thread, off the submission path, group by
+   group: a prompt's group is scored and appended as soon as its ``n`` samples are back, while the rest of
+   its batch still generates, and the groups waiting when the thread comes round share one append.
 
 With an environment (``env.path``), steps 4 and 5 are one: :meth:`RolloutLoop.run_episodes` plays ``n``
 multi-turn episodes per prompt, all batched in the engine turn by turn, and the episode's return (the sum of
@@ -44,7 +45,9 @@ import uuid
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
 from functools import partial
+from queue import SimpleQueue
 
 import redis
 from transformers import PreTrainedTokenizerBase
@@ -53,7 +56,7 @@ from buffer.admission import Admission
 from buffer.schema import PromptRecord, Trajectory, Turns
 from buffer.stream_scores import RM_TEXT, RULES_REWARD
 from buffer.streams import ClaimHeartbeat, ReplayBuffer, TakenPrompt
-from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from rollout.engines.base import Completion, Engine, OnPrompt, SamplingParams, cut_at_stop
 from rollout.envs.base import Task, load_env_factory
 from rollout.envs.episode import Episode, EpisodeRunner
 from rollout.evaluate import Evaluator
@@ -74,6 +77,14 @@ POLL_S = 1.0  # longest single wait (admission, prompts, weights), so a stop req
 JOIN_WAIT_S = 30.0  # longest wait for the current weights at start; then the freshness rule alone
 BUSY_WINDOW_S = 1.0  # shortest span the logged engine busy fraction is measured over
 OWN_PROCESS_INFLIGHT = 3  # batches held at once by default with an engine in its own process (vllm, sglang)
+
+
+@dataclass
+class _Batch:
+    """What the scoring thread hands back to one batch in flight: its groups appended, or the error."""
+
+    appended: list[list[Trajectory]] = field(default_factory=list)
+    error: Exception | None = None
 
 
 def inflight_window(cfg: Config) -> int:
@@ -171,6 +182,8 @@ class RolloutLoop:
             self.window, thread_name_prefix=f"rollout{server_index}-generate"
         )
         self.scorer = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_index}-score")
+        # Groups generated and not yet scored, with the batch each belongs to (several batches in flight).
+        self.unscored: SimpleQueue[tuple[TakenPrompt, list[Completion], _Batch]] = SimpleQueue()
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
@@ -230,14 +243,60 @@ class RolloutLoop:
         self, prompts: list[TakenPrompt], held: ExitStack | None = None
     ) -> list[list[Trajectory]]:
         """Steps 4 to 6 of one batch. With several batches in flight this runs in a generation thread and
-        hands scoring and the append to the scoring thread; ``held`` (the claim heartbeat) ends with it."""
+        hands scoring and the append to the scoring thread, group by group as the engine finishes them;
+        ``held`` (the claim heartbeat) ends with the batch."""
         with held or nullcontext():
             if self.episodes is not None or self.agents is not None:  # scored as they play (§10)
                 groups = self.run_episodes(prompts) if self.episodes is not None else self.run_agents(prompts)
                 finish = partial(self.put_scored, prompts, groups)
-            else:
-                finish = partial(self.score_and_put, prompts, self.generate(prompts))
-            return finish() if self.window == 1 else self.scorer.submit(finish).result()
+                return finish() if self.window == 1 else self.scorer.submit(finish).result()
+            if self.window == 1:
+                return self.score_and_put(prompts, self.generate(prompts))
+            return self.stream_groups(prompts)
+
+    def stream_groups(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
+        """Generate a batch, handing each group to the scoring thread as soon as its ``n`` samples are back,
+        while the engine is still generating the others; returns the batch's groups once all are appended.
+        The scoring thread takes every group waiting when it comes round (:meth:`score_ready`), so a burst
+        of groups costs one append round trip, not one each."""
+        batch = _Batch()
+        turns: list[Future[None]] = []  # one scoring-thread turn per group handed over
+
+        handed = set[int]()
+
+        def hand_over(i: int, completions: list[Completion]) -> None:
+            handed.add(i)
+            self.unscored.put((prompts[i], completions, batch))
+            turns.append(self.scorer.submit(self.score_ready))
+
+        try:
+            completions = self.generate(prompts, on_prompt=hand_over)
+            for i, group in enumerate(completions):  # an engine that did not report every prompt
+                if i not in handed:
+                    hand_over(i, group)
+        finally:  # the groups handed over are appended (or fail) before the batch ends, even if it failed
+            wait(turns)
+        if batch.error is not None:
+            raise batch.error
+        return batch.appended
+
+    def score_ready(self) -> None:
+        """Scoring thread: score and append every group waiting (steps 5 and 6), in one round trip; each
+        batch gets back its appended groups, or the error that stopped them."""
+        taken: list[tuple[TakenPrompt, list[Completion], _Batch]] = []
+        while not self.unscored.empty():
+            taken.append(self.unscored.get_nowait())
+        if not taken:  # an earlier turn took them
+            return
+        prompts = [p for p, _, _ in taken]
+        try:
+            groups = self.score(prompts, [c for _, c, _ in taken])
+            owner = {id(g): b for g, (_, _, b) in zip(groups, taken, strict=True)}
+            for group in self.put_scored(prompts, groups):
+                owner[id(group)].appended.append(group)
+        except Exception as e:
+            for _, _, b in taken:
+                b.error = e
 
     def score_and_put(
         self, prompts: list[TakenPrompt], completions: list[list[Completion]]
@@ -294,11 +353,16 @@ class RolloutLoop:
         with self.timers("time/take_prompts"):
             return self.buffer.reclaim_prompts(self.cfg.rollout.prompts_per_batch)
 
-    def generate(self, prompts: list[TakenPrompt]) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[TakenPrompt], on_prompt: OnPrompt | None = None
+    ) -> list[list[Completion]]:
         hook = self.weights.poll_inflight if self.cfg.rollout.inflight_updates else None
         with self.timers("time/generate"), self.busy:
             return self.engine.generate(
-                [p.prompt.tokens.tolist() for p in prompts], self.sampling, between_steps=hook
+                [p.prompt.tokens.tolist() for p in prompts],
+                self.sampling,
+                between_steps=hook,
+                on_prompt=on_prompt,
             )
 
     def run_episodes(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:

@@ -108,14 +108,16 @@ def disk_update(version: int, path: str) -> Update:
 def test_vllm_generate_payload_and_parse(urls, tmp_path):
     cfg = make_cfg(tmp_path, engine="vllm", vllm={"url": urls["vllm"]})
     engine = VLLMEngine(cfg, "/models/none", server_index=0, device=None)
-    calls, streamed = [], []
+    calls, streamed, groups = [], [], {}
     out = engine.generate(
         [[1, 2, 3], [9]],
         SamplingParams(n=2, max_new_tokens=4, temperature=0.7, top_p=0.9),
         between_steps=lambda: calls.append(1),
         on_token=lambda row, tok, lp: streamed.append((row, tok, lp)),
+        on_prompt=lambda i, group: groups.setdefault(i, []).append(group),
     )
     assert calls == [1]
+    assert groups == {0: [out[0]], 1: [out[1]]}  # each prompt reported once, with what is returned
     assert [r for r, _, _ in streamed] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     # One token-in/token-out request per prompt, sent concurrently (so in any order).
     bodies = sorted((e["body"] for e in log(urls["vllm"]) if e["route"] == "/inference/v1/generate"),

@@ -64,6 +64,40 @@ class SlowEngine:
         self.inner.update_weights(update)
 
 
+class HeldEngine:
+    """The hf engine behind a server that answers each call's first prompt at once and the others only when
+    ``release`` is set, as vLLM does when one request of a batch finishes early. It reports only that first
+    prompt through ``on_prompt``; the loop takes the others from the call's result."""
+
+    continuous_batching = True
+
+    def __init__(self, inner: HFEngine) -> None:
+        self.inner, self.tokenizer = inner, inner.tokenizer
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.open = 0  # calls not yet returned
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def generate(self, prompts, sampling, *, on_prompt=None, **kw):
+        out = self.inner.generate(prompts, sampling, **kw)
+        with self.lock:
+            self.open += 1
+        try:
+            if on_prompt is not None:
+                on_prompt(0, out[0])
+            self.release.wait(TIMEOUT)
+            return out
+        finally:
+            with self.lock:
+                self.open -= 1
+
+    def update_weights(self, update: Update) -> None:
+        self.inner.update_weights(update)
+
+
 @pytest.fixture(scope="module")
 def hf(tiny_ckpt: dict[str, Path]) -> HFEngine:
     return HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0)
@@ -127,6 +161,34 @@ def test_batches_overlap_and_every_prompt_is_answered_once_within_the_staleness_
     rates = [r["rollout/tokens_per_s"] for r in rows]
     assert max(rates) > 1.5 * per_batch  # three batches generated at once
     assert max(rates) < 4 * per_batch  # and no batch harvested beside another read as a sliver of time
+
+
+def test_a_group_is_appended_as_soon_as_its_samples_are_back_while_its_batch_still_generates(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"algorithm.max_staleness": 2, "rollout.max_inflight_batches": 2},
+    )  # fmt: skip
+    learner = Learner(cfg, redis_client, weights(hf))
+    prompts = queue_prompts(learner.buffer, hf, 4)  # two batches of 2 prompts × 2 samples
+    engine = HeldEngine(hf)
+    try:
+        with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+            early = learner.buffer.take(2, timeout_s=20)
+            assert len(early) == 2, "no group was appended while its batch was still generating"
+            assert engine.open >= 1 and not engine.release.is_set()
+            learner.buffer.ack([t.id for t in early])
+            engine.release.set()
+            rest = learner.take(6)
+    finally:
+        engine.release.set()
+    first = [t.traj for t in early]
+    assert first[0].group_id == first[1].group_id
+    assert first[0].prompt_id in {prompts[0].prompt_id, prompts[2].prompt_id}  # a batch's first prompt
+    trajs = first + rest
+    assert Counter(t.prompt_id for t in trajs) == {p.prompt_id: 2 for p in prompts}  # each once, n = 2
+    assert learner.buffer.prompts_pending() == 0
 
 
 def test_sync_mode_holds_one_batch_whatever_the_window_says(
@@ -205,6 +267,44 @@ def test_a_batch_that_fails_in_flight_ends_the_loop_and_its_prompts_are_handed_b
     assert len(handed) >= 2 and all(p.redelivered for p in handed)
     assert not answered & {p.prompt.prompt_id for p in handed}
     assert int(redis_client.get(f"{run_id}:admitted")) == appended + 2 * len(handed)
+    assert loop.admission.held_credits() == 0
+
+
+def test_a_group_that_fails_to_score_in_the_scoring_thread_ends_the_loop(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"algorithm.max_staleness": 3, "rollout.max_inflight_batches": 2},
+    )  # fmt: skip
+    learner = Learner(cfg, redis_client, weights(hf))
+    queue_prompts(learner.buffer, hf, 8)
+    buffer = ReplayBuffer.from_config(redis_client, cfg, consumer="server-0")
+    loop = RolloutLoop(
+        cfg, hf, hf.tokenizer, buffer, make_subscriber(cfg, redis_client, "server-0"),
+        Telemetry(cfg, "server-0", redis_client), server_index=0, rewards=RewardFunctions(cfg.reward),
+    )  # fmt: skip
+
+    def broken(prompts, completions):
+        raise ValueError("reward function failed")
+
+    loop.score = broken  # type: ignore[method-assign]
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run()
+        except ValueError as e:
+            failed.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(TIMEOUT)
+    assert not runner.is_alive(), "the loop went on after its scoring thread failed"
+    assert failed and "reward function failed" in str(failed[0])
+    loop.telemetry.close()
+    assert learner.buffer.trajectories_pending() == 0
+    assert learner.buffer.prompts_pending() == 8  # every prompt handed back, none answered
     assert loop.admission.held_credits() == 0
 
 

@@ -31,13 +31,21 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from rollout.engines._prometheus import StatSamples, parse_stats
-from rollout.engines.base import BetweenSteps, Completion, EngineStats, FinishReason, OnToken, SamplingParams
+from rollout.engines.base import (
+    BetweenSteps,
+    Completion,
+    EngineStats,
+    FinishReason,
+    OnPrompt,
+    OnToken,
+    SamplingParams,
+)
 from tandem.config import Config, ServerConfig
 from tandem.net import EngineClient, EngineHTTPError, free_port
 from tandem.procs import DETACHED
@@ -231,7 +239,7 @@ class HttpEngine:
 
     A subclass sets ``weight_info_route`` and ``stat_samples``, starts its server with :meth:`_start` (or
     uses the one at ``settings.url``), connects with :meth:`_connect`, and implements ``_label_weights``,
-    ``_generate``, ``_load_weights``, ``pause`` and ``resume``.
+    ``_generate_each``, ``_load_weights``, ``pause`` and ``resume``.
     """
 
     continuous_batching = True  # the server's scheduler batches concurrent requests
@@ -298,22 +306,31 @@ class HttpEngine:
         *,
         between_steps: BetweenSteps | None = None,
         on_token: OnToken | None = None,
+        on_prompt: OnPrompt | None = None,
     ) -> list[list[Completion]]:
         """The whole batch in flight at once; the engine schedules it. Thread-safe (httpx pools connections).
 
         The engine's decode steps are out of our reach, so ``between_steps`` runs once before the call (a
-        pending update then applies first) and ``on_token`` replays the tokens after it.
+        pending update then applies first) and ``on_token`` replays the tokens after it. ``on_prompt`` hears
+        of each prompt as its reply arrives.
         """
         if not prompts:
             return []
         if between_steps is not None:
             between_steps()
-        out = self._generate(prompts, sampling)
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for i, group in self._generate_each(prompts, sampling):
+            out[i] = group
+            if on_prompt is not None:
+                on_prompt(i, group)
         if on_token is not None:
             replay_tokens(out, on_token)
         return out
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def _generate_each(
+        self, prompts: list[list[int]], sampling: SamplingParams
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """``(prompt index, its n completions)`` for every prompt, in the order they finish."""
         raise NotImplementedError
 
     def update_weights(self, update: Update) -> None:

@@ -14,6 +14,10 @@ Two optional hooks let the caller act during a call without knowing the engine's
 - ``on_token(row, token_id, logprob)`` is called for each sampled token as it is produced (``row`` indexes
   the flattened ``prompt × n`` list); the HTTP API streams from it. Engines that cannot stream may call it
   for every token once generation has finished.
+- ``on_prompt(index, completions)`` is called once per prompt, from the calling thread, as soon as that
+  prompt's ``n`` completions are done, so a caller can score and store a group while the others still
+  generate (the pipelined rollout loop, docs/design.md §1.3). Engines that finish a call's prompts
+  together call it for each once generation has finished.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class Completion:
     logprobs: list[float]  # behaviour logprob of each token in token_ids
     finish_reason: FinishReason
     versions: list[int]  # policy version that produced each token (same length as token_ids)
+
+
+OnPrompt = Callable[[int, list[Completion]], None]
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class Engine(Protocol):
         *,
         between_steps: BetweenSteps | None = None,
         on_token: OnToken | None = None,
+        on_prompt: OnPrompt | None = None,
     ) -> list[list[Completion]]:
         """For each prompt, ``sampling.n`` completions. Safe to call from several threads."""
         ...

@@ -39,7 +39,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnToken, SamplingParams
+from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnPrompt, OnToken, SamplingParams
 from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
 from rollout.engines.hf_batch import WAIT_POLL_S, Entry, Request, RunningBatch, sample_groups
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
@@ -164,6 +164,7 @@ class HFEngine:
         *,
         between_steps: BetweenSteps | None = None,
         on_token: OnToken | None = None,
+        on_prompt: OnPrompt | None = None,
     ) -> list[list[Completion]]:
         self._check(prompts, sampling)
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
@@ -172,7 +173,11 @@ class HFEngine:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         flat = self._decode(rows, sampling, generator, between_steps, on_token)
         n = sampling.n
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+        groups = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+        if on_prompt is not None:  # reported together, once the call's last row has finished
+            for i, group in enumerate(groups):
+                on_prompt(i, group)
+        return groups
 
     def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
         if self._released or self._unfilled:

@@ -30,7 +30,7 @@ Weight updates (docs/design.md §5.5, docs/engines.md §5):
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -321,13 +321,15 @@ class SGLangEngine(HttpEngine):
         """Ranks this server adds to the distributed update group (one per TP rank; SGLang asserts dp=1)."""
         return self.cfg.rollout.sglang.tp_size
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        """One ``/generate`` call for the whole batch."""
+    def _generate_each(
+        self, prompts: list[list[int]], sampling: SamplingParams
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """One ``/generate`` call for the whole batch: every prompt is done when it returns."""
         check_sampling(
             sampling.top_p, sampling.top_k, self.cfg.rollout.sglang.allow_truncated_sampling, "generate"
         )
         body = self.client.post("/generate", to_json(generate_body(prompts, sampling)))
-        return parse_generate(body, len(prompts), sampling.n, f"{LABEL} {self.url} /generate")
+        yield from enumerate(parse_generate(body, len(prompts), sampling.n, f"{LABEL} {self.url} /generate"))
 
     def _load_weights(self, update: Update, *, asleep: bool) -> None:
         self.client.post(

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -373,9 +373,11 @@ class VLLMEngine(HttpEngine):
         """Inference workers of this server (TP x PP x DP): its share of the NCCL weight-transfer group."""
         return int(self.client.get("/get_world_size", params={"include_dp": "true"})["world_size"])
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        """One request per prompt, all in flight together. A seed gives prompt ``i`` the seed
-        ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``)."""
+    def _generate_each(
+        self, prompts: list[list[int]], sampling: SamplingParams
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """One request per prompt, all in flight together, each yielded as its reply arrives. A seed gives
+        prompt ``i`` the seed ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``)."""
         where = f"{self.client.label} {self.url} {GENERATE_ROUTE}"
 
         def one(i: int) -> list[Completion]:
@@ -383,7 +385,9 @@ class VLLMEngine(HttpEngine):
             body = self.client.post(GENERATE_ROUTE, to_json(generate_body(prompts[i], sampling, seed)))
             return parse_generate(body, sampling.n, f"{where} (prompt {i})")
 
-        return list(self._pool.map(one, range(len(prompts))))
+        replies = {self._pool.submit(one, i): i for i in range(len(prompts))}
+        for reply in as_completed(replies):
+            yield replies[reply], reply.result()
 
     def _load_weights(self, update: Update, *, asleep: bool) -> None:
         """``tandem_load_weights`` in every worker, then (awake) the prefix cache dropped, then the label."""
