@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,7 +61,9 @@ class Tally:
         return json.dumps({**asdict(self), "kills": dict(self.kills), "restarts": dict(self.restarts)})
 
 
-def launch_cmd(actor: Path, critic: Path, prompts: Path, out: Path, steps: int, limit: int) -> list[str]:
+def launch_cmd(
+    actor: Path, critic: Path, prompts: Path, out: Path, steps: int, limit: int, overrides: Sequence[str] = ()
+) -> list[str]:
     return [
         sys.executable, str(ROOT / "launch.py"), str(ROOT / "configs/tiny.yaml"),
         f"model.actor={actor}", f"model.critic={critic}", f"data.prompts={prompts}", f"run.output_dir={out}",
@@ -69,7 +72,8 @@ def launch_cmd(actor: Path, critic: Path, prompts: Path, out: Path, steps: int, 
         "learner.micro_batch_size=8", f"learner.total_steps={steps}", "learner.checkpoint_interval=3",
         "logging.wandb_mode=disabled", "redis.claim_idle_ms=2000", "supervision.backoff_s=0.2",
         "supervision.backoff_max_s=2", f"supervision.server_restarts={limit}",
-        f"supervision.learner_restarts={limit}", f"supervision.redis_restarts={limit}", "--no-console",
+        f"supervision.learner_restarts={limit}", f"supervision.redis_restarts={limit}", *overrides,
+        "--no-console",
     ]  # fmt: skip
 
 
@@ -247,15 +251,16 @@ def audit(run_dir: Path, steps: int, tally: Tally) -> None:
 
 def chaos_run(
     actor: Path, critic: Path, prompts: Path, out: Path, *, kills: int, steps: int, seed: int = 0,
-    timeout_s: float = 900.0, log=print,
+    timeout_s: float = 900.0, overrides: Sequence[str] = (), log=print,
 ) -> tuple[Tally, str]:  # fmt: skip
-    """One run under ``kills`` kills; returns the audited tally and launch.py's output."""
+    """One run under ``kills`` kills, ``overrides`` (``key=value``) added to the tiny config; returns the
+    audited tally and launch.py's output."""
     start = time.monotonic()
     launch_log = out / "launch.out"
     out.mkdir(parents=True, exist_ok=True)
     with open(launch_log, "w") as sink:
         proc = subprocess.Popen(
-            launch_cmd(actor, critic, prompts, out, steps, limit=kills + 5), cwd=ROOT, stdout=sink,
+            launch_cmd(actor, critic, prompts, out, steps, kills + 5, overrides), cwd=ROOT, stdout=sink,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
@@ -290,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="learner steps (0: 40 + 100 per kill)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="where the run goes (default: a temporary directory)")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+        help="a config override on top of the tiny run's, e.g. rollout.max_inflight_batches=2 (repeatable)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     from tandem.data import write_prompts
     from toy.tasks import make_records
@@ -301,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or 40 + 100 * args.kills  # 12 per kill ended before the 10th kill, idle
     tally, _ = chaos_run(
         ckpt["actor"], ckpt["critic"], prompts, out / "runs", kills=args.kills, steps=steps, seed=args.seed,
-        timeout_s=max(900.0, 60.0 * args.kills),
+        timeout_s=max(900.0, 60.0 * args.kills), overrides=args.overrides,
     )  # fmt: skip
     print(tally.line())
     ok = (

@@ -12,21 +12,38 @@ from pathlib import Path
 import pytest
 
 from tandem.data import write_prompts
+from tandem.telemetry import history_procs, read_history
 from tests.chaos import ROLES, chaos_run
 from toy.tasks import make_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]  # make test-faults
 
 
-def test_the_run_heals_itself_under_kill_9_of_every_role(tiny_ckpt, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("rollout.max_inflight_batches=2",)],
+    ids=["one-batch-in-flight", "two-batches-in-flight"],
+)
+def test_the_run_heals_itself_under_kill_9_of_every_role(
+    tiny_ckpt, tmp_path: Path, overrides: tuple[str, ...]
+) -> None:
     prompts = write_prompts(tmp_path / "echo.jsonl", make_records("echo", 200))
     # Enough steps that the kills land before the run ends: on an idle machine 480 steps took 13 kills
     # (53 s) in a run here, too close to 12.
     kills, steps = 12, 600
     tally, output = chaos_run(
         tiny_ckpt["actor"], tiny_ckpt["critic"], prompts, tmp_path / "runs", kills=kills, steps=steps,
-        seed=1, timeout_s=900,
+        seed=1, timeout_s=900, overrides=overrides,
     )  # fmt: skip
+    if overrides:  # a server logged a batch while it held another: groups were appended from a batch
+        # still generating when servers were killed (the pipelined path, docs/design.md §1.3)
+        run_dir = next((tmp_path / "runs").glob("*/config.yaml")).parent
+        held = [
+            r.get("rollout/inflight_batches", 0)
+            for proc in history_procs(run_dir, "server-*")
+            for r in read_history(run_dir, proc)
+        ]
+        assert max(held, default=0) >= 1
     print(f"\nchaos tally: {tally.line()}")
     assert tally.returncode == 0, output[-4000:]
     assert f"learner finished at step {steps}" in output
