@@ -103,6 +103,15 @@ def hf(tiny_ckpt: dict[str, Path]) -> HFEngine:
     return HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0)
 
 
+def server_loop(cfg, client, engine) -> RolloutLoop:
+    """Server 0's rollout loop, run by the test itself (to see how ``run`` ends)."""
+    return RolloutLoop(
+        cfg, engine, engine.tokenizer, ReplayBuffer.from_config(client, cfg, consumer="server-0"),
+        make_subscriber(cfg, client, "server-0"), Telemetry(cfg, "server-0", client), server_index=0,
+        rewards=RewardFunctions(cfg.reward),
+    )  # fmt: skip
+
+
 def weights(engine: HFEngine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
 
@@ -248,11 +257,7 @@ def test_a_batch_that_fails_in_flight_ends_the_loop_and_its_prompts_are_handed_b
     learner = Learner(cfg, redis_client, weights(hf))
     queue_prompts(learner.buffer, hf, 12)
     engine = SlowEngine(hf, fail_on=3)
-    buffer = ReplayBuffer.from_config(redis_client, cfg, consumer="server-0")
-    loop = RolloutLoop(
-        cfg, engine, hf.tokenizer, buffer, make_subscriber(cfg, redis_client, "server-0"),
-        Telemetry(cfg, "server-0", redis_client), server_index=0, rewards=RewardFunctions(cfg.reward),
-    )  # fmt: skip
+    loop = server_loop(cfg, redis_client, engine)
     with pytest.raises(RuntimeError, match="engine died"):
         loop.run()
     loop.telemetry.close()
@@ -279,11 +284,7 @@ def test_a_group_that_fails_to_score_in_the_scoring_thread_ends_the_loop(
     )  # fmt: skip
     learner = Learner(cfg, redis_client, weights(hf))
     queue_prompts(learner.buffer, hf, 8)
-    buffer = ReplayBuffer.from_config(redis_client, cfg, consumer="server-0")
-    loop = RolloutLoop(
-        cfg, hf, hf.tokenizer, buffer, make_subscriber(cfg, redis_client, "server-0"),
-        Telemetry(cfg, "server-0", redis_client), server_index=0, rewards=RewardFunctions(cfg.reward),
-    )  # fmt: skip
+    loop = server_loop(cfg, redis_client, hf)
 
     def broken(prompts, completions):
         raise ValueError("reward function failed")
