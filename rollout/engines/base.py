@@ -6,7 +6,7 @@ renormalised) and the policy version that produced each token. Greedy decoding (
 the log-probability under the untempered distribution (``log_softmax(logits)``), as vLLM's processed
 logprobs do, since the point mass it actually samples from would say 0 for every token.
 
-Two optional hooks let the caller act during a call without knowing the engine's internals:
+Three optional hooks let the caller act during a call without knowing the engine's internals:
 - ``between_steps()`` is called at every safe point inside ``generate`` (between decode steps for ``hf``);
   the rollout loop uses it to apply a pending weight update mid-sequence (PipelineRL's in-flight updates),
   so later tokens carry the new version. Engines without such points may call it once per call or never;
