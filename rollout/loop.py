@@ -261,8 +261,7 @@ class RolloutLoop:
         of groups costs one append round trip, not one each."""
         batch = _Batch()
         turns: list[Future[None]] = []  # one scoring-thread turn per group handed over
-
-        handed = set[int]()
+        handed = set[int]()  # prompts the engine reported
 
         def hand_over(i: int, completions: list[Completion]) -> None:
             handed.add(i)

@@ -50,6 +50,8 @@ class Tally:
     prompts_emitted: int = 0
     prompts_lost: int = 0
     final_version: int = -1
+    batches_logged: int = 0  # by the servers, over every life
+    batches_overlapped: int = 0  # of those, logged while the server held another (several in flight)
     wall_s: float = 0.0
     returncode: int | None = None
 
@@ -227,6 +229,7 @@ def stream_prompt_ids(client: redis.Redis, key: str, decode) -> set[str]:
 def audit(run_dir: Path, steps: int, tally: Tally) -> None:
     from buffer.redis_server import EmbeddedRedis
     from buffer.schema import decode_prompt, decode_trajectory
+    from tandem.telemetry import history_procs, read_history
 
     lines = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines() if x.strip()]
     surviving = {line["version"]: line for line in lines}  # the last line of a version is what survived
@@ -236,6 +239,9 @@ def audit(run_dir: Path, steps: int, tally: Tally) -> None:
     latest = run_dir / "checkpoints" / "latest.json"
     tally.final_version = json.loads(latest.read_text())["version"] if latest.exists() else -1
     answered = {p for line in lines for p in line.get("prompts", [])}
+    held = [r.get("rollout/inflight_batches", 0) for p in history_procs(run_dir, "server-*")
+            for r in read_history(run_dir, p)]  # fmt: skip
+    tally.batches_logged, tally.batches_overlapped = len(held), sum(h >= 1 for h in held)
     server = EmbeddedRedis(run_dir / "redis").start()
     try:
         client, run = server.client(), run_dir.name
