@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,37 @@ def test_on_token_streams_every_token_in_order(engine: HFEngine, prompts: list[l
     assert sorted(seen) == list(range(len(flat)))
     for row, c in enumerate(flat):
         assert seen[row] == list(zip(c.token_ids, c.logprobs, strict=True))
+
+
+def test_a_prompt_is_reported_when_its_rows_finish_while_the_others_still_decode(
+    engine: HFEngine, prompts: list[list[int]]
+) -> None:
+    """``on_prompt``: prompt 0's rows are made to stop at their second token (stop ids that prompt 1 does
+    not sample); prompt 0 is reported with its ``n`` completions while prompt 1's rows still decode."""
+    n, sampling = 2, SamplingParams(n=2, max_new_tokens=10, temperature=1.0, seed=3)
+    free = engine.generate(prompts[:2], sampling)
+    stop = {c.token_ids[1] for c in free[0]}
+    assert not stop & {c.token_ids[0] for c in free[0]}  # the premise: no row of prompt 0 stops sooner,
+    assert not stop & {t for c in free[1] for t in c.token_ids[:2]}  # nor prompt 1 with it
+    decoded = [0, 0]  # tokens sampled per prompt so far
+
+    def on_token(row: int, token: int, logp: float) -> None:
+        decoded[row // n] += 1
+
+    reported: list[tuple[int, list[list[int]], list[int]]] = []
+    out = engine.generate(
+        prompts[:2],
+        replace(sampling, stop_token_ids=sorted(stop)),
+        on_token=on_token,
+        on_prompt=lambda i, group: reported.append((i, [c.token_ids for c in group], list(decoded))),
+    )
+    assert [i for i, _, _ in reported] == [0, 1]  # once each, in the order they finished
+    for i, tokens, _ in reported:
+        assert tokens == [c.token_ids for c in out[i]]
+    assert [c.token_ids for c in out[0]] == [c.token_ids[:2] for c in free[0]]
+    assert reported[0][2] == [2 * n, 2 * n]  # prompt 1's rows had sampled 2 tokens each, not finished
+    assert all(len(c.token_ids) > 2 for c in out[1])
+    assert reported[1][2] == [2 * n, sum(len(c.token_ids) for c in out[1])]
 
 
 def test_pause_holds_generation_until_resume(engine: HFEngine, prompts: list[list[int]]) -> None:

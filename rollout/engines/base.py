@@ -16,8 +16,9 @@ Three optional hooks let the caller act during a call without knowing the engine
   for every token once generation has finished.
 - ``on_prompt(index, completions)`` is called once per prompt, from the calling thread, as soon as that
   prompt's ``n`` completions are done, so a caller can score and store a group while the others still
-  generate (the pipelined rollout loop, docs/design.md §1.3). Engines that finish a call's prompts
-  together call it for each once generation has finished.
+  generate (the pipelined rollout loop, docs/design.md §1.3): vLLM as each prompt's request returns, hf
+  as a prompt's last row leaves the running batch. Engines that finish a call's prompts together (SGLang,
+  one request per call) call it for each once generation has finished.
 """
 
 from __future__ import annotations

@@ -171,13 +171,10 @@ class HFEngine:
         generator = self._rng
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        flat = self._decode(rows, sampling, generator, between_steps, on_token)
+        request = Request(rows, sampling, generator, self._stop_ids(sampling), on_token, on_prompt)
+        flat = self._decode(request, between_steps)
         n = sampling.n
-        groups = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
-        if on_prompt is not None:  # reported together, once the call's last row has finished
-            for i, group in enumerate(groups):
-                on_prompt(i, group)
-        return groups
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
         if self._released or self._unfilled:
@@ -203,21 +200,16 @@ class HFEngine:
                     f"exceeds the model's context of {self.max_positions}"
                 )
 
-    def _decode(
-        self,
-        rows: list[list[int]],
-        sampling: SamplingParams,
-        generator: torch.Generator,
-        between_steps: BetweenSteps | None,
-        on_token: OnToken | None,
-    ) -> list[Completion]:
-        """Put the rows in the running batch and drive it until they have finished (module docs of
-        :mod:`rollout.engines.hf_batch`): a step whenever this thread holds the lock, then its own hook."""
-        stop_ids = frozenset(self.eos_token_ids | set(sampling.stop_token_ids))
-        request = Request(rows, sampling, generator, stop_ids, on_token)
+    def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        return frozenset(self.eos_token_ids | set(sampling.stop_token_ids))
+
+    def _decode(self, request: Request, between_steps: BetweenSteps | None) -> list[Completion]:
+        """Put the call's rows in the running batch and drive it until they have finished (module docs of
+        :mod:`rollout.engines.hf_batch`): a step whenever this thread holds the lock, then its own hook;
+        each prompt is reported as its rows finish."""
         batch = self._batch
         with self._lock:
-            batch.pending += [Entry(request, i, [], 0) for i in range(len(rows))]
+            batch.pending += [Entry(request, i, [], 0) for i in range(len(request.rows))]
         try:
             while not request.finished.is_set():
                 with self._lock:
@@ -233,6 +225,7 @@ class HFEngine:
                     with self._lock:
                         batch.take_over(request)
                 request.wake.clear()
+                self._report(request)
                 if between_steps is not None and not request.finished.is_set():
                     if driving:
                         batch.hooked = request
@@ -250,7 +243,17 @@ class HFEngine:
                 batch.hand_off(request)
         if request.error is not None:
             raise request.error
+        self._report(request)  # the prompts the last step finished
         return request.out
+
+    def _report(self, request: Request) -> None:
+        """Hand the call's finished prompts to its ``on_prompt``, from the call's own thread."""
+        if request.on_prompt is None or not request.done:
+            return
+        with self._lock:
+            done, request.done = request.done, []
+        for prompt in done:
+            request.on_prompt(prompt, request.prompt_completions(prompt))
 
     def _step(self) -> None:
         """One step of the running batch: decode its rows, admit the waiting ones, record every token."""
@@ -298,9 +301,7 @@ class HFEngine:
                 continue
             row = e.request.rows[e.row]
             self._keep_prefix(row + c.token_ids[:-1], e.hashes, batch.cache, batch.mask[j], j, e.epoch)
-            e.request.left -= 1
-            if not e.request.left:
-                e.request.finish()
+            e.request.row_done(e.row)
         with self._caches_lock:
             batch.keep(keep)
 

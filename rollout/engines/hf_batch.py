@@ -10,7 +10,9 @@ One step of the whole batch (``HFEngine._step``, under the engine's lock):
 
 1. **decode** the rows already running: one token each;
 2. **admit** the pending rows: one prefill forward, which samples their first token;
-3. **record** every row's token (its call's ``on_token`` too) and take out the rows that finished.
+3. **record** every row's token (its call's ``on_token`` too) and take out the rows that finished; a
+   prompt whose ``n`` rows have all finished is reported by its own call's thread (``on_prompt``), while
+   the call's other prompts still decode.
 
 One call's thread drives the batch at a time (it holds ``driver``): it takes a step, runs its own
 ``between_steps`` hook outside the lock, and again, until its rows have finished; then it hands the role
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from rollout.engines.base import Completion, OnToken, SamplingParams
+from rollout.engines.base import Completion, OnPrompt, OnToken, SamplingParams
 
 WAIT_POLL_S = 0.2  # how often a call that is not driving asks its own hook whether it is still wanted
 
@@ -48,15 +50,36 @@ class Request:
     generator: torch.Generator
     stop_ids: frozenset[int]
     on_token: OnToken | None = None
+    on_prompt: OnPrompt | None = None  # called by the call's own thread, with each prompt's n completions
     out: list[Completion] = field(default_factory=list)
     left: int = 0  # rows not finished
+    prompt_left: list[int] = field(default_factory=list)  # rows not finished, per prompt
+    done: list[int] = field(default_factory=list)  # prompts whose rows have all finished, not yet reported
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
-    wake: threading.Event = field(default_factory=threading.Event)  # finished, or handed the driver role
+    # finished, handed the driver role, or (with on_prompt) a prompt is done
+    wake: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.out = [Completion([], [], "length", []) for _ in self.rows]
         self.left = len(self.rows)
+        self.prompt_left = [self.sampling.n] * (len(self.rows) // self.sampling.n)
+
+    def row_done(self, row: int) -> None:
+        """Row ``row`` has finished (under the engine's lock); its prompt is done with its last row."""
+        prompt = row // self.sampling.n
+        self.prompt_left[prompt] -= 1
+        if not self.prompt_left[prompt]:
+            self.done.append(prompt)
+            if self.on_prompt is not None:
+                self.wake.set()  # its own thread reports it, even while another call's thread drives
+        self.left -= 1
+        if not self.left:
+            self.finish()
+
+    def prompt_completions(self, prompt: int) -> list[Completion]:
+        n = self.sampling.n
+        return self.out[prompt * n : (prompt + 1) * n]
 
     def finish(self, error: BaseException | None = None) -> None:
         self.error = error
