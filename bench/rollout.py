@@ -10,7 +10,9 @@ In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per
       ``--inflight`` batches held at once (``rollout.max_inflight_batches``; 0: the engine's default, 1 for
       hf and 3 for vllm; 1: one batch at a time). Where the loop's time goes: ``engine_busy`` (share of its
       wall time with a generation running), and seconds in admission waits, prompt claims, weight checks,
-      scoring and trajectory writes (Redis);
+      scoring and trajectory writes (Redis); ``group_wait_s``: the mean time from a group's last sample
+      to its append (with several batches in flight, groups are appended as they finish, not when their
+      batch does);
   (b) ``engine_tokens_per_s``: the engine adapter's ``generate`` alone;
   (c) ``direct_tokens_per_s``: the engine without tandem, counting the tokens up to and including EOS:
       ``hf``: ``model.generate`` (sampling, KV cache); ``vllm``: an offline ``vllm.LLM.generate`` in this
@@ -158,6 +160,7 @@ def main() -> None:
         engine.generate(batch, sampling)
         direct()
         loop.totals.clear()
+        waited = (loop.group_waits.total_s, loop.group_waits.count)
         seconds = {"loop": 0.0, "engine": 0.0, "direct": 0.0}
         tokens = {"loop": 0, "engine": 0, "direct": 0}
         cpu: dict[str, dict[str, float]] = {key: {} for key in seconds}
@@ -197,6 +200,7 @@ def main() -> None:
             done += k
         assert loop.groups - groups_before == args.prompts_per_batch * args.steps, "the loop appended short"
         stages = dict(loop.totals)
+        group_wait = (loop.group_waits.total_s - waited[0]) / max(loop.group_waits.count - waited[1], 1)
 
         # (d) the pause per update: what the generation thread spends inside one apply.
         pauses = []
@@ -221,6 +225,7 @@ def main() -> None:
     figures["inflight"] = loop.window
     figures["engine_busy"] = stages.get("time/engine_busy", 0.0) / seconds["loop"]
     figures["loop_s"] = seconds["loop"]
+    figures["group_wait_s"] = group_wait
     for stage in STAGES:
         figures[f"{stage}_s"] = stages.get(f"time/{stage}", 0.0)
     # CPU seconds per 1,000 tokens of each process, in each measurement (the other side's idle processes
@@ -237,7 +242,9 @@ def main() -> None:
         f"(min {min(rounds):.2f}, max {max(rounds):.2f}, {len(rounds)} rounds)\n"
         f"update pause   {figures['update_pause_s'] * 1e3:9.2f} ms (median of {len(pauses)}, shm transport)\n"
         f"loop stages    {loop.window} batch(es) in flight; engine busy {figures['engine_busy']:.2f} of "
-        f"{seconds['loop']:.1f} s; " + ", ".join(f"{stage} {figures[f'{stage}_s']:.2f} s" for stage in STAGES)
+        f"{seconds['loop']:.1f} s; "
+        + ", ".join(f"{stage} {figures[f'{stage}_s']:.2f} s" for stage in STAGES)
+        + f"\ngroup wait     {group_wait * 1e3:9.1f} ms from a group's last sample to its append (mean)"
     )
     for key, label in (("loop", "rollout loop"), ("engine", f"{args.engine} engine"), ("direct", bare)):
         spent = ", ".join(

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -68,7 +69,7 @@ from rollout.weights import EngineWeights
 from tandem.config import Config
 from tandem.rewards import RewardFunctions, clip_reward, total_reward
 from tandem.telemetry import Telemetry
-from tandem.timing import BusyClock, Timers
+from tandem.timing import BusyClock, Timers, Waits
 from weightsync.base import Subscriber, WeightSyncError, weights_key
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,17 @@ class _Batch:
 
     appended: list[list[Trajectory]] = field(default_factory=list)
     error: Exception | None = None
+
+
+@dataclass
+class _Unscored:
+    """A group handed to the scoring thread: its prompt, its samples, its batch, and when the samples were
+    back (``time.perf_counter()``)."""
+
+    prompt: TakenPrompt
+    completions: list[Completion]
+    batch: _Batch
+    ready: float
 
 
 def inflight_window(cfg: Config) -> int:
@@ -175,6 +187,7 @@ class RolloutLoop:
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
         self.totals = Timers()  # the same, summed over every log, with time/engine_busy and time/wall
         self.busy = BusyClock()  # wall time with at least one generation running
+        self.group_waits = Waits()  # each group's seconds from its last sample back to its append
         # Its share of wall time, and the tokens and episodes per second it generates while busy (logged).
         self.engine_busy = self.tokens_per_s = self.episodes_per_s = 0.0
         self._window = [0.0, 0.0, 0, 0]  # busy s, wall s, tokens, trajectories since the last window closed
@@ -182,8 +195,7 @@ class RolloutLoop:
             self.window, thread_name_prefix=f"rollout{server_index}-generate"
         )
         self.scorer = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_index}-score")
-        # Groups generated and not yet scored, with the batch each belongs to (several batches in flight).
-        self.unscored: SimpleQueue[tuple[TakenPrompt, list[Completion], _Batch]] = SimpleQueue()
+        self.unscored: SimpleQueue[_Unscored] = SimpleQueue()  # groups generated, not yet scored
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
@@ -248,10 +260,17 @@ class RolloutLoop:
         with held or nullcontext():
             if self.episodes is not None or self.agents is not None:  # scored as they play (§10)
                 groups = self.run_episodes(prompts) if self.episodes is not None else self.run_agents(prompts)
-                finish = partial(self.put_scored, prompts, groups)
+                finish = partial(self.put_scored, prompts, groups, [time.perf_counter()] * len(groups))
                 return finish() if self.window == 1 else self.scorer.submit(finish).result()
             if self.window == 1:
-                return self.score_and_put(prompts, self.generate(prompts))
+                ready: dict[int, float] = {}  # when each prompt's samples were back, if the engine says
+                completions = self.generate(prompts, lambda i, _: ready.setdefault(i, time.perf_counter()))
+                end = time.perf_counter()
+                return self.put_scored(
+                    prompts,
+                    self.score(prompts, completions),
+                    [ready.get(i, end) for i in range(len(prompts))],
+                )
             return self.stream_groups(prompts)
 
     def stream_groups(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
@@ -265,7 +284,7 @@ class RolloutLoop:
 
         def hand_over(i: int, completions: list[Completion]) -> None:
             handed.add(i)
-            self.unscored.put((prompts[i], completions, batch))
+            self.unscored.put(_Unscored(prompts[i], completions, batch, time.perf_counter()))
             turns.append(self.scorer.submit(self.score_ready))
 
         try:
@@ -282,30 +301,29 @@ class RolloutLoop:
     def score_ready(self) -> None:
         """Scoring thread: score and append every group waiting (steps 5 and 6), in one round trip; each
         batch gets back its appended groups, or the error that stopped them."""
-        taken: list[tuple[TakenPrompt, list[Completion], _Batch]] = []
+        taken: list[_Unscored] = []
         while not self.unscored.empty():
             taken.append(self.unscored.get_nowait())
         if not taken:  # an earlier turn took them
             return
-        prompts = [p for p, _, _ in taken]
+        prompts = [u.prompt for u in taken]
         try:
-            groups = self.score(prompts, [c for _, c, _ in taken])
-            owner = {id(g): b for g, (_, _, b) in zip(groups, taken, strict=True)}
-            for group in self.put_scored(prompts, groups):
+            groups = self.score(prompts, [u.completions for u in taken])
+            owner = {id(g): u.batch for g, u in zip(groups, taken, strict=True)}
+            for group in self.put_scored(prompts, groups, [u.ready for u in taken]):
                 owner[id(group)].appended.append(group)
         except Exception as e:
-            for _, _, b in taken:
-                b.error = e
-
-    def score_and_put(
-        self, prompts: list[TakenPrompt], completions: list[list[Completion]]
-    ) -> list[list[Trajectory]]:
-        return self.put_scored(prompts, self.score(prompts, completions))
+            for u in taken:
+                u.batch.error = e
 
     def put_scored(
-        self, prompts: list[TakenPrompt], groups: list[list[Trajectory]]
+        self, prompts: list[TakenPrompt], groups: list[list[Trajectory]], ready: list[float]
     ) -> list[list[Trajectory]]:
-        return self.put(*self.drop_uninformative(prompts, groups))
+        """Steps 5 (dynamic sampling) and 6 of scored groups whose samples were back at ``ready``
+        (``time.perf_counter()``); each group's wait since then is logged."""
+        appended = self.put(*self.drop_uninformative(prompts, groups))
+        self.group_waits.since(ready)
+        return appended
 
     def harvest(self, *, block: bool = False) -> int:
         """Log the batches in flight that are done (after waiting for one, with ``block``); returns their
@@ -511,8 +529,13 @@ class RolloutLoop:
             self.engine_busy = w[0] / max(w[1], 1e-9)
             self.tokens_per_s, self.episodes_per_s = w[2] / max(w[0], 1e-9), w[3] / max(w[0], 1e-9)
             self._window = [0.0, 0.0, 0, 0]
+        # From a group's last sample to its append: the rest of its batch's generation when groups are not
+        # streamed, then scoring and the append (docs/design.md §1.3).
+        waits = self.group_waits.take() or [0.0]
         self.telemetry.log(
             {
+                "rollout/group_wait_s": sum(waits) / len(waits),
+                "rollout/group_wait_max_s": max(waits),
                 "rollout/tokens": tokens,
                 "rollout/tokens_per_s": self.tokens_per_s,
                 "rollout/engine_busy": self.engine_busy,

@@ -3,7 +3,9 @@
 
 Every process reports where its time goes as ``time/<phase>`` seconds (the rollout loop per logged
 batch, the learner per step); the placement planner fits its laws to these (docs/design.md §11.2).
-:class:`BusyClock` measures the union of overlapping spans (a rollout server's engine busy time).
+:class:`BusyClock` measures the union of overlapping spans (a rollout server's engine busy time), and
+:class:`Waits` how long each of many items waited between two moments (a group between its last sample and
+its append).
 """
 
 from __future__ import annotations
@@ -90,3 +92,28 @@ class BusyClock:
             wall = now - self._lap_at
             self._busy, self._since, self._lap_at = 0.0, now, now
         return busy, wall
+
+
+class Waits:
+    """Seconds each item waited, from the moment it was ready (``time.perf_counter()``) to :meth:`since`'s
+    call: several threads add, the logger takes. ``total_s`` and ``count`` run over the object's life."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: list[float] = []
+        self.total_s, self.count = 0.0, 0
+
+    def since(self, ready: list[float]) -> None:
+        """Record, for each moment in ``ready``, the seconds from it to now."""
+        now = time.perf_counter()
+        waited = [now - t for t in ready]
+        with self._lock:
+            self._seconds += waited
+            self.total_s += sum(waited)
+            self.count += len(waited)
+
+    def take(self) -> list[float]:
+        """The waits recorded since the last take, cleared in the same step."""
+        with self._lock:
+            out, self._seconds = self._seconds, []
+        return out

@@ -66,13 +66,13 @@ class SlowEngine:
 
 class HeldEngine:
     """The hf engine behind a server that answers each call's first prompt at once and the others only when
-    ``release`` is set, as vLLM does when one request of a batch finishes early. It reports only that first
-    prompt through ``on_prompt``; the loop takes the others from the call's result."""
+    ``release`` is set (or after ``hold_s``), as vLLM does when one request of a batch finishes early. It
+    reports only that first prompt through ``on_prompt``; the loop takes the others from the call's result."""
 
     continuous_batching = True
 
-    def __init__(self, inner: HFEngine) -> None:
-        self.inner, self.tokenizer = inner, inner.tokenizer
+    def __init__(self, inner: HFEngine, hold_s: float = TIMEOUT) -> None:
+        self.inner, self.tokenizer, self.hold_s = inner, inner.tokenizer, hold_s
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.open = 0  # calls not yet returned
@@ -88,7 +88,7 @@ class HeldEngine:
         try:
             if on_prompt is not None:
                 on_prompt(0, out[0])
-            self.release.wait(TIMEOUT)
+            self.release.wait(self.hold_s)
             return out
         finally:
             with self.lock:
@@ -354,3 +354,31 @@ def test_independent_episodes_of_the_next_batches_run_while_a_batch_waits_on_its
     trajs = later + rest
     assert Counter(t.prompt_id for t in trajs) == {p.prompt_id: 2 for p in prompts}  # each once, n = 2
     assert all(t.reward == 1.0 for t in trajs)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_group_waits_for_the_rest_of_its_batch_only_when_groups_are_not_streamed(
+    window, redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    """``rollout/group_wait_s``: a group's time from its last sample to its append. The engine reports the
+    batch's first prompt and holds the call open ``hold_s`` longer: one batch in flight appends that group
+    with the rest of its batch, after the hold; two stream it at once."""
+    hold_s = 1.0
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"algorithm.max_staleness": 2, "rollout.max_inflight_batches": window},
+    )  # fmt: skip
+    learner = Learner(cfg, redis_client, weights(hf))
+    queue_prompts(learner.buffer, hf, 2)  # one batch of 2 prompts × 2 samples
+    with Harness(
+        cfg, redis_client, HeldEngine(hf, hold_s), make_subscriber(cfg, redis_client, "server-0")
+    ) as h:
+        assert h.loop.window == window
+        assert len(learner.take(4)) == 4
+    (row,) = [json.loads(r) for r in redis_client.lrange(history_key(run_id, "server-0"), 0, -1)]
+    longest, mean = row["rollout/group_wait_max_s"], row["rollout/group_wait_s"]
+    if window == 1:  # the first group waited out the hold; the other was back when the call returned
+        assert longest >= hold_s and hold_s / 2 <= mean < longest
+    else:
+        assert longest < hold_s / 2
+    assert h.loop.group_waits.count == 2

@@ -1,4 +1,5 @@
-"""tandem/timing.py: a span's seconds are set on exit, raise or not; phase totals add up across threads."""
+"""tandem/timing.py: a span's seconds are set on exit, raise or not; phase totals add up across threads;
+waits run from each item's own moment."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from tandem.timing import Timers, timed
+from tandem.timing import Timers, Waits, timed
 
 
 def test_timed_sets_the_span_on_exit_even_when_the_block_raises() -> None:
@@ -43,3 +44,15 @@ def test_timers_add_every_span_and_take_clears() -> None:
     assert got["time/a"] == pytest.approx(sum(spans)) and len(spans) == 200
     assert got["time/b"] > 0.0
     assert not timers and timers["time/c"] == 0.0  # cleared; an unseen phase reads 0
+
+
+def test_waits_run_from_each_moment_to_now_and_take_clears_but_totals_run_on() -> None:
+    waits = Waits()
+    now = time.perf_counter()
+    waits.since([now - 2.0, now - 0.5])
+    first = waits.take()
+    assert len(first) == 2 and 2.0 <= first[0] < 3.0 and 0.5 <= first[1] < 1.5
+    assert waits.take() == []  # cleared
+    waits.since([time.perf_counter() - 1.0])
+    (again,) = waits.take()
+    assert waits.count == 3 and waits.total_s == pytest.approx(sum(first) + again)
