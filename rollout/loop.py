@@ -19,8 +19,8 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
    ``max_staleness > 0``), the batch is handed to a generation thread and the iteration ends: the next
    one admits and claims the next batch while this one generates, so the engine always has work;
 5. **score** with the reward functions (and the reward model, if any), shaped for over-long responses
-   (``algorithm.overlong_buffer``); with ``algorithm.dynamic_sampling`` a group of equal rewards is dropped
-   here and its admission given back (``rollout/shaping.py``);
+   (``algorithm.overlong_buffer``; :class:`rollout.scoring.GroupScorer`); with ``algorithm.dynamic_sampling``
+   a group of equal rewards is dropped here and its admission given back (``rollout/shaping.py``);
 6. **put** each group contiguously, acknowledging its prompt in the same atomic step (with
    ``placement.reference: server``, after scoring every trajectory's reference log-probabilities). With
    several batches in flight, steps 5 and 6 run in one scoring thread, off the submission path, group by
@@ -54,20 +54,20 @@ import redis
 from transformers import PreTrainedTokenizerBase
 
 from buffer.admission import Admission
-from buffer.schema import PromptRecord, Trajectory, Turns
-from buffer.stream_scores import RM_TEXT, RULES_REWARD
+from buffer.schema import Trajectory
 from buffer.streams import ClaimHeartbeat, ReplayBuffer, TakenPrompt
-from rollout.engines.base import Completion, Engine, OnPrompt, SamplingParams, cut_at_stop
+from rollout.engines.base import Completion, Engine, OnPrompt, SamplingParams
 from rollout.envs.base import Task, load_env_factory
 from rollout.envs.episode import Episode, EpisodeRunner
 from rollout.evaluate import Evaluator
 from rollout.metrics import ServerMetrics
 from rollout.reference import ReferenceModel
 from rollout.reward_model import RewardModel
-from rollout.shaping import is_informative, overlong_penalty
+from rollout.scoring import GroupScorer
+from rollout.shaping import is_informative
 from rollout.weights import EngineWeights
 from tandem.config import Config
-from tandem.rewards import RewardFunctions, clip_reward, total_reward
+from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
 from tandem.timing import BusyClock, Timers, Waits
 from weightsync.base import Subscriber, WeightSyncError, weights_key
@@ -139,11 +139,8 @@ class RolloutLoop:
                 "placement.reference=server: the rollout loop needs the reference model to score"
             )
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
-        self.reference = reference  # placement.reference: server (rollout/reference.py)
         self.buffer, self.subscriber, self.telemetry = buffer, subscriber, telemetry
-        self.server_index, self.rewards, self.reward_model = server_index, rewards, reward_model
-        # placement.reward_model: own: a worker scores what this loop appends (rollout/scoring_worker.py)
-        self.rm_own = "reward_model" in cfg.own_scorers
+        self.server_index = server_index
         self.evaluator = evaluator
         self.metrics = metrics or ServerMetrics(engine)
         self.stop_event = stop_event or threading.Event()
@@ -163,6 +160,10 @@ class RolloutLoop:
             top_k=r.top_k,
             stop=list(r.stop),
         )
+        self.scoring = GroupScorer(
+            cfg, tokenizer, self.sampling, rewards, server_index=server_index, timers=self.timers,
+            reward_model=reward_model, reference=reference,
+        )  # fmt: skip
         self.env_factory, self.episodes = None, None
         if cfg.env.path is not None:
             e = cfg.env
@@ -194,7 +195,7 @@ class RolloutLoop:
         self.generators = ThreadPoolExecutor(
             self.window, thread_name_prefix=f"rollout{server_index}-generate"
         )
-        self.scorer = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_index}-score")
+        self.scoring_thread = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_index}-score")
         self.unscored: SimpleQueue[_Unscored] = SimpleQueue()  # groups generated, not yet scored
 
     def run(self) -> None:
@@ -261,14 +262,14 @@ class RolloutLoop:
             if self.episodes is not None or self.agents is not None:  # scored as they play (§10)
                 groups = self.run_episodes(prompts) if self.episodes is not None else self.run_agents(prompts)
                 finish = partial(self.put_scored, prompts, groups, [time.perf_counter()] * len(groups))
-                return finish() if self.window == 1 else self.scorer.submit(finish).result()
+                return finish() if self.window == 1 else self.scoring_thread.submit(finish).result()
             if self.window == 1:
                 ready: dict[int, float] = {}  # when each prompt's samples were back, if the engine says
                 completions = self.generate(prompts, lambda i, _: ready.setdefault(i, time.perf_counter()))
                 end = time.perf_counter()
                 return self.put_scored(
                     prompts,
-                    self.score(prompts, completions),
+                    self.scoring.score([p.prompt for p in prompts], completions),
                     [ready.get(i, end) for i in range(len(prompts))],
                 )
             return self.stream_groups(prompts)
@@ -285,7 +286,7 @@ class RolloutLoop:
         def hand_over(i: int, completions: list[Completion]) -> None:
             handed.add(i)
             self.unscored.put(_Unscored(prompts[i], completions, batch, time.perf_counter()))
-            turns.append(self.scorer.submit(self.score_ready))
+            turns.append(self.scoring_thread.submit(self.score_ready))
 
         try:
             completions = self.generate(prompts, on_prompt=hand_over)
@@ -308,7 +309,7 @@ class RolloutLoop:
             return
         prompts = [u.prompt for u in taken]
         try:
-            groups = self.score(prompts, [u.completions for u in taken])
+            groups = self.scoring.score([p.prompt for p in prompts], [u.completions for u in taken])
             owner = {id(g): u.batch for g, u in zip(groups, taken, strict=True)}
             for group in self.put_scored(prompts, groups, [u.ready for u in taken]):
                 owner[id(group)].appended.append(group)
@@ -400,7 +401,9 @@ class RolloutLoop:
             group_id = uuid.uuid4().hex
             groups.append(
                 [
-                    e.trajectory(taken.prompt.prompt_id, group_id, f"server-{self.server_index}", self.clip)
+                    e.trajectory(
+                        taken.prompt.prompt_id, group_id, f"server-{self.server_index}", self.scoring.clip
+                    )
                     for e in episodes[k * n : (k + 1) * n]
                 ]
             )
@@ -428,44 +431,12 @@ class RolloutLoop:
         for k, taken in enumerate(prompts):
             group_id = uuid.uuid4().hex
             group = episodes[k * n : (k + 1) * n]
-            groups.append([e.trajectory(taken.prompt.prompt_id, group_id, server, self.clip) for e in group])
+            groups.append(
+                [e.trajectory(taken.prompt.prompt_id, group_id, server, self.scoring.clip) for e in group]
+            )
         for e in episodes:
             for name, value in e.metrics().items():
                 self.env_metrics[name].append(value)
-        return groups
-
-    def score(
-        self, prompts: list[TakenPrompt], completions: list[list[Completion]]
-    ) -> list[list[Trajectory]]:
-        """Reward functions on the completion text plus the reward model's score weighted by
-        ``reward.model_weight``; the total is clipped by ``reward.clip``. With the reward model on a worker
-        of its own, the trajectory carries the text it reads and the rules' total instead."""
-        with self.timers("time/score"):
-            a = self.cfg.algorithm
-            texts = [[self.completion_text(c) for c in group] for group in completions]
-            rm_scores = iter(self.score_reward_model(prompts, texts))
-            groups = []
-            for taken, group, group_texts in zip(prompts, completions, texts, strict=True):
-                p, group_id = taken.prompt, uuid.uuid4().hex
-                trajs = []
-                for c, text in zip(group, group_texts, strict=True):
-                    rules, parts = self.rewards.score(p.text, text, p.record)
-                    model = overlong = None
-                    if self.reward_model is not None:
-                        model = parts["reward_model"] = next(rm_scores)
-                    if a.overlong_buffer is not None:
-                        overlong = parts["overlong"] = overlong_penalty(
-                            len(c.token_ids),
-                            self.sampling.max_new_tokens,
-                            a.overlong_buffer,
-                            a.overlong_penalty,
-                        )
-                    reward = total_reward(rules, self.cfg.reward, model=model, overlong=overlong)
-                    traj = self.trajectory(p, c, reward, parts, group_id)
-                    if self.rm_own:  # the learner adds the worker's score to these parts (§11.1)
-                        traj.meta |= {RM_TEXT: p.text + text, RULES_REWARD: rules}
-                    trajs.append(traj)
-                groups.append(trajs)
         return groups
 
     def drop_uninformative(
@@ -491,7 +462,7 @@ class RolloutLoop:
 
         Returns the groups appended: a group whose prompt another server already answered is refused.
         """
-        self.score_reference(groups)
+        self.scoring.score_reference(groups)
         with self.timers("time/put"):
             appended = []
             ids = self.buffer.put_groups(
@@ -565,47 +536,6 @@ class RolloutLoop:
             with self.weights.held():  # no generation thread applies an update mid-evaluation
                 self.evaluator.run()
 
-    def score_reward_model(self, prompts: list[TakenPrompt], texts: list[list[str]]) -> list[float]:
-        if self.reward_model is None:
-            return []
-        with self.timers("time/reward_model"):
-            return self.reward_model.score(
-                [p.prompt.text + t for p, g in zip(prompts, texts, strict=True) for t in g]
-            )
-
-    def score_reference(self, groups: list[list[Trajectory]]) -> None:
-        """``placement.reference: server``: every trajectory's ``ref_logp``, scored where it is appended, the
-        one place single-turn groups, environment episodes and agent sessions all pass."""
-        if self.reference is None or not groups:
-            return
-        with self.timers("time/reference"):
-            self.reference.fill([t for g in groups for t in g])
-
-    def clip(self, reward: float) -> float:
-        return clip_reward(reward, self.cfg.reward.clip)
-
-    def completion_text(self, c: Completion) -> str:
-        """What the reward sees: special tokens skipped, cut before a stop string (as the API returns it)."""
-        return cut_at_stop(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), self.sampling.stop)[
-            0
-        ]
-
-    def trajectory(
-        self, p: PromptRecord, c: Completion, reward: float, parts: dict[str, float], group_id: str
-    ) -> Trajectory:
-        turn = Turns()
-        turn.add(c.token_ids, c.logprobs, c.versions, generated=True)
-        return turn.as_trajectory(
-            p.tokens,
-            prompt_id=p.prompt_id,
-            group_id=group_id,
-            reward=reward,
-            reward_parts=parts,
-            finish_reason=c.finish_reason,
-            server_id=f"server-{self.server_index}",
-            meta={"version": c.versions[0]},
-        )
-
     def should_stop(self) -> bool:
         return self.stop_event.is_set() or self.telemetry.stop_requested()
 
@@ -622,7 +552,7 @@ class RolloutLoop:
         if self.agents is not None:
             self.agents.close()
         self.generators.shutdown()
-        self.scorer.shutdown()
+        self.scoring_thread.shutdown()
         self.admission.give_back()
         try:
             returned = self.buffer.return_prompts()

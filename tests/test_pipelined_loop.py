@@ -289,7 +289,7 @@ def test_a_group_that_fails_to_score_in_the_scoring_thread_ends_the_loop(
     def broken(prompts, completions):
         raise ValueError("reward function failed")
 
-    loop.score = broken  # type: ignore[method-assign]
+    loop.scoring.score = broken  # type: ignore[method-assign]
     failed: list[BaseException] = []
 
     def run() -> None:

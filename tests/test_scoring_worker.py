@@ -290,15 +290,15 @@ def test_reward_model_worker_gives_the_rewards_the_servers_give(
     score added to the rules' total, clipped, then the over-long penalty, clipped (weights chosen so that
     both clips bite). A multi-turn trajectory, which the reward model does not score, is acknowledged
     unscored and keeps its reward."""
+    from transformers import AutoTokenizer
+
     from buffer.schema import PromptRecord
-    from buffer.streams import TakenPrompt
-    from rollout.engines.base import Completion
-    from rollout.engines.hf import HFEngine
-    from rollout.loop import RolloutLoop
+    from rollout.engines.base import Completion, SamplingParams
     from rollout.reward_model import RewardModel
+    from rollout.scoring import GroupScorer
     from tandem.rewards import RewardFunctions
+    from tandem.timing import Timers
     from tests.test_rollout_loop import make_cfg
-    from weightsync import make_subscriber
 
     def cfg_for(placement: str):
         return make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{
@@ -307,12 +307,9 @@ def test_reward_model_worker_gives_the_rewards_the_servers_give(
             "rollout.max_new_tokens": 6,
         })  # fmt: skip
 
-    engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=0)
-    tok = engine.tokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt["actor"])
     prompts = [
-        TakenPrompt(
-            f"0-{i}", PromptRecord(f"p{i}", text, tok(text).input_ids, {"id": f"p{i}", "prompt": text})
-        )
+        PromptRecord(f"p{i}", text, tok(text).input_ids, {"id": f"p{i}", "prompt": text})
         for i, text in enumerate(["repeat: ab", "repeat: hello there"])
     ]
     rng = np.random.default_rng(3)
@@ -324,18 +321,18 @@ def test_reward_model_worker_gives_the_rewards_the_servers_give(
         for _ in prompts
     ]
 
-    def loop_for(cfg, reward_model):
-        return RolloutLoop(
-            cfg, engine, tok, ReplayBuffer.from_config(redis_client, cfg, consumer="server-0"),
-            make_subscriber(cfg, redis_client, "server-0"), Telemetry(cfg, "server-0", redis_client),
-            server_index=0, rewards=RewardFunctions(cfg.reward), reward_model=reward_model,
+    def scorer_for(cfg, reward_model):  # as server 0 scores
+        sampling = SamplingParams(n=3, max_new_tokens=cfg.rollout.max_new_tokens)
+        return GroupScorer(
+            cfg, tok, sampling, RewardFunctions(cfg.reward), server_index=0, timers=Timers(),
+            reward_model=reward_model,
         )  # fmt: skip
 
     server_cfg, own_cfg = cfg_for("server"), cfg_for("own")
     assert own_cfg.own_scorers == ["reward_model"] and server_cfg.own_scorers == []
     rm = RewardModel(str(tiny_ckpt["critic"]), device="cpu")
-    want = [t for g in loop_for(server_cfg, rm).score(prompts, completions) for t in g]
-    own = [t for g in loop_for(own_cfg, None).score(prompts, completions) for t in g]
+    want = [t for g in scorer_for(server_cfg, rm).score(prompts, completions) for t in g]
+    own = [t for g in scorer_for(own_cfg, None).score(prompts, completions) for t in g]
     clip = lambda r: max(-0.6, min(0.6, r))  # noqa: E731
     for t in want:  # by hand: both clips bite (the score alone passes 0.6; the penalty reaches -1)
         p = t.reward_parts
