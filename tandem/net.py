@@ -14,6 +14,15 @@ from typing import Any, Literal
 
 import httpx
 
+# vLLM's and SGLang's servers (uvicorn) close a connection that has been idle for 5 s
+# (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, uvicorn's ``timeout_keep_alive``), and httpx keeps one for 5 s by
+# default: a request could then leave on a connection the server is closing at that very moment, and fail
+# with "Server disconnected without sending a response". Ours are dropped well before the server drops them.
+KEEPALIVE_EXPIRY_S = 2.0
+# Keep as many connections as one generate call sends at once (one per prompt), so a batch does not open
+# new ones after the last batch's were closed (httpx keeps 20).
+MAX_CONNECTIONS = 100
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the engine binds it a little later; a clash fails health checks)."""
@@ -56,7 +65,12 @@ class EngineClient:
         self.label = label
         self.timeout = timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        limits = httpx.Limits(
+            max_connections=MAX_CONNECTIONS,
+            max_keepalive_connections=MAX_CONNECTIONS,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, limits=limits)
 
     def call(
         self,
