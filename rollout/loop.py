@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -264,15 +265,35 @@ class RolloutLoop:
                 finish = partial(self.put_scored, prompts, groups, [time.perf_counter()] * len(groups))
                 return finish() if self.window == 1 else self.scoring_thread.submit(finish).result()
             if self.window == 1:
-                ready: dict[int, float] = {}  # when each prompt's samples were back, if the engine says
-                completions = self.generate(prompts, lambda i, _: ready.setdefault(i, time.perf_counter()))
-                end = time.perf_counter()
-                return self.put_scored(
-                    prompts,
-                    self.scoring.score([p.prompt for p in prompts], completions),
-                    [ready.get(i, end) for i in range(len(prompts))],
-                )
+                return self.generate_then_score_put(prompts)
             return self.stream_groups(prompts)
+
+    def generate_then_score_put(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
+        """One batch in flight: generate it, then score and append all its groups in one round trip."""
+        completions: list[list[Completion]] = [[] for _ in prompts]
+        ready = [0.0] * len(prompts)  # when each group's samples were back
+
+        def keep(i: int, group: list[Completion], at: float) -> None:
+            completions[i], ready[i] = group, at
+
+        self.generate_each(prompts, keep)
+        return self.put_scored(prompts, self.scoring.score([p.prompt for p in prompts], completions), ready)
+
+    def generate_each(
+        self, prompts: list[TakenPrompt], each: Callable[[int, list[Completion], float], None]
+    ) -> None:
+        """Generate a batch, calling ``each(i, completions, ready)`` once per prompt as soon as its ``n``
+        samples are back (``ready``: ``time.perf_counter()`` then). A prompt the engine did not report is
+        passed on when the call returns."""
+        reported = set[int]()
+
+        def report(i: int, completions: list[Completion]) -> None:
+            reported.add(i)
+            each(i, completions, time.perf_counter())
+
+        for i, group in enumerate(self.generate(prompts, on_prompt=report)):
+            if i not in reported:
+                report(i, group)
 
     def stream_groups(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
         """Generate a batch, handing each group to the scoring thread as soon as its ``n`` samples are back,
@@ -281,18 +302,13 @@ class RolloutLoop:
         of groups costs one append round trip, not one each."""
         batch = _Batch()
         turns: list[Future[None]] = []  # one scoring-thread turn per group handed over
-        handed = set[int]()  # prompts the engine reported
 
-        def hand_over(i: int, completions: list[Completion]) -> None:
-            handed.add(i)
-            self.unscored.put(_Unscored(prompts[i], completions, batch, time.perf_counter()))
+        def hand_over(i: int, completions: list[Completion], ready: float) -> None:
+            self.unscored.put(_Unscored(prompts[i], completions, batch, ready))
             turns.append(self.scoring_thread.submit(self.score_ready))
 
         try:
-            completions = self.generate(prompts, on_prompt=hand_over)
-            for i, group in enumerate(completions):  # an engine that did not report every prompt
-                if i not in handed:
-                    hand_over(i, group)
+            self.generate_each(prompts, hand_over)
         finally:  # the groups handed over are appended (or fail) before the batch ends, even if it failed
             wait(turns)
         if batch.error is not None:
