@@ -254,7 +254,7 @@ def test_colocated_loop_sleeps_while_the_learner_trains_and_wakes_weights_sync_k
     with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
         learner.take(4)
         if release:  # the batch is in: the server waits for v1 with its memory freed
-            wait_until(lambda: engine.asleep)
+            wait_until(lambda: h.loop.weights.asleep)  # after the engine's release and the subscriber's
             assert all(p.numel() == 0 for p in engine.model.parameters())
             # v1's weights are announced, but admission stays closed while the learner offloads its
             # states (on GPU): the server must not wake beside them.
@@ -317,7 +317,7 @@ def test_the_servers_reference_sleeps_with_the_engine_and_scores_again_after(
     thread.start()
     try:
         learner.take(4)
-        wait_until(lambda: engine.asleep)
+        wait_until(lambda: loop.weights.asleep)  # set after the engine's and the reference's release
         assert reference.released and reference.model is None  # CPU: dropped, not parked
         learner.step(v1_weights)
         second = learner.take(4)
@@ -341,9 +341,9 @@ def test_admission_reopened_at_the_held_version_wakes_from_its_shm_files(
     engine.calls = []
     learner = Learner(cfg, redis_client, v1_weights)  # v0 published: other weights than the checkpoint's
     queue_prompts(learner.buffer, engine, 8)
-    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
         first = learner.take(4)
-        wait_until(lambda: engine.asleep)
+        wait_until(lambda: h.loop.weights.asleep)
         slept = len(engine.calls)
         learner.admission.refund(4)  # one batch's admission back, at version 0
         again = learner.take(4)
@@ -365,9 +365,9 @@ def test_a_server_woken_after_the_learner_freed_its_files_waits_for_the_next_ver
     v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
     learner = Learner(cfg, redis_client, v0)
     queue_prompts(learner.buffer, engine, 8)
-    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")) as h:
         learner.take(4)
-        wait_until(lambda: engine.asleep)
+        wait_until(lambda: h.loop.weights.asleep)
         learner.publisher.trim(held_too=True)
         assert learner.publisher.versions_on_disk() == []
         learner.admission.refund(4)  # admission back at version 0, whose files are gone
