@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tandem.net import free_port
@@ -122,8 +122,8 @@ def _vllm_routes(
         return record("/version", request, None) or {"version": "0.33.0"}
 
     @app.post("/inference/v1/generate")
-    async def generate(request: Request) -> Any:
-        body = await request.json()
+    def generate(request: Request, body: dict[str, Any] = Body()) -> Any:
+        # A plain def runs in the server's thread pool: a delay injected here holds this request only.
         if (r := record("/inference/v1/generate", request, body)) is not None:
             return r
         if st.paused in ("abort", "wait") or st.released:
@@ -289,8 +289,8 @@ def _sglang_routes(
         return {}
 
     @app.post("/generate")
-    async def generate(request: Request) -> Any:
-        body = await request.json()
+    def generate(request: Request, body: dict[str, Any] = Body()) -> Any:
+        # A plain def runs in the server's thread pool: a delay injected here holds this request only.
         if (r := record("/generate", request, body)) is not None:
             return r
         if st.released:

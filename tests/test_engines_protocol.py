@@ -191,14 +191,42 @@ def test_sglang_generate_payload_and_parse(urls, tmp_path):
     cfg = make_cfg(tmp_path, engine="sglang", sglang={"url": urls["sglang"]})
     engine = SGLangEngine(cfg, "/models/none", server_index=0, device=None)
     out = engine.generate([[4, 5], [6]], SamplingParams(n=2, max_new_tokens=3, seed=10))
-    body = log(urls["sglang"])[-1]["body"]
-    assert body["input_ids"] == [[4, 5], [4, 5], [6], [6]]
-    assert body["return_logprob"] is True
-    assert [sp["sampling_seed"] for sp in body["sampling_params"]] == [10, 11, 12, 13]
-    assert "top_k" not in body["sampling_params"][0]  # disabled: SGLang's own default
+    # One request per prompt, its n samples the prompt repeated, sent concurrently (so in any order).
+    bodies = sorted((e["body"] for e in log(urls["sglang"]) if e["route"] == "/generate"),
+                    key=lambda b: len(b["input_ids"][0]), reverse=True)  # fmt: skip
+    assert [b["input_ids"] for b in bodies] == [[[4, 5], [4, 5]], [[6], [6]]]
+    assert {b["return_logprob"] for b in bodies} == {True}
+    # Sample j of prompt i is seeded seed + i*n + j, as when the batch was one request.
+    assert [[sp["sampling_seed"] for sp in b["sampling_params"]] for b in bodies] == [[10, 11], [12, 13]]
+    assert "top_k" not in bodies[0]["sampling_params"][0]  # disabled: SGLang's own default
     assert out[1][0].token_ids == [(6 + 7 * 12 + k + 1) % 97 for k in range(3)]
     assert out[0][1].logprobs == [-0.5] * 3 and out[0][1].versions == [0] * 3
     engine.close()
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_slow_prompt_does_not_hold_back_the_others_groups(urls, tmp_path, kind):
+    """Each prompt is its own request: the groups whose replies are back are reported while one is still
+    being answered (here held 1.5 s by the replay server), so the loop scores them meanwhile."""
+    engine_cls, route = (
+        (VLLMEngine, "/inference/v1/generate") if kind == "vllm" else (SGLangEngine, "/generate")
+    )
+    engine = engine_cls(
+        make_cfg(tmp_path, engine=kind, **{kind: {"url": urls[kind]}}), "m", server_index=0, device=None
+    )
+    fault(urls[kind], route, delay=1.5)  # the first request to arrive, whichever prompt's it is
+    reported: list[tuple[int, list, float]] = []
+    out = engine.generate(
+        [[1], [2, 2], [3, 3, 3]],
+        SamplingParams(n=2, max_new_tokens=2),
+        on_prompt=lambda i, group: reported.append((i, group, time.monotonic())),
+    )
+    engine.close()
+    assert sorted(i for i, _, _ in reported) == [0, 1, 2]
+    times = [t for _, _, t in reported]
+    assert times[-1] - times[1] > 1.0  # two groups were in a second before the held one
+    assert {i: g for i, g, _ in reported} == dict(enumerate(out))  # each group in its prompt's place
+    assert all(c.token_ids[0] == (i + 2) % 97 for i, g in enumerate(out) for c in g[:1])
 
 
 def test_sglang_refuses_truncated_sampling(urls, tmp_path):

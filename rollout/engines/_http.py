@@ -32,6 +32,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +54,8 @@ from weightsync.base import Update, WeightSyncError
 
 ApiKind = Literal["route", "fields", "function", "literal", "name"]
 STATS_TIMEOUT_S = 5.0
+# Prompts of one generate call in flight at once (one HTTP request each); the engine batches them.
+MAX_CONCURRENT_REQUESTS = 64
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,9 @@ class HttpEngine:
         self.server: ManagedServer | None = None
         self._version = 0
         self._asleep = False
+        self._requests = ThreadPoolExecutor(
+            MAX_CONCURRENT_REQUESTS, thread_name_prefix=f"{type(self).__name__}{server_index}"
+        )
 
     def _start(
         self, name: str, argv: Callable[[int], list[str]], *, env: dict[str, str], log_path: Path
@@ -333,6 +339,15 @@ class HttpEngine:
         """``(prompt index, its n completions)`` for every prompt, in the order they finish."""
         raise NotImplementedError
 
+    def _each_reply(
+        self, n_prompts: int, request: Callable[[int], list[Completion]]
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """``request(i)`` for every prompt, all in flight together (the server's scheduler batches them),
+        each yielded as its reply arrives: a group is scored while the slower ones still generate."""
+        replies = {self._requests.submit(request, i): i for i in range(n_prompts)}
+        for reply in as_completed(replies):
+            yield replies[reply], reply.result()
+
     def update_weights(self, update: Update) -> None:
         """shm (``update.path`` set): pause, load, record the version, resume. dist: the learner pushed the
         weights itself; wait until the engine reports ``update.version``."""
@@ -363,6 +378,7 @@ class HttpEngine:
         raise NotImplementedError
 
     def close(self) -> None:
+        self._requests.shutdown(wait=False, cancel_futures=True)
         self.client.close()
         if self.server is not None:
             self.server.stop()

