@@ -3,6 +3,7 @@
     python bench/rollout.py [--engine hf|vllm] [--steps 20] [--prompts-per-batch 4] [--n-samples 4]
                             [--max-new-tokens 32] [--hidden 64] [--layers 2] [--threads 1] [--updates 10]
                             [--inflight K] [--chunk 5] [--device cpu|cuda] [--dtype float32|bfloat16]
+                            [--stop STRING]
 
 In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per_batch × n_samples`` rows):
   (a) ``tokens_per_s``: the full rollout loop (admission, prompt claims and trajectory writes in a real
@@ -30,6 +31,11 @@ In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per
   (d) ``update_pause_s``: median time the generation thread spends on one weight update through the
       real shm transport (hf: poll, map and verify the files, copy into the model; vllm: poll and verify,
       then pause → reload in the server's worker → reset the prefix cache → label → resume).
+``--stop``: answers of mixed length, as in a real task (vllm only). Generation ends at the stop string
+(``rollout.stop``; the bare ``LLM.generate`` gets the same); a one-character string, e.g. ``--stop a``,
+ends the tiny model's near-uniform samples after about as many tokens as its tokenizer has characters,
+some at ``--max-new-tokens``. Without it every answer runs to ``--max-new-tokens``, so a batch's groups
+finish nearly together and the group wait cannot show what streaming them saves.
 ``--engine vllm`` needs vLLM (``.venv-vllm``) and uses a head_dim-32 checkpoint (vLLM's CPU attention refuses
 16). ``--device cuda`` runs the engine, the bare engine and the server's model on the GPU (``run.device``), in
 ``--dtype`` (``model.dtype``; the published weights too). The last line is one JSON object.
@@ -85,7 +91,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=5, help="batches per turn of loop, engine and bare engine")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="run.device of the engines")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model.dtype")
+    ap.add_argument("--stop", default=None, help="a stop string: answers of mixed length (vllm only)")
     args = ap.parse_args()
+    if args.stop is not None and args.engine != "vllm":
+        ap.error("--stop: vllm only (model.generate, the hf bare engine, counts tokens past a stop string)")
+    stop = [args.stop] if args.stop is not None else []
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis_server:
@@ -105,6 +115,7 @@ def main() -> None:
                     "n_samples": args.n_samples,
                     "prompts_per_batch": args.prompts_per_batch,
                     "max_new_tokens": args.max_new_tokens,
+                    "stop": stop,
                     "inflight_updates": True,
                     "max_inflight_batches": args.inflight,
                     "engine": args.engine,
@@ -149,11 +160,13 @@ def main() -> None:
 
         # The three take turns, --chunk batches each, so load from other processes hits them alike.
         batch = [p.tokens.tolist() for p in prompts[: args.prompts_per_batch]]
-        sampling = SamplingParams(n=args.n_samples, max_new_tokens=args.max_new_tokens, temperature=1.0)
+        sampling = SamplingParams(
+            n=args.n_samples, max_new_tokens=args.max_new_tokens, temperature=1.0, stop=stop
+        )
         if args.engine == "hf":
             direct = DirectGenerate(engine, batch, args.n_samples, args.max_new_tokens)
         else:
-            direct = DirectLLM(str(ckpt), batch, args.n_samples, args.max_new_tokens, args.dtype)
+            direct = DirectLLM(str(ckpt), batch, args.n_samples, args.max_new_tokens, args.dtype, stop)
         loop.step()  # warm-up (applies the version-0 weights), not timed
         loop.drain()
         buffer.take(rows, timeout_s=30)
@@ -226,6 +239,7 @@ def main() -> None:
     figures["engine_busy"] = stages.get("time/engine_busy", 0.0) / seconds["loop"]
     figures["loop_s"] = seconds["loop"]
     figures["group_wait_s"] = group_wait
+    figures["response_tokens_mean"] = tokens["loop"] / (rows * args.steps)
     for stage in STAGES:
         figures[f"{stage}_s"] = stages.get(f"time/{stage}", 0.0)
     # CPU seconds per 1,000 tokens of each process, in each measurement (the other side's idle processes
@@ -244,7 +258,8 @@ def main() -> None:
         f"loop stages    {loop.window} batch(es) in flight; engine busy {figures['engine_busy']:.2f} of "
         f"{seconds['loop']:.1f} s; "
         + ", ".join(f"{stage} {figures[f'{stage}_s']:.2f} s" for stage in STAGES)
-        + f"\ngroup wait     {group_wait * 1e3:9.1f} ms from a group's last sample to its append (mean)"
+        + f"\ngroup wait     {group_wait * 1e3:9.1f} ms from a group's last sample to its append (mean); "
+        f"answers {figures['response_tokens_mean']:.1f} tokens on average (at most {args.max_new_tokens})"
     )
     for key, label in (("loop", "rollout loop"), ("engine", f"{args.engine} engine"), ("direct", bare)):
         spent = ", ".join(
@@ -295,7 +310,9 @@ VLLM_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20)
 class DirectLLM:
     """An offline ``vllm.LLM`` with the server's settings; ``generate`` on the same token-id prompts."""
 
-    def __init__(self, ckpt: str, batch: list[list[int]], n: int, max_new_tokens: int, dtype: str) -> None:
+    def __init__(
+        self, ckpt: str, batch: list[list[int]], n: int, max_new_tokens: int, dtype: str, stop: list[str]
+    ) -> None:
         from vllm import LLM
         from vllm import SamplingParams as VSampling
 
@@ -311,7 +328,7 @@ class DirectLLM:
         )
         self.prompts = [{"prompt_token_ids": p} for p in batch]
         self.sampling = VSampling(
-            n=n, max_tokens=max_new_tokens, temperature=1.0, logprobs=0, detokenize=False
+            n=n, max_tokens=max_new_tokens, temperature=1.0, logprobs=0, stop=stop, detokenize=bool(stop)
         )
 
     def __call__(self) -> int:
