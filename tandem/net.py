@@ -8,6 +8,7 @@ same engine routes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -22,6 +23,12 @@ KEEPALIVE_EXPIRY_S = 2.0
 # Keep as many connections as one generate call sends at once (one per prompt), so a batch does not open
 # new ones after the last batch's were closed (httpx keeps 20).
 MAX_CONNECTIONS = 100
+# A connection that broke before any answer came back. Besides a server closing an idle one, httpcore's
+# pool (1.0.9) can close a connection that another thread's request has just been handed, when it expires
+# at that instant; the request then reads a closed socket ("Bad file descriptor", seen once on 2026-11-28).
+UNANSWERED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,16 +88,25 @@ class EngineClient:
         params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         context: str = "",
+        resend: bool = False,
     ) -> Any:
         """Send one request; return the decoded JSON (or text) body, raise EngineHTTPError otherwise.
 
         A body of the form ``{"success": false, "message": ...}`` is an error even with status 200 (SGLang's
-        control routes report failures that way).
+        control routes report failures that way). ``resend``: the request is harmless to repeat (a read, a
+        generation whose lost reply nobody saw), so it is sent once more when its connection broke before
+        any answer; a timeout is never resent (the engine may still be working on it).
         """
         where = f"{self.label} server {self.base_url}: {method} {route}{f' ({context})' if context else ''}"
         t = self.timeout if timeout is None else timeout
         try:
-            resp = self._http.request(method, route, json=json, params=params, timeout=t)
+            try:
+                resp = self._http.request(method, route, json=json, params=params, timeout=t)
+            except UNANSWERED as e:
+                if not resend:
+                    raise
+                log.warning("%s: %s: %s; sending it once more", where, type(e).__name__, e)
+                resp = self._http.request(method, route, json=json, params=params, timeout=t)
         except httpx.TimeoutException:
             raise EngineHTTPError(f"{where}: no answer within {t:.0f} s") from None
         except httpx.HTTPError as e:
@@ -109,7 +125,8 @@ class EngineClient:
         return self.call("POST", route, json=json, **kw)
 
     def get(self, route: str, **kw: Any) -> Any:
-        return self.call("GET", route, **kw)
+        """A read: resent once when its connection broke unanswered."""
+        return self.call("GET", route, **{"resend": True, **kw})
 
     def close(self) -> None:
         self._http.close()

@@ -215,6 +215,8 @@ def test_a_slow_prompt_does_not_hold_back_the_others_groups(urls, tmp_path, kind
         make_cfg(tmp_path, engine=kind, **{kind: {"url": urls[kind]}}), "m", server_index=0, device=None
     )
     fault(urls[kind], route, delay=1.5)  # the first request to arrive, whichever prompt's it is
+    sent, post = [], engine.client.post
+    engine.client.post = lambda r, body=None, **kw: sent.append(kw.get("resend")) or post(r, body, **kw)
     reported: list[tuple[int, list, float]] = []
     out = engine.generate(
         [[1], [2, 2], [3, 3, 3]],
@@ -226,6 +228,7 @@ def test_a_slow_prompt_does_not_hold_back_the_others_groups(urls, tmp_path, kind
     times = [t for _, _, t in reported]
     assert times[-1] - times[1] > 1.0  # two groups were in a second before the held one
     assert {i: g for i, g, _ in reported} == dict(enumerate(out))  # each group in its prompt's place
+    assert sent == [True] * 3  # a generation is resent once if its connection breaks unanswered
     assert all(c.token_ids[0] == (i + 2) % 97 for i, g in enumerate(out) for c in g[:1])
 
 

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from tandem.net import KEEPALIVE_EXPIRY_S, EngineClient, free_port, local_address
+from tandem.net import KEEPALIVE_EXPIRY_S, EngineClient, EngineHTTPError, free_port, local_address
 
 
 def test_free_port_can_be_bound_at_once() -> None:
@@ -59,5 +59,66 @@ def test_an_idle_connection_is_dropped_before_the_engine_server_would_drop_it(po
         assert client.get("/port") == first  # a busy connection is reused
         time.sleep(KEEPALIVE_EXPIRY_S + 0.5)  # idle past our expiry, still inside the server's 5 s
         assert client.get("/port") != first  # a fresh connection, never one the server may be closing
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def dropping_server() -> Iterator[tuple[str, list[str]]]:
+    """A raw HTTP server that closes the connection of the first request to each route after reading it,
+    without an answer (a connection broken under a request), and answers every later one with
+    ``{"ok": true}``. It records each request line it read."""
+    seen: list[str] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the listener was closed: the test is over
+                return
+            with conn:
+                request = conn.recv(65536).decode(errors="replace")
+                line = request.split("\r\n", 1)[0]
+                seen.append(line)
+                if seen.count(line) > 1:
+                    body = b'{"ok": true}'
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                        + body
+                    )
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}", seen
+    listener.close()
+    thread.join(5)
+
+
+def test_a_request_safe_to_repeat_is_resent_once_when_its_connection_broke_unanswered(
+    dropping_server: tuple[str, list[str]],
+) -> None:
+    url, seen = dropping_server
+    client = EngineClient(url, "raw", timeout=10)
+    try:
+        assert client.post("/generate", {"n": 1}, resend=True) == {"ok": True}
+        assert seen == ["POST /generate HTTP/1.1"] * 2  # the same request, sent twice
+    finally:
+        client.close()
+
+
+def test_a_request_not_safe_to_repeat_fails_with_the_broken_connection_named(
+    dropping_server: tuple[str, list[str]],
+) -> None:
+    url, seen = dropping_server
+    client = EngineClient(url, "raw", timeout=10)
+    try:
+        with pytest.raises(EngineHTTPError, match=r"raw server .*: POST /pause: RemoteProtocolError"):
+            client.post("/pause")  # a control route: the engine may have acted on it
+        assert seen == ["POST /pause HTTP/1.1"]
+        assert client.get("/version") == {"ok": True}  # a read is resent by default
+        assert seen[1:] == ["GET /version HTTP/1.1"] * 2
     finally:
         client.close()

@@ -333,7 +333,9 @@ class SGLangEngine(HttpEngine):
 
         def one(i: int) -> list[Completion]:
             seed = None if sampling.seed is None else sampling.seed + i * sampling.n
-            body = self.client.post("/generate", to_json(generate_body(prompts[i], sampling, seed)))
+            body = self.client.post(
+                "/generate", to_json(generate_body(prompts[i], sampling, seed)), resend=True
+            )
             return parse_generate(body, sampling.n, f"{where} (prompt {i})")
 
         return self._each_reply(len(prompts), one)
