@@ -8,8 +8,8 @@ Generation: ``POST /generate`` with ``input_ids`` and ``return_logprob``; tokens
 ``meta_info.weight_versions`` spans (or ``weight_version``). One request per prompt, all in flight together
 (the scheduler batches them), so a prompt's group is scored while slower ones still generate; each of its
 ``n`` samples is its own batch entry (the prompt repeated, the radix cache shares its KV), so the reply
-order is ours and a seed can differ per sample. ``--sampling-defaults openai`` keeps the checkpoint's ``generation_config.json``
-from changing the sampling distribution behind the learner's back.
+order is ours and a seed can differ per sample. ``--sampling-defaults openai`` keeps the checkpoint's
+``generation_config.json`` from changing the sampling distribution behind the learner's back.
 
 **Logprob semantics.** SGLang returns ``log_softmax(logits / temperature)``: temperature applied, top-p /
 top-k *not* applied (``srt/layers/sampler.py``). With truncation the sampled distribution is the truncated,
