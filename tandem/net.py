@@ -124,9 +124,9 @@ class EngineClient:
     def post(self, route: str, json: Mapping[str, Any] | None = None, **kw: Any) -> Any:
         return self.call("POST", route, json=json, **kw)
 
-    def get(self, route: str, **kw: Any) -> Any:
-        """A read: resent once when its connection broke unanswered."""
-        return self.call("GET", route, **{"resend": True, **kw})
+    def get(self, route: str, *, resend: bool = True, **kw: Any) -> Any:
+        """A read: resent once by default when its connection broke unanswered."""
+        return self.call("GET", route, resend=resend, **kw)
 
     def close(self) -> None:
         self._http.close()

@@ -64,10 +64,10 @@ def test_an_idle_connection_is_dropped_before_the_engine_server_would_drop_it(po
 
 
 @pytest.fixture
-def dropping_server() -> Iterator[tuple[str, list[str]]]:
+def dropping_client() -> Iterator[tuple[EngineClient, list[str]]]:
     """A raw HTTP server that closes the connection of the first request to each route after reading it,
     without an answer (a connection broken under a request), and answers every later one with
-    ``{"ok": true}``. It records each request line it read."""
+    ``{"ok": true}``. It records each request line it read; the test gets a client of it."""
     seen: list[str] = []
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -92,33 +92,27 @@ def dropping_server() -> Iterator[tuple[str, list[str]]]:
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{port}", seen
+    client = EngineClient(f"http://127.0.0.1:{port}", "raw", timeout=10)
+    yield client, seen
+    client.close()
     listener.close()
     thread.join(5)
 
 
 def test_a_request_safe_to_repeat_is_resent_once_when_its_connection_broke_unanswered(
-    dropping_server: tuple[str, list[str]],
+    dropping_client: tuple[EngineClient, list[str]],
 ) -> None:
-    url, seen = dropping_server
-    client = EngineClient(url, "raw", timeout=10)
-    try:
-        assert client.post("/generate", {"n": 1}, resend=True) == {"ok": True}
-        assert seen == ["POST /generate HTTP/1.1"] * 2  # the same request, sent twice
-    finally:
-        client.close()
+    client, seen = dropping_client
+    assert client.post("/generate", {"n": 1}, resend=True) == {"ok": True}
+    assert seen == ["POST /generate HTTP/1.1"] * 2  # the same request, sent twice
 
 
 def test_a_request_not_safe_to_repeat_fails_with_the_broken_connection_named(
-    dropping_server: tuple[str, list[str]],
+    dropping_client: tuple[EngineClient, list[str]],
 ) -> None:
-    url, seen = dropping_server
-    client = EngineClient(url, "raw", timeout=10)
-    try:
-        with pytest.raises(EngineHTTPError, match=r"raw server .*: POST /pause: RemoteProtocolError"):
-            client.post("/pause")  # a control route: the engine may have acted on it
-        assert seen == ["POST /pause HTTP/1.1"]
-        assert client.get("/version") == {"ok": True}  # a read is resent by default
-        assert seen[1:] == ["GET /version HTTP/1.1"] * 2
-    finally:
-        client.close()
+    client, seen = dropping_client
+    with pytest.raises(EngineHTTPError, match=r"raw server .*: POST /pause: RemoteProtocolError"):
+        client.post("/pause")  # a control route: the engine may have acted on it
+    assert seen == ["POST /pause HTTP/1.1"]
+    assert client.get("/version") == {"ok": True}  # a read is resent by default
+    assert seen[1:] == ["GET /version HTTP/1.1"] * 2

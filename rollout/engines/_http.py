@@ -48,7 +48,7 @@ from rollout.engines.base import (
     SamplingParams,
 )
 from tandem.config import Config, ServerConfig
-from tandem.net import EngineClient, EngineHTTPError, free_port
+from tandem.net import EngineClient, EngineHTTPError, free_port, to_json
 from tandem.procs import DETACHED
 from weightsync.base import Update, WeightSyncError
 
@@ -340,11 +340,28 @@ class HttpEngine:
         raise NotImplementedError
 
     def _each_reply(
-        self, n_prompts: int, request: Callable[[int], list[Completion]]
+        self,
+        route: str,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        body: Callable[[list[int], SamplingParams, int | None], Any],
+        parse: Callable[[Any, int, str], list[Completion]],
     ) -> Iterator[tuple[int, list[Completion]]]:
-        """``request(i)`` for every prompt, all in flight together (the server's scheduler batches them),
-        each yielded as its reply arrives: a group is scored while the slower ones still generate."""
-        replies = {self._requests.submit(request, i): i for i in range(n_prompts)}
+        """One ``POST route`` per prompt, all in flight together (the server's scheduler batches them), each
+        yielded as its reply arrives: a group is scored while the slower ones still generate.
+
+        ``body(prompt, sampling, seed)`` is prompt ``i``'s request, its samples seeded from
+        ``seed + i * n``; ``parse(reply, n, where)`` reads its ``n`` completions. A request whose
+        connection broke unanswered is sent once more (nobody saw the lost reply).
+        """
+        where = f"{self.client.label} {self.url} {route}"
+
+        def one(i: int) -> list[Completion]:
+            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            reply = self.client.post(route, to_json(body(prompts[i], sampling, seed)), resend=True)
+            return parse(reply, sampling.n, f"{where} (prompt {i})")
+
+        replies = {self._requests.submit(one, i): i for i in range(len(prompts))}
         for reply in as_completed(replies):
             yield replies[reply], reply.result()
 

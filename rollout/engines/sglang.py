@@ -329,16 +329,7 @@ class SGLangEngine(HttpEngine):
         check_sampling(
             sampling.top_p, sampling.top_k, self.cfg.rollout.sglang.allow_truncated_sampling, "generate"
         )
-        where = f"{LABEL} {self.url} /generate"
-
-        def one(i: int) -> list[Completion]:
-            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
-            body = self.client.post(
-                "/generate", to_json(generate_body(prompts[i], sampling, seed)), resend=True
-            )
-            return parse_generate(body, sampling.n, f"{where} (prompt {i})")
-
-        return self._each_reply(len(prompts), one)
+        return self._each_reply("/generate", prompts, sampling, generate_body, parse_generate)
 
     def _load_weights(self, update: Update, *, asleep: bool) -> None:
         self.client.post(

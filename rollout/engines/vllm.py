@@ -374,16 +374,7 @@ class VLLMEngine(HttpEngine):
     ) -> Iterator[tuple[int, list[Completion]]]:
         """One request per prompt, all in flight together, each yielded as its reply arrives. A seed gives
         prompt ``i`` the seed ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``)."""
-        where = f"{self.client.label} {self.url} {GENERATE_ROUTE}"
-
-        def one(i: int) -> list[Completion]:
-            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
-            body = self.client.post(
-                GENERATE_ROUTE, to_json(generate_body(prompts[i], sampling, seed)), resend=True
-            )
-            return parse_generate(body, sampling.n, f"{where} (prompt {i})")
-
-        return self._each_reply(len(prompts), one)
+        return self._each_reply(GENERATE_ROUTE, prompts, sampling, generate_body, parse_generate)
 
     def _load_weights(self, update: Update, *, asleep: bool) -> None:
         """``tandem_load_weights`` in every worker, then (awake) the prefix cache dropped, then the label."""
