@@ -27,7 +27,9 @@ In one run, on the same tiny checkpoint and the same batch shapes (``prompts_per
   round, not the median. Each turn also counts the CPU seconds of every process
   (this one, and for vllm the server's HTTP front, its scheduler and its worker), per 1,000 tokens: on a
   CPU build the worker computes on one core and everything else shares the one vLLM reserves, so a
-  busier front slows the engine itself;
+  busier front slows the engine itself. ``cpu_ratio`` is bare's total CPU seconds per token over the loop's:
+  when every process together keeps the machine's cores busy (vLLM's worker spins while it waits), tokens/s
+  is cores / CPU seconds per token and loop / bare comes to ``cpu_ratio``, however busy the engine is;
   (d) ``update_pause_s``: median time the generation thread spends on one weight update through the
       real shm transport (hf: poll, map and verify the files, copy into the model; vllm: poll and verify,
       then pause → reload in the server's worker → reset the prefix cache → label → resume).
@@ -247,6 +249,10 @@ def main() -> None:
     for key in seconds:
         for proc, secs in cpu[key].items():
             figures[f"cpu_{key}_{proc}_s_per_ktok"] = 1000 * secs / tokens[key]
+    # While every process together keeps all the cores busy (on a small CPU machine, vLLM's worker spins when
+    # it waits), tokens/s is cores / CPU seconds per token, so this is what loop / bare comes to.
+    per_ktok = {key: 1000 * sum(cpu[key].values()) / tokens[key] for key in seconds}
+    figures["cpu_ratio"] = per_ktok["direct"] / per_ktok["loop"]
     bare = "model.generate" if args.engine == "hf" else "LLM.generate"
     print(
         f"rollout loop   {figures['tokens_per_s']:9.0f} tok/s  (Redis, scoring, writes included)\n"
@@ -265,7 +271,11 @@ def main() -> None:
         spent = ", ".join(
             f"{proc} {1000 * secs / tokens[key]:.3f}" for proc, secs in sorted(cpu[key].items())
         )
-        print(f"cpu s / 1k tok {label:<15} {spent}")
+        print(f"cpu s / 1k tok {label:<15} {spent}; total {per_ktok[key]:.3f}")
+    print(
+        f"cpu ratio      {figures['cpu_ratio']:9.2f}  (bare's CPU s per token / the loop's: loop / bare when "
+        "the cores are the limit)"
+    )
     figures_out: dict[str, float | str] = {"device": args.device, "dtype": args.dtype}
     figures_out |= {k: round(v, 4) for k, v in figures.items()}
     print(json.dumps(figures_out))
