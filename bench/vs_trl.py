@@ -279,7 +279,7 @@ def tandem_overrides(w: dict[str, Any]) -> list[str]:
 LAUNCH_WITH_SPLIT = """
 import sys
 import launch
-import launcher.plan as plan
+import launcher.run_plan as plan
 how = sys.argv.pop(1)
 planned = plan.thread_split
 def replaced(cfg, cores=None):

@@ -1,6 +1,6 @@
 """The launcher behind ``launch.py``: one run of tandem, whatever runs its processes (docs/design.md §1.5).
 
-- ``plan.py``: the run plan — its roles (the learner and the rollout servers), their entry points,
+- ``run_plan.py``: the run plan — its roles (the learner and the rollout servers), their entry points,
   resources, restart policy and readiness — computed from the config alone;
 - ``feeder.py``: the prompt set and the feeder that keeps the prompt stream topped up;
 - ``console.py``: the live progress line and the end-of-run summary;

@@ -25,7 +25,7 @@ import redis
 
 from buffer.retry import RedisUnavailable, connect_run
 from launcher.backends.local import LocalBackend
-from launcher.plan import Role, RunPlan, server_tp
+from launcher.run_plan import Role, RunPlan, server_tp
 from placement.local import thread_split
 from tandem import fleet
 from tandem.config import Config, ConfigError, load_config

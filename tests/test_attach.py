@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launcher import attach
-from launcher.plan import Role
+from launcher.run_plan import Role
 from tandem.config import Config, dump_config
 from tandem.telemetry import ready_key
 

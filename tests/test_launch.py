@@ -19,7 +19,7 @@ import redis
 import yaml
 
 from buffer.redis_server import EmbeddedRedis
-from launcher.plan import thread_split
+from launcher.run_plan import thread_split
 from tandem.config import load_config
 from tandem.data import write_prompts
 from tandem.telemetry import read_history

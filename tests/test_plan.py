@@ -1,4 +1,4 @@
-"""The run plan's CPU thread split (``launcher/plan.py``): the servers first, the learner takes what is left."""
+"""The run plan's CPU thread split (``launcher/run_plan.py``): the servers first, the learner takes what is left."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.plan import plan_run
+from launcher.run_plan import plan_run
 from placement.local import thread_split
 from tandem.config import load_config
 

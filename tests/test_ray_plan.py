@@ -16,7 +16,7 @@ from tandem.config import ConfigError, load_config
 
 pytest.importorskip("ray")
 from launcher.backends.ray import Demand, check_fits
-from launcher.plan import server_tp
+from launcher.run_plan import server_tp
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_NODE = {"CPU": 96.0, "GPU": 8.0, "memory": 1e12, "node:10.0.0.1": 1.0}

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import redis
 
-from launcher.plan import RunPlan
+from launcher.run_plan import RunPlan
 from tandem.config import Config, ConfigError
 
 

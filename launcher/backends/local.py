@@ -25,7 +25,7 @@ from pathlib import Path
 import redis
 
 from launcher.backends import Outcome
-from launcher.plan import Role, RunPlan
+from launcher.run_plan import Role, RunPlan
 from launcher.supervision import (
     RestartPolicy,
     Restarts,

@@ -42,7 +42,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.backends import Outcome, StartError
-from launcher.plan import Role, RunPlan, server_tp
+from launcher.run_plan import Role, RunPlan, server_tp
 from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, load_config, write_private
 from tandem.net import free_port
