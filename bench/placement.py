@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from placement.cost import Workload, predict  # noqa: E402
-from placement.plan import Plan, Roles  # noqa: E402
+from placement.plans import Plan, Roles  # noqa: E402
 from placement.sim import Cluster, SimRun, step_time  # noqa: E402
 from placement.sim_auto import run_auto  # noqa: E402
 from placement.sim_truth import EXAMPLE_PARAMS, GiB, example_truth, sized_truth  # noqa: E402

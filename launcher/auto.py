@@ -35,8 +35,8 @@ from launcher.backends import Backend
 from launcher.feeder import PromptSet
 from placement.cost import CostModel, Prediction, Sample
 from placement.local import configured_plan, roles_of
-from placement.plan import Plan, Roles, candidates
 from placement.planner import Decision, Replanner, observed_ratio, rank
+from placement.plans import Plan, Roles, candidates
 from placement.profile import RunProfile, learner_steps, profiled_workload, read_recent, read_run
 from tandem import fleet
 from tandem.config import RUNNABLE_PLACEMENT, Config, dump_config, load_config, write_private

@@ -1,6 +1,6 @@
 """Placement of a run's models on its devices: plans, the cost model, the planner, and a simulator.
 
-- ``placement/plan.py``: what a plan is, and every candidate on N devices;
+- ``placement/plans.py``: what a plan is, and every candidate on N devices;
 - ``placement/cost.py``: per-role laws fitted to measured phase times, a plan's predicted step and memory;
 - ``placement/planner.py``: the exhaustive ranking and hysteresis-gated re-planning;
 - ``placement/sim.py``: SIMULATION of devices (locks, memory counters) for what two CPU cores cannot show,

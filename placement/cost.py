@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from placement.plan import Plan, Roles
+from placement.plans import Plan, Roles
 
 # Phases whose time the planner models, and the tokens each one processes (see Workload.tokens).
 PHASES = (

@@ -1,7 +1,7 @@
 """What a config's placement means for a run, and the planner's first guess before anything is measured.
 
 - :func:`roles_of`: the models a config has besides the actor;
-- :func:`configured_plan`: the config's placement as a :class:`~placement.plan.Plan` on ``devices``;
+- :func:`configured_plan`: the config's placement as a :class:`~placement.plans.Plan` on ``devices``;
 - :func:`thread_split`, :func:`aux_threads`, :func:`critic_threads`: on CPU a device is a thread, so a plan
   is a thread budget per process (and per role within the learner's);
 - :func:`prior_model`: per-phase laws from the checkpoints' sizes and a device's nominal speed, so
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from placement.cost import CostModel, Law
-from placement.plan import Plan, Roles
+from placement.plans import Plan, Roles
 from tandem.config import Config
 
 # Nominal sustained speeds: dense bf16 matmuls at realistic utilisation, and memory bandwidth.

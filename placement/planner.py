@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from placement.cost import CostModel, Prediction, Sample, Workload, predict
-from placement.plan import Plan, Roles, candidates
+from placement.plans import Plan, Roles, candidates
 
 
 def rank(

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from placement.cost import Sample, Workload, split_devices
 from placement.local import configured_plan, roles_of
-from placement.plan import Plan
 from placement.planner import relative_error
+from placement.plans import Plan
 from tandem.config import Config, load_config
 from tandem.telemetry import history_procs, read_history
 

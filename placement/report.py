@@ -15,8 +15,8 @@ from pathlib import Path
 
 from placement.cost import CostModel, Prediction, Workload
 from placement.local import configured_plan, prior_model, roles_of
-from placement.plan import Roles, validate
 from placement.planner import rank
+from placement.plans import Roles, validate
 from placement.profile import profiled_workload, read_run
 from tandem.config import Config, ConfigError, load_config
 

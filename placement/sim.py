@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from placement.cost import Sample, Workload, streams
-from placement.plan import Plan, Roles
+from placement.plans import Plan, Roles
 from placement.sim_truth import GiB, Truth
 
 

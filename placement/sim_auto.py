@@ -13,8 +13,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from placement.cost import CostModel, Sample, Workload
-from placement.plan import Plan, Roles, validate
 from placement.planner import Decision, Replanner, observed_ratio, rank, relative_error
+from placement.plans import Plan, Roles, validate
 from placement.sim import SimRun, step_time, within
 
 

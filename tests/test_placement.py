@@ -34,8 +34,8 @@ from placement.cost import (
     slower,
 )
 from placement.local import configured_plan, thread_split
-from placement.plan import Plan, Roles, candidates, validate
 from placement.planner import Replanner, observed_ratio, rank, relative_error
+from placement.plans import Plan, Roles, candidates, validate
 from placement.sim import Cluster, SimOOM, SimRun, step_time, within
 from placement.sim_auto import run_auto
 from placement.sim_truth import GiB, PhaseTruth, Truth

@@ -19,8 +19,8 @@ import redis
 import yaml
 
 from launcher import auto
-from placement.plan import Plan
 from placement.planner import Decision, Replanner
+from placement.plans import Plan
 from placement.profile import read_recent
 from tandem import fleet
 from tandem.config import Config, dump_config, load_config
