@@ -2,7 +2,7 @@
 
 A 4-model PPO learner (actor, reference, critic; the proximal pass forced on, so three passes) scores the
 same batch with ``serial`` (each pass on every thread, in turn) and ``split`` (each pass in its own thread
-on its share of them, ``learner/scoring.py``), the two interleaved round by round. Reports the median
+on its share of them, ``learner/passes.py``), the two interleaved round by round. Reports the median
 seconds of each and their ratio, and checks that both give the same numbers.
 
     python bench/scoring.py [--batch 32] [--iters 7] [--hidden 128] [--layers 4] [--threads 2]

@@ -34,8 +34,8 @@ from learner.lm_head import use_chunked_head
 from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
 from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
 from learner.online import OnlineRuntime, peak_memory_gb
+from learner.passes import Pass, beside, run_passes
 from learner.runtime import Stats, log
-from learner.scoring import Pass, beside, run_passes
 from placement.local import critic_threads
 from tandem.config import Config
 from tandem.timing import Timers

@@ -1,5 +1,5 @@
 """``placement.scoring: split``: the learner's scoring passes (proximal actor, reference, critic) run at once,
-each on its own share of the learner's CPU threads (learner/scoring.py, docs/design.md §11.1).
+each on its own share of the learner's CPU threads (learner/passes.py, docs/design.md §11.1).
 
 Real tiny checkpoints and real DeepSpeed learner engines (one gloo rank).
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from learner.batch import make_batch
-from learner.scoring import shares
+from learner.passes import shares
 from tandem.config import ConfigError, load_config
 from tandem.telemetry import read_history
 from tests.test_learner import raw_config
