@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from learner.evaluate import Sample, load_policy, rule_value, sample
+from stages.evaluate import Sample, load_policy, rule_value, sample
 from tandem.config import Config
 
 if TYPE_CHECKING:

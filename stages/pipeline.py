@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from launcher import prepare
-from learner.evaluate import task_score
+from stages.evaluate import task_score
 from stages.overoptimization import PPOWatch
 from stages.pipeline_config import PipelineConfig, load_pipeline, merge
 from stages.schedule import child_env, run_offline_stages

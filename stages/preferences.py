@@ -4,7 +4,7 @@ The reward model should rank what PPO will show it: completions of the policy it
 answer against a hand-made near miss (a model trained on those learns "perfect or not" and says nothing
 about the SFT model's mistakes; docs/stages.md §4.2). So, for each prompt:
 
-1. sample ``samples`` completions from the policy (``learner.evaluate.sample``: the rollout temperature and
+1. sample ``samples`` completions from the policy (``stages.evaluate.sample``: the rollout temperature and
    length);
 2. score each with the *judge*, ``module:function(prompt, completion, record) -> float | dict`` (a task's
    rule here, a learned reward function or an LLM judge in general; a dict's parts are summed);
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from learner.evaluate import Sample, rule_value
+from stages.evaluate import Sample, rule_value
 
 Candidate = tuple[dict[str, Any], str, str, float]  # record, chosen text, rejected text, judge gap
 
@@ -108,7 +108,7 @@ def policy_preferences(
 ) -> tuple[list[dict[str, str]], dict[str, float]]:
     """Pairs of the policy's own samples, judged and selected (module docstring), and what they were made
     of: prompts, samples, candidate pairs, mean judge score of the samples, mean judge gap of the pairs."""
-    from learner.evaluate import load_policy, sample
+    from stages.evaluate import load_policy, sample
     from tandem.rewards import load_callable
 
     fn = load_callable(judge, "judge")

@@ -84,7 +84,7 @@ def test_shorter_pipeline_runs_end_to_end_and_skips_finished_stages(tmp_path: Pa
 
 
 def _samples(record: dict, texts: list[str]) -> list:
-    from learner.evaluate import Sample
+    from stages.evaluate import Sample
 
     return [Sample(record, [1], [2], t) for t in texts]
 
