@@ -80,7 +80,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     subscriber = make_subscriber(cfg, client, name, run_dir=args.run_dir)
     engine = make_engine(cfg, cfg.model.actor, server_index=sid)
     if cfg.weight_path == "engine":
-        from weightsync.engines import EngineEndpoint, register_engine
+        from weightsync.engine_push import EngineEndpoint, register_engine
 
         register_engine(
             client, cfg.run.name, EngineEndpoint(sid, cfg.rollout.engine, engine.url, engine.world_size())
@@ -136,7 +136,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
             http.stop()
         subscriber.close()
         if cfg.weight_path == "engine":
-            from weightsync.engines import unregister_engine
+            from weightsync.engine_push import unregister_engine
 
             unregister_engine(client, cfg.run.name, sid)
         engine.close()

@@ -1,7 +1,7 @@
 """Networking helpers every layer uses: a free local port, and a JSON client for an engine's HTTP server.
 
 The client lives here, below ``rollout`` and ``weightsync``, because both the rollout server's engine
-adapters (``rollout/engines/``) and the learner's weight publisher (``weightsync/engines.py``) talk to the
+adapters (``rollout/engines/``) and the learner's weight publisher (``weightsync/engine_push.py``) talk to the
 same engine routes.
 """
 

@@ -1,6 +1,6 @@
 """A local HTTP server that replays the documented vLLM 0.33.0 / SGLang 0.5.23 protocol. No GPU engine runs.
 
-It implements the routes our adapters and ``weightsync/engines.py`` use, with the engines' rules (from
+It implements the routes our adapters and ``weightsync/engine_push.py`` use, with the engines' rules (from
 ``docs/engines.md §5`` and the wheels' source): vLLM rejects ``/update_weights`` outside
 ``start``→``finish`` and generation while paused in ``abort``/``wait`` mode (503); SGLang refuses
 ``/update_weights_from_distributed`` outside ``begin``→``end`` (``success: false``), refuses ``/flush_cache``
@@ -32,7 +32,7 @@ from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tandem.net import free_port
-from weightsync.engines import init_custom_process_group
+from weightsync.engine_push import init_custom_process_group
 
 VLLM_GROUP = "vllm-replay"
 

@@ -1,7 +1,7 @@
 """Every route, field, flag, function and literal our vLLM/SGLang code uses exists in the real packages.
 
 No GPU engine runs here. The rows checked are the adapters' own tables (``VLLM_API``, ``SGLANG_API``), which
-also cover ``weightsync/engines.py``. Source of truth, in order:
+also cover ``weightsync/engine_push.py``. Source of truth, in order:
 
 - the installed package (``.venv-vllm`` / ``.venv-sglang``): functions through ``inspect.signature`` on the
   imported object, everything else through the AST of the installed ``.py`` files;

@@ -26,7 +26,7 @@ from rollout.engines.vllm import VLLMEngine
 from tandem.config import Config, load_config
 from tandem.net import EngineHTTPError
 from weightsync.base import Update, WeightSyncError, latest_version
-from weightsync.engines import (
+from weightsync.engine_push import (
     EngineEndpoint,
     EnginePublisher,
     EngineVersionSubscriber,

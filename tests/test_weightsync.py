@@ -573,7 +573,7 @@ def test_factories_choose_by_config(redis_client, run_id, tiny_ckpt, tmp_path):
     assert isinstance(make_publisher(dist_cfg, redis_client), DistPublisher)
     assert isinstance(make_subscriber(dist_cfg, redis_client, "s"), DistSubscriber)
     # vLLM/SGLang servers over dist: the learner drives the engines' own groups, servers only track versions
-    from weightsync.engines import EnginePublisher, EngineVersionSubscriber
+    from weightsync.engine_push import EnginePublisher, EngineVersionSubscriber
 
     engine_cfg = dist_cfg.model_copy(
         update={"rollout": dist_cfg.rollout.model_copy(update={"engine": "sglang"})}

@@ -67,8 +67,8 @@ def make_publisher(
         return DrainPublisher()
     ws, run = cfg.weightsync, cfg.run.name
     if cfg.weight_path == "engine":
-        # The engines receive over their own NCCL groups, driven from here (weightsync/engines.py).
-        from weightsync.engines import EnginePublisher
+        # The engines receive over their own NCCL groups, driven from here (weightsync/engine_push.py).
+        from weightsync.engine_push import EnginePublisher
 
         return EnginePublisher(cfg, client, run, backend="nccl" if ws.backend == "auto" else ws.backend)
     if cfg.weight_path == "shm":
@@ -107,7 +107,7 @@ def make_subscriber(
     ws, run = cfg.weightsync, cfg.run.name
     if cfg.weight_path == "engine":
         # The learner pushes straight into the engine; the server only learns which version it holds.
-        from weightsync.engines import EngineVersionSubscriber
+        from weightsync.engine_push import EngineVersionSubscriber
 
         return EngineVersionSubscriber(client, run, server_id)
     if cfg.weight_path == "shm":

@@ -2,7 +2,7 @@
 
 Transports subclass :class:`Publisher` (it owns the frame of ``publish``) and implement the
 :class:`Subscriber` Protocol on :class:`BaseSubscriber`, and pass the same tests; ``Config.weight_path`` chooses one:
-``shm``, ``dist``, or ``engine`` (the learner pushes into vLLM/SGLang, ``weightsync/engines.py``). An :class:`Update` is what a subscriber hands to an engine's ``update_weights``: the version, the
+``shm``, ``dist``, or ``engine`` (the learner pushes into vLLM/SGLang, ``weightsync/engine_push.py``). An :class:`Update` is what a subscriber hands to an engine's ``update_weights``: the version, the
 manifest and an iterator of ``(name, tensor)`` in manifest order.
 
 This module also owns the control plane both transports share, all under ``{run}:weights:``:

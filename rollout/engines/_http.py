@@ -4,7 +4,7 @@ and :class:`HttpEngine`, the Engine Protocol's half that does not depend on the 
 Both adapters drive an engine's own HTTP server (``vllm serve``, ``sglang.launch_server``) rather than an
 in-process engine object, for three reasons:
 
-- the learner's weight publisher (``weightsync/engines.py``) must reach the engine's weight-transfer routes
+- the learner's weight publisher (``weightsync/engine_push.py``) must reach the engine's weight-transfer routes
   directly, because the NCCL broadcast runs concurrently with the engine's blocking ``update_weights`` call;
   a subprocess with its own HTTP server gives it that URL for free;
 - the engines pin their own CUDA torch builds, start worker processes and own their event loops; a crash or

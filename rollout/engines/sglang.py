@@ -22,7 +22,7 @@ adapter therefore refuses ``top_p < 1`` or ``top_k > 0`` at startup and per call
 Weight updates (docs/design.md §5.5, docs/engines.md §5):
 - ``update.path`` set (shm transport): ``/pause_generation {mode}`` → ``/update_weights_from_disk
   {model_path, weight_version, flush_cache}`` → ``/continue_generation``.
-- ``update.path`` None (dist transport): the learner's ``weightsync.engines.EnginePublisher`` has run
+- ``update.path`` None (dist transport): the learner's ``weightsync.engine_push.EnginePublisher`` has run
   ``/pause_generation`` → ``/begin_weight_update`` → ``/update_weights_from_distributed`` per bucket →
   ``/end_weight_update`` → ``/flush_cache`` → ``/continue_generation`` against this server; we confirm the
   version through ``/model_info`` and record it.
@@ -50,7 +50,7 @@ from rollout.engines.base import Completion, SamplingParams
 from tandem.config import Config
 from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
-from weightsync.engines import SGLangDistUpdate, SGLangInitGroup
+from weightsync.engine_push import SGLangDistUpdate, SGLangInitGroup
 
 SGLANG_VERSION = "0.5.23"
 LABEL = f"SGLang {SGLANG_VERSION}"
@@ -128,7 +128,7 @@ class WeightVersionBody:
 IO = "sglang.srt.managers.io_struct"
 HTTP = "sglang.srt.entrypoints.http_server"
 
-# Every route, request field, flag and literal this adapter (and the SGLang half of weightsync/engines.py)
+# Every route, request field, flag and literal this adapter (and the SGLang half of weightsync/engine_push.py)
 # uses; tests/test_engines_contract.py checks each row against the SGLang 0.5.23 source.
 SGLANG_API: tuple[Api, ...] = (
     Api("route", HTTP, "POST /generate"),
@@ -164,7 +164,7 @@ SGLANG_API: tuple[Api, ...] = (
     # Keys of the /generate reply's meta_info that we read.
     Api("name", "sglang.srt.managers.tokenizer_manager", "output_token_logprobs"),
     Api("function", "sglang.srt.utils.weight_versions", "add_weight_versions_to_meta_info"),
-    # weightsync/engines.py: the distributed update group.
+    # weightsync/engine_push.py: the distributed update group.
     Api("route", HTTP, "POST /init_weights_update_group"),
     Api("fields", IO, "InitWeightsUpdateGroupReqInput", payload_fields(SGLangInitGroup)),
     Api("route", HTTP, "POST /destroy_weights_update_group"),

