@@ -189,8 +189,8 @@ def real_check(workload: str, steps: int, out: Path, window: int = 8) -> dict:
     sys.path.insert(0, str(ROOT / "bench"))
     import vs_trl
 
+    from placement.configured import roles_of
     from placement.cost import CostModel
-    from placement.local import roles_of
     from placement.profile import profiled_workload, read_run
     from tandem.config import load_config
 

@@ -26,7 +26,7 @@ import redis
 from buffer.retry import RedisUnavailable, connect_run
 from launcher.backends.local import LocalBackend
 from launcher.run_plan import Role, RunPlan, server_tp
-from placement.local import thread_split
+from placement.configured import thread_split
 from tandem import fleet
 from tandem.config import Config, ConfigError, load_config
 from tandem.telemetry import ready_key, stop_key

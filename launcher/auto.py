@@ -33,8 +33,8 @@ import redis
 from launcher import driver
 from launcher.backends import Backend
 from launcher.feeder import PromptSet
+from placement.configured import configured_plan, roles_of
 from placement.cost import CostModel, Prediction, Sample
-from placement.local import configured_plan, roles_of
 from placement.planner import Decision, Replanner, observed_ratio, rank
 from placement.plans import Plan, Roles, candidates
 from placement.profile import RunProfile, learner_steps, profiled_workload, read_recent, read_run

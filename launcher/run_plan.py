@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from placement.local import aux_threads, thread_split
+from placement.configured import aux_threads, thread_split
 from tandem.config import Config
 
 SYNC_SPINCOUNT = 10_000  # libgomp busy-wait spins in sync mode, about 0.1 ms (GOMP_SPINCOUNT)

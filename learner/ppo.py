@@ -36,7 +36,7 @@ from learner.models import Models, load_models, output_head, policy_logits, poli
 from learner.online import OnlineRuntime, peak_memory_gb
 from learner.passes import Pass, beside, run_passes
 from learner.runtime import Stats, log
-from placement.local import critic_threads
+from placement.configured import critic_threads
 from tandem.config import Config
 from tandem.timing import Timers
 

@@ -6,7 +6,7 @@
 - ``placement/sim.py``: SIMULATION of devices (locks, memory counters) for what two CPU cores cannot show,
   with its ground truth in ``placement/sim_truth.py`` and ``placement.mode: auto`` on it in
   ``placement/sim_auto.py``;
-- ``placement/local.py``: what a plan means for a run on this backend (threads on CPU, devices on CUDA).
+- ``placement/configured.py``: what a plan means for a run on this backend (threads on CPU, devices on CUDA).
 
 docs/design.md §11 describes the whole.
 """

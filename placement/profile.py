@@ -4,7 +4,7 @@ Every learner step logs ``time/<phase>`` for its scoring forwards, its training 
 and ``batch/tokens``; every server batch logs ``time/generate``, ``time/reward_model``, ``time/reference``
 (with ``placement.reference: server``; ``tandem/timing.py``) and ``rollout/longest_response``, generation's
 ``L`` (``placement/cost.py``). The devices each phase ran on follow from the run's config and the cores it
-had (``placement/local.py``). The colocated switch has no timer of its own: it is what a colocated step
+had (``placement/configured.py``). The colocated switch has no timer of its own: it is what a colocated step
 spends outside every phase (the hand-off through admission and weight sync), measured as the step's wall
 time less the two sides' busy time.
 """
@@ -15,8 +15,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from placement.configured import configured_plan, roles_of
 from placement.cost import Sample, Workload, split_devices
-from placement.local import configured_plan, roles_of
 from placement.planner import relative_error
 from placement.plans import Plan
 from tandem.config import Config, load_config

@@ -2,7 +2,7 @@
 
 With ``--profile RUN_DIR`` (repeatable) the laws are fitted to those runs' measured phase times
 (``placement/profile.py``); without, they come from the checkpoints' sizes and nominal device speeds
-(``placement/local.py``: orders of magnitude, labelled as such). The table shows the configured plan's
+(``placement/configured.py``: orders of magnitude, labelled as such). The table shows the configured plan's
 rank, so a user sees how far the hand-written choice is from the predicted best.
 """
 
@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from placement.configured import configured_plan, prior_model, roles_of
 from placement.cost import CostModel, Prediction, Workload
-from placement.local import configured_plan, prior_model, roles_of
 from placement.planner import rank
 from placement.plans import Roles, validate
 from placement.profile import profiled_workload, read_run

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from placement.configured import CUDA_COPY, CUDA_FLOPS, CUDA_LINK
 from placement.cost import Workload
-from placement.local import CUDA_COPY, CUDA_FLOPS, CUDA_LINK
 
 GiB = 2**30
 
@@ -105,7 +105,7 @@ EXAMPLE_PARAMS = 1.5e9  # the model example_truth is shaped like
 
 def sim_scale() -> float:
     """Simulated seconds per real second: :func:`example_truth`'s training cost per token over the cost
-    table's (6 FLOPs a parameter a token at ``CUDA_FLOPS``, placement/local.py). Its forwards give the same."""
+    table's (6 FLOPs a parameter a token at ``CUDA_FLOPS``, placement/configured.py). Its forwards give the same."""
     return example_truth().phases["actor_train"].beta / (6 * EXAMPLE_PARAMS / CUDA_FLOPS)
 
 

@@ -32,7 +32,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
-from placement.local import thread_split
+from placement.configured import thread_split
 from rollout.engines import make_engine
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import DEFAULT_PREFIX_CACHE_MB, HFEngine

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from learner.batch import make_batch
-from placement.local import configured_plan, critic_threads, thread_split
+from placement.configured import configured_plan, critic_threads, thread_split
 from tandem.config import load_config
 from tandem.telemetry import read_history
 from tests.test_learner import raw_config

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from placement.configured import configured_plan, thread_split
 from placement.cost import (
     CostModel,
     Law,
@@ -33,7 +34,6 @@ from placement.cost import (
     predict,
     slower,
 )
-from placement.local import configured_plan, thread_split
 from placement.planner import Replanner, observed_ratio, rank, relative_error
 from placement.plans import Plan, Roles, candidates, validate
 from placement.sim import Cluster, SimOOM, SimRun, step_time, within

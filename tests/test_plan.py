@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from launcher.run_plan import plan_run
-from placement.local import thread_split
+from placement.configured import thread_split
 from tandem.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ from buffer.stream_scores import StreamScores
 from buffer.streams import ReplayBuffer
 from learner.batch import make_batch
 from learner.ppo import PPOLearner
-from placement.local import aux_threads, configured_plan, thread_split
+from placement.configured import aux_threads, configured_plan, thread_split
 from rollout.reference import reference_of
 from rollout.scoring_worker import Scorer, ScoringWorker
 from tandem.config import load_config
