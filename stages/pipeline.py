@@ -36,6 +36,7 @@ from launcher import prepare
 from stages.evaluate import task_score
 from stages.overoptimization import PPOWatch
 from stages.pipeline_config import PipelineConfig, load_pipeline, merge
+from stages.report import headline
 from stages.schedule import child_env, run_offline_stages
 from tandem.config import Config, ConfigError, dump_config, load_config
 from tandem.telemetry import read_history, setup_logging
@@ -374,37 +375,6 @@ def trained_versions(run_dir: Path) -> list[int]:
     path = run_dir / "trained.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return [int(json.loads(line)["version"]) for line in lines if line.strip()]
-
-
-def headline(stage: str, r: dict[str, Any]) -> str:
-    if stage == "ppo":
-        parts = [f"{r['steps']} steps"]
-        if "reward/reward_model" in r:
-            rm = r["reward/reward_model"]
-            parts.append(f"reward-model score {rm['first']:.3f} -> {rm['last']:.3f}")
-        rule = [k for k in r if k.startswith("reward/") and k not in ("reward/mean", "reward/reward_model")]
-        for key in rule:
-            parts.append(f"{key} (never trained on) {r[key]['first']:.3f} -> {r[key]['last']:.3f}")
-        if "curve" in r:
-            c, best = r["curve"], r["best_version"]
-            parts.append(
-                f"gold {c[0]['gold']:.3f} -> {c[-1]['gold']:.3f} at sqrt(KL) {c[-1]['sqrt_kl']:.2f}, best v{best}"
-                + (
-                    f" ({'early stop' if r['stopped_early'] else 'stop'}: {r['stop_reason']})"
-                    if "stop_reason" in r
-                    else ""
-                )
-            )
-        if "task_score" in r:
-            parts.append(f"task score {r['task_score']:.3f}")
-        return "; ".join(parts)
-    key = r["headline"]
-    before, after = r["before"].get(key), r["after"].get(key)
-    text = f"{key} {before:.3f} -> {after:.3f}" if before is not None else f"{key} {after:.3f}"
-    text += f" in {r['steps']} steps" + (" (early stop)" if r.get("stopped_early") else "")
-    if "task_score" in r:
-        text += f"; task score {r['task_score_base']:.3f} (base) -> {r['task_score']:.3f}"
-    return text
 
 
 # ``run.<key>=`` overrides, as every launch.py command takes them: the pipeline's own name and directory,

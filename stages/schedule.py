@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from placement.cost import CostModel, Law, Sample
+from stages.report import headline
 from tandem.config import Config, ConfigError, Section
 from tandem.telemetry import read_rows
 
@@ -372,6 +373,4 @@ def _finish(p: Pipeline, stage: str, cfg: Config, wall_s: float) -> None:
     result["wall_s"] = wall_s
     p.add_scores(stage, cfg, result)
     (p.dir / stage / "done.json").write_text(json.dumps(result, indent=2))
-    from stages.pipeline import headline
-
     print(f"[pipeline] {stage}: {headline(stage, result)}", flush=True)

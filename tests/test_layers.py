@@ -8,12 +8,14 @@
     tandem
 
 Read from the source with ``ast`` (top-level and function-level imports alike), so a new upward import
-fails here before it becomes a cycle.
+fails here before it becomes a cycle. Within a package, no two modules import each other, directly or
+through others: the module graph has no cycle.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,3 +81,103 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     bad = tmp_path / "x.py"
     bad.write_text("def f():\n    from launcher.driver import run\n    import rollout.loop\n")
     assert imports(bad) == ["launcher.driver", "rollout.loop"]
+
+
+# Import cycles between modules, each as "a -> b -> a": each one to be removed. None remain.
+KNOWN_CYCLES: set[str] = set()
+
+
+def module_name(rel: Path) -> str:
+    parts = rel.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node but the bodies of ``if TYPE_CHECKING:``, whose imports never run and so make no cycle."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        yield node
+        todo += ast.iter_child_nodes(node)
+
+
+def module_imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``module`` imports: ``from a import b`` is ``a.b`` when that is a module."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str | None] = set()
+    for node in runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {resolve(a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, one level up per extra dot
+                up = package
+                for _ in range(node.level - 1):
+                    up = up.rpartition(".")[0]
+                base = f"{up}.{base}".strip(".")
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else resolve(base))
+    return {m for m in found if m is not None and m != module}
+
+
+def module_graph(root: Path, packages: list[str]) -> dict[str, set[str]]:
+    """Each module of ``packages`` (and ``launch.py`` beside them) to the modules of theirs it imports."""
+    paths = [p for pkg in packages for p in (root / pkg).rglob("*.py")]
+    paths += [p for p in [root / "launch.py"] if p.exists()]
+    files = {module_name(p.relative_to(root)): p for p in paths}
+    return {m: module_imports(p, m, set(files)) for m, p in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every cycle a depth-first search closes, as "a -> b -> a"."""
+    state: dict[str, str] = {}  # "open" while on the path, then "done"
+    path: list[str] = []
+    found = []
+
+    def visit(m: str) -> None:
+        state[m] = "open"
+        path.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == "open":
+                found.append(" -> ".join([*path[path.index(d) :], d]))
+            elif d not in state:
+                visit(d)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_no_import_cycle_between_modules() -> None:
+    found = [
+        c for c in cycles(module_graph(ROOT, [p for p in LAYER if p != "launch"])) if c not in KNOWN_CYCLES
+    ]
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_the_check_sees_an_import_cycle(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+    )
+    (pkg / "c.py").write_text("def f():\n    from . import d\n")
+    (pkg / "d.py").write_text("import pkg.c\n")
+    graph = module_graph(tmp_path, ["pkg"])
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == set()  # a type-only import runs never
+    assert cycles(graph) == ["pkg.c -> pkg.d -> pkg.c"]
