@@ -11,38 +11,34 @@ exactly-once) and ``learner/offline.py`` (dataset, evaluation, early stop).
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import torch.distributed as dist
 
-from learner.ppo import PPOLearner, reward_part_means
+from learner.ppo import reward_part_means
 from learner.runtime import Runtime, Stats
 from tandem.config import load_config
 from tandem.telemetry import setup_logging
 
-__all__ = ["RECIPES", "Stats", "main", "recipe_class", "reward_part_means"]
+__all__ = ["RECIPES", "RECIPE_CLASSES", "Stats", "main", "recipe_class", "reward_part_means"]
+
+
+RECIPE_CLASSES: dict[str, str] = {
+    "ppo": "learner.ppo:PPOLearner",
+    "sft": "learner.sft:SFTTrainer",
+    "rm": "learner.rm:RewardModelTrainer",
+    "dpo": "learner.dpo:DPOTrainer",
+}  # algorithm.recipe -> "module:Class" of the learner that runs it
+RECIPES = tuple(RECIPE_CLASSES)
 
 
 def recipe_class(recipe: str) -> type[Runtime]:
     """The learner class of ``algorithm.recipe`` (imported lazily: each recipe loads only its own code)."""
-    if recipe == "ppo":
-        return PPOLearner
-    if recipe == "sft":
-        from learner.sft import SFTTrainer
-
-        return SFTTrainer
-    if recipe == "rm":
-        from learner.rm import RewardModelTrainer
-
-        return RewardModelTrainer
-    if recipe == "dpo":
-        from learner.dpo import DPOTrainer
-
-        return DPOTrainer
-    raise ValueError(f"algorithm.recipe: unknown recipe {recipe!r}")
-
-
-RECIPES = ("ppo", "sft", "rm", "dpo")
+    if recipe not in RECIPE_CLASSES:
+        raise ValueError(f"algorithm.recipe: unknown recipe {recipe!r}")
+    module, name = RECIPE_CLASSES[recipe].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def main(argv: list[str] | None = None) -> int:
