@@ -40,6 +40,7 @@ from learner.models import output_head, policy_logits, policy_logprobs, response
 from learner.runtime import Runtime, log
 from tandem.config import Config
 from tandem.telemetry import Telemetry
+from tandem.timing import timed
 
 SUMMARY = "summary.json"
 
@@ -152,10 +153,10 @@ class OfflineRuntime(Runtime):
 
     def step(self) -> None:
         a = self.cfg.algorithm
-        t0 = time.perf_counter()
-        stats = self.train_step(self.batch_at(self.version))
-        self.version += 1
-        stats["time/train"] = time.perf_counter() - t0
+        with timed() as train:
+            stats = self.train_step(self.batch_at(self.version))
+            self.version += 1
+        stats["time/train"] = train.seconds
         stats["epoch"] = self.version / self.steps_per_epoch
         last = self.version == self.total_steps
         if self.eval_examples and (self.version % a.eval_interval == 0 or last):

@@ -62,6 +62,7 @@ from tandem import fleet
 from tandem.config import Config
 from tandem.rewards import total_reward
 from tandem.telemetry import Telemetry
+from tandem.timing import timed
 from weightsync.source import is_zero3, unwrap
 
 log = logging.getLogger("learner")
@@ -215,17 +216,16 @@ class OnlineRuntime(Runtime):
         if not offloads_states(self.cfg, self.device):
             yield
             return
-        start = time.perf_counter()
-        for engine in self.engines().values():
-            engine.offload_states()
-        offloaded = time.perf_counter()
+        with timed() as offload:
+            for engine in self.engines().values():
+                engine.offload_states()
         try:
             yield
         finally:
-            reload = time.perf_counter()
-            for engine in self.engines().values():
-                engine.reload_states()
-            self.switch = {"time/offload": offloaded - start, "time/reload": time.perf_counter() - reload}
+            with timed() as reload:
+                for engine in self.engines().values():
+                    engine.reload_states()
+            self.switch = {"time/offload": offload.seconds, "time/reload": reload.seconds}
 
     def take_from_buffer(self) -> list[Taken] | None:
         need, taken = self.cfg.algorithm.batch_size, []
@@ -257,19 +257,21 @@ class OnlineRuntime(Runtime):
         score not yet written; None on a stop request. The reference's are its ``ref_logp``; the reward
         model's is added to the rules' total the server recorded, as the server would have added it."""
         for role, scores in self.stream_scores.items():
-            t0 = time.perf_counter()
-            wanted = [t for t in taken if role != "reward_model" or RULES_REWARD in t.traj.meta]
-            got = scores.wait(
-                [t.id for t in wanted], timeout_s=self.cfg.learner.take_timeout_s, stop=self.stop_requested
-            )
-            if got is None:
-                return None
-            for t in wanted:
-                if role == "reference":
-                    t.traj.ref_logp = got[t.id]
-                else:
-                    self.add_reward_model_score(t.traj, float(got[t.id][0]))
-            self.score_waits[f"time/{role}_wait"] = time.perf_counter() - t0
+            with timed() as waited:
+                wanted = [t for t in taken if role != "reward_model" or RULES_REWARD in t.traj.meta]
+                got = scores.wait(
+                    [t.id for t in wanted],
+                    timeout_s=self.cfg.learner.take_timeout_s,
+                    stop=self.stop_requested,
+                )
+                if got is None:
+                    return None
+                for t in wanted:
+                    if role == "reference":
+                        t.traj.ref_logp = got[t.id]
+                    else:
+                        self.add_reward_model_score(t.traj, float(got[t.id][0]))
+            self.score_waits[f"time/{role}_wait"] = waited.seconds
         return taken
 
     def add_reward_model_score(self, traj: Trajectory, score: float) -> None:

@@ -19,7 +19,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from learner.passes import Pass, beside, run_passes
 from learner.runtime import Stats, log
 from placement.configured import critic_threads
 from tandem.config import Config
-from tandem.timing import Timers
+from tandem.timing import Timers, timed
 
 
 def reward_part_means(trajs: list[Trajectory]) -> dict[str, float]:
@@ -138,28 +137,27 @@ class PPOLearner(OnlineRuntime):
 
     def step(self) -> bool:
         """One learner step; False when asked to stop before a batch arrived."""
-        t0 = time.perf_counter()
-        taken = self.take_batch()  # rank 0 reads the buffer; every rank receives the batch
-        if taken is None:
-            return False
-        per_turn, budget = self.cfg.algorithm.credit == "turn", self.cfg.learner.max_tokens_per_micro_batch
-        batch = make_batch([t.traj for t in taken], self.version, per_turn=per_turn, max_tokens=budget)
-        batch = batch.to(self.device)
-        self.warn_over_budget(batch)
-        t1 = time.perf_counter()
-        self.timers.clear()  # per-role phases of this step (the placement planner's profile)
-        stats = self.train(batch)  # no-grad passes, advantages, PPO epochs, optimizer steps
-        if "policy/kl" in stats:  # every rank: the same reduced value, the same coefficient
-            stats["policy/kl_coef"] = self.kl_ctl.value
-            self.kl_ctl.update(stats["policy/kl"], len(batch))
-        self.version += 1
-        t2 = time.perf_counter()
-        self.sync_weights()  # publish version v, then open admission for it
-        t3 = time.perf_counter()
-        self.commit(
-            [t.id for t in taken], [t.traj.prompt_id for t in taken]
-        )  # checkpoint when due, then ack what it contains
-        t4 = time.perf_counter()
+        with timed() as wait:
+            taken = self.take_batch()  # rank 0 reads the buffer; every rank receives the batch
+            if taken is None:
+                return False
+            per_turn = self.cfg.algorithm.credit == "turn"
+            budget = self.cfg.learner.max_tokens_per_micro_batch
+            batch = make_batch([t.traj for t in taken], self.version, per_turn=per_turn, max_tokens=budget)
+            batch = batch.to(self.device)
+            self.warn_over_budget(batch)
+        with timed() as train:
+            self.timers.clear()  # per-role phases of this step (the placement planner's profile)
+            stats = self.train(batch)  # no-grad passes, advantages, PPO epochs, optimizer steps
+            if "policy/kl" in stats:  # every rank: the same reduced value, the same coefficient
+                stats["policy/kl_coef"] = self.kl_ctl.value
+                self.kl_ctl.update(stats["policy/kl"], len(batch))
+            self.version += 1
+        with timed() as sync:
+            self.sync_weights()  # publish version v, then open admission for it
+        with timed() as checkpoint:
+            # checkpoint when due, then ack what it contains
+            self.commit([t.id for t in taken], [t.traj.prompt_id for t in taken])
         stats.update(
             {
                 "reward/mean": float(batch.rewards.mean()),
@@ -167,15 +165,15 @@ class PPOLearner(OnlineRuntime):
                 **episode_metric_means(batch.trajs),
                 "staleness/mean": float(batch.staleness.float().mean()),
                 "staleness/max": float(batch.staleness.max()),
-                "time/wait_for_data": t1 - t0,
-                "time/train": t2 - t1,
-                "time/weight_sync": t3 - t2,
+                "time/wait_for_data": wait.seconds,
+                "time/train": train.seconds,
+                "time/weight_sync": sync.seconds,
                 "weightsync/bytes": float(self.sync_bytes),
-                "time/checkpoint": t4 - t3,
+                "time/checkpoint": checkpoint.seconds,
                 **self.switch,  # colocated: the learner's offload and reload around the wait (GPU)
                 **self.score_waits,  # placement.reference / reward_model: own
                 **self.timers,
-                "throughput/train_tokens_per_s": batch.num_tokens / (t2 - t1),
+                "throughput/train_tokens_per_s": batch.num_tokens / train.seconds,
                 "batch/tokens": float(batch.seq_lens.sum()),
                 "memory/peak_gb": peak_memory_gb(self.device),
                 "learner/version": self.version,

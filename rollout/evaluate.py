@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 import redis
@@ -23,6 +22,7 @@ from tandem.config import Config
 from tandem.data import load_prompts, prompt_token_ids
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
+from tandem.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +100,15 @@ class Evaluator:
         return bool(self.client.set(key, self.telemetry.proc, nx=True))
 
     def run(self) -> EvalResult:
-        start, version = time.perf_counter(), self.engine.version
-        out = self.engine.generate(self.tokens, self.sampling)  # no between_steps: one version throughout
-        rewards, passes = [], []
-        for rec, group in zip(self.records, out, strict=True):
-            prompt = rec[self.cfg.data.prompt_field]
-            scores = [self.rewards.score(prompt, self.text(c.token_ids), rec)[0] for c in group]
-            rewards.extend(scores)
-            passes.append(sum(s >= self.cfg.eval.pass_threshold for s in scores))
+        version = self.engine.version
+        with timed() as span:
+            out = self.engine.generate(self.tokens, self.sampling)  # no between_steps: one version throughout
+            rewards, passes = [], []
+            for rec, group in zip(self.records, out, strict=True):
+                prompt = rec[self.cfg.data.prompt_field]
+                scores = [self.rewards.score(prompt, self.text(c.token_ids), rec)[0] for c in group]
+                rewards.extend(scores)
+                passes.append(sum(s >= self.cfg.eval.pass_threshold for s in scores))
         n = self.sampling.n
         result = EvalResult(
             version=version,
@@ -116,7 +117,7 @@ class Evaluator:
             pass_at_k=sum(pass_at_k(n, c, n) for c in passes) / len(passes),
             k=n,
             prompts=len(passes),
-            seconds=time.perf_counter() - start,
+            seconds=span.seconds,
         )
         self.telemetry.log(result.metrics(), step=version)
         log.info(

@@ -28,7 +28,6 @@ import argparse
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ from rollout.reward_model import RewardModel, reward_model_of
 from tandem.config import Config, load_config
 from tandem.procs import exit_with_driver
 from tandem.telemetry import Telemetry, setup_logging
+from tandem.timing import timed
 
 log = logging.getLogger("rollout.scoring_worker")
 
@@ -103,22 +103,22 @@ class ScoringWorker:
     def score(self, entries: Sequence[tuple[str, bytes | None]]) -> None:
         """Score what decodes and is this role's to score; acknowledge everything read. An entry that is
         gone (the learner deleted it) or malformed (the learner dead-letters it) has nothing to score."""
-        t0 = time.perf_counter()
-        ids, trajs = [], []
-        for entry_id, payload in entries:
-            if payload is None:
-                continue
-            try:
-                traj = decode_trajectory(payload)
-            except SchemaError as e:
-                log.warning("entry %s: not a trajectory (%s); the learner dead-letters it", entry_id, e)
-                continue
-            if self.scorer.wants(traj):
-                ids.append(entry_id)
-                trajs.append(traj)
-        scored = self.scorer.score(trajs) if trajs else []
-        self.scores.write(list(zip(ids, scored, strict=True)), [i for i, _ in entries])
-        dt = time.perf_counter() - t0
+        with timed() as span:
+            ids, trajs = [], []
+            for entry_id, payload in entries:
+                if payload is None:
+                    continue
+                try:
+                    traj = decode_trajectory(payload)
+                except SchemaError as e:
+                    log.warning("entry %s: not a trajectory (%s); the learner dead-letters it", entry_id, e)
+                    continue
+                if self.scorer.wants(traj):
+                    ids.append(entry_id)
+                    trajs.append(traj)
+            scored = self.scorer.score(trajs) if trajs else []
+            self.scores.write(list(zip(ids, scored, strict=True)), [i for i, _ in entries])
+        dt = span.seconds
         self.scored += len(trajs)
         tokens = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in trajs)
         self.telemetry.log({
