@@ -2,7 +2,7 @@
 
     python bench/placement.py [--devices 8] [--points 9] [--steps 14] [--out runs/bench-placement]
 
-Everything here runs on pretend devices (``placement/sim.py``): locks and memory counters, phases that sleep
+Everything here runs on pretend devices (``placement/sim/engine.py``): locks and memory counters, phases that sleep
 for a ground-truth cost the planner never reads. It shows what two CPU cores cannot: 8 accelerators, each
 role on its own subset or all of them in turns. Every printed table and the figure say SIMULATION.
 
@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from placement.cost import Workload, predict  # noqa: E402
 from placement.plans import Plan, Roles  # noqa: E402
-from placement.sim import Cluster, SimRun, step_time  # noqa: E402
-from placement.sim_auto import run_auto  # noqa: E402
-from placement.sim_truth import EXAMPLE_PARAMS, GiB, example_truth, sized_truth  # noqa: E402
+from placement.sim.auto import run_auto  # noqa: E402
+from placement.sim.engine import Cluster, SimRun, step_time  # noqa: E402
+from placement.sim.truth import EXAMPLE_PARAMS, GiB, example_truth, sized_truth  # noqa: E402
 
 ROLES = Roles(reference=True, critic=True, reward_model=True)
 SAMPLES = 64
@@ -299,7 +299,7 @@ def main() -> int:
     if args.real_only:
         print(json.dumps({"bench": "placement", "simulated": False, "real": real}))
         return 0
-    print(f"[placement] SIMULATION on {args.devices} pretend devices (placement/sim.py)", flush=True)
+    print(f"[placement] SIMULATION on {args.devices} pretend devices (placement/sim/engine.py)", flush=True)
     rows = []
     points = [("sweep", SAMPLES, *r, None) for r in regimes(args.points)] + EXTRA
     for i, (label, samples, prompt, response, tail, params) in enumerate(points):

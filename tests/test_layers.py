@@ -9,7 +9,8 @@
 
 Read from the source with ``ast`` (top-level and function-level imports alike), so a new upward import
 fails here before it becomes a cycle. Within a package, no two modules import each other, directly or
-through others: the module graph has no cycle.
+through others: the module graph has no cycle. And the placement simulator (``placement/sim/``) serves
+bench/ and tests only: no module a run loads imports it.
 """
 
 from __future__ import annotations
@@ -181,3 +182,50 @@ def test_the_check_sees_an_import_cycle(tmp_path: Path) -> None:
     graph = module_graph(tmp_path, ["pkg"])
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == set()  # a type-only import runs never
     assert cycles(graph) == ["pkg.c -> pkg.d -> pkg.c"]
+
+
+SIMULATOR = "placement.sim"  # the simulator of bench/ and tests: no module a run loads imports it
+
+
+def simulator_imports(path: Path, module: str) -> list[str]:
+    """The imports of ``path`` that name the simulator or a module of it, type-only ones included."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package
+                for _ in range(node.level - 1):
+                    up = up.rpartition(".")[0]
+                base = f"{up}.{base}".strip(".")
+            names += [base, *(f"{base}.{a.name}" for a in node.names)]
+    return sorted({n for n in names if n == SIMULATOR or n.startswith(SIMULATOR + ".")})
+
+
+def test_the_runtime_never_imports_the_simulator() -> None:
+    runtime = [p for pkg in LAYER if pkg != "launch" for p in (ROOT / pkg).rglob("*.py")] + [
+        ROOT / "launch.py"
+    ]
+    sim_dir = ROOT / Path(*SIMULATOR.split("."))
+    found = [
+        f"{rel} imports {name}"
+        for path in runtime
+        if not path.is_relative_to(sim_dir)
+        for rel in [path.relative_to(ROOT)]
+        for name in simulator_imports(path, module_name(rel))
+    ]
+    assert not found, "runtime modules that import the simulator:\n" + "\n".join(found)
+
+
+def test_the_check_sees_an_import_of_the_simulator(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text(
+        "from placement import sim\ndef f():\n    from .sim.auto import run_auto\n"
+    )
+    assert simulator_imports(tmp_path / "a.py", "placement.a") == [
+        "placement.sim",
+        "placement.sim.auto",
+        "placement.sim.auto.run_auto",
+    ]

@@ -1,6 +1,6 @@
 """Placement: plans, the fitted laws, predictions worked out by hand, hysteresis, and the simulator.
 
-The simulator tests are SIMULATION by construction (``placement/sim.py``): pretend devices are locks and
+The simulator tests are SIMULATION by construction (``placement/sim/engine.py``): pretend devices are locks and
 memory counters, phases sleep. They check what the simulator must get right for the bench to mean
 anything: roles on the same devices serialise, roles on disjoint ones overlap, and memory is a hard limit
 that names the device.
@@ -36,9 +36,9 @@ from placement.cost import (
 )
 from placement.planner import Replanner, observed_ratio, rank, relative_error
 from placement.plans import Plan, Roles, candidates, validate
-from placement.sim import Cluster, SimOOM, SimRun, step_time, within
-from placement.sim_auto import run_auto
-from placement.sim_truth import GiB, PhaseTruth, Truth
+from placement.sim.auto import run_auto
+from placement.sim.engine import Cluster, SimOOM, SimRun, step_time, within
+from placement.sim.truth import GiB, PhaseTruth, Truth
 from tandem.config import ConfigError, load_config
 from tandem.telemetry import history_path
 

@@ -1,9 +1,9 @@
-"""SIMULATION: the simulator's ground truth, what each phase costs on pretend devices (placement/sim.py).
+"""SIMULATION: the simulator's ground truth, what each phase costs on pretend devices (placement/sim/engine.py).
 
 It is deliberately richer than the planner's laws (placement/cost.py): communication that grows with
 ``log2(g)``, generation held by the longest of heavy-tailed response lengths, contention between forwards
 that run at once, jitter on every phase and on switches. The planner never reads it: it sees only the
-phase times and memory peaks a :class:`~placement.sim.SimRun` measures.
+phase times and memory peaks a :class:`~placement.sim.engine.SimRun` measures.
 """
 
 from __future__ import annotations

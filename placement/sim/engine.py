@@ -8,13 +8,13 @@ figure drawn from it says so. The rules:
   sleeps for its cost, so roles placed on the same devices serialise and roles on disjoint ones overlap,
   whatever the two real cores are doing. Allocating past a device's capacity raises :class:`SimOOM`
   naming the device;
-- the **ground truth** (:mod:`placement.sim_truth`) is richer than the planner's laws, and the planner
+- the **ground truth** (:mod:`placement.sim.truth`) is richer than the planner's laws, and the planner
   never reads it: it sees only the phase times and memory peaks this module measures
   (:attr:`SimRun.samples`).
 
 :class:`SimRun` runs one plan for some steps the way tandem runs it: separated sides as two threads with a
 bounded queue between them (the buffer at ``max_staleness``), colocated phases in turn on every device.
-:mod:`placement.sim_auto` runs ``placement.mode: auto`` on top: a profile window of probe plans, a fit,
+:mod:`placement.sim.auto` runs ``placement.mode: auto`` on top: a profile window of probe plans, a fit,
 the best plan, and hysteresis-gated re-planning as the workload drifts.
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from placement.cost import Sample, Workload, streams
 from placement.plans import Plan, Roles
-from placement.sim_truth import GiB, Truth
+from placement.sim.truth import GiB, Truth
 
 
 class SimOOM(MemoryError):
@@ -290,61 +290,31 @@ class SimRun:
         halt = threading.Event()
         errors: list[BaseException] = []
 
-        def put(q: queue.Queue[Workload], work: Workload) -> bool:
-            while not halt.is_set():
-                try:
-                    q.put(work, timeout=0.05)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
         def servers() -> None:
-            try:
-                for i in range(first, first + steps):
-                    work = self.work_at(i)
-                    self.generate(plan, work, groups.generation, i)
-                    if not put(made, work):
-                        return
-            except BaseException as e:  # surfaced in the caller's thread
-                errors.append(e)
-                halt.set()
+            for i in range(first, first + steps):
+                work = self.work_at(i)
+                self.generate(plan, work, groups.generation, i)
+                if not _put(made, work, halt):
+                    return
 
         def scorers() -> None:
-            try:
-                for _ in range(steps):
-                    work = None
-                    while work is None and not halt.is_set():
-                        try:
-                            work = made.get(timeout=0.05)
-                        except queue.Empty:
-                            continue
-                    if work is None:
-                        return
-                    for role in plan.own(self.roles):
-                        with self.resident(role, work, groups.aux):
-                            self.phase(role, work, groups.aux, plan)
-                    if not put(ready, work):
-                        return
-            except BaseException as e:
-                errors.append(e)
-                halt.set()
+            for _ in range(steps):
+                if (work := _get(made, halt.is_set)) is None:
+                    return
+                for role in plan.own(self.roles):
+                    with self.resident(role, work, groups.aux):
+                        self.phase(role, work, groups.aux, plan)
+                if not _put(ready, work, halt):
+                    return
 
-        stages = [threading.Thread(target=servers, daemon=True)]
-        if streamed:
-            stages.append(threading.Thread(target=scorers, daemon=True))
+        stages = [_stage(servers, errors, halt)] + ([_stage(scorers, errors, halt)] if streamed else [])
         for t in stages:
             t.start()
         done = 0
         try:
             for i in range(first, first + steps):
-                work = None
-                while work is None and not errors:
-                    try:
-                        work = ready.get(timeout=0.05)
-                    except queue.Empty:
-                        continue
-                if errors:
+                work = _get(ready, lambda: bool(errors))
+                if errors or work is None:
                     break
                 self.learn(plan, work, groups)
                 self.ends.append(time.perf_counter())
@@ -358,6 +328,40 @@ class SimRun:
         if errors:
             raise errors[0]
         return done
+
+
+def _put(q: queue.Queue[Workload], work: Workload, halt: threading.Event) -> bool:
+    """Put ``work`` on ``q``, waiting while it is full; False once ``halt`` is set."""
+    while not halt.is_set():
+        try:
+            q.put(work, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _get(q: queue.Queue[Workload], halted: Callable[[], bool]) -> Workload | None:
+    """The next batch on ``q``, waiting while it is empty; None once ``halted()``."""
+    while not halted():
+        try:
+            return q.get(timeout=0.05)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _stage(body: Callable[[], None], errors: list[BaseException], halt: threading.Event) -> threading.Thread:
+    """A pipeline stage's thread: an error in ``body`` halts every stage and is raised in the caller's."""
+
+    def run() -> None:
+        try:
+            body()
+        except BaseException as e:  # surfaced in the caller's thread
+            errors.append(e)
+            halt.set()
+
+    return threading.Thread(target=run, daemon=True)
 
 
 def _subsets(devs: list[int], k: int) -> list[list[int]]:
