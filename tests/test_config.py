@@ -139,3 +139,41 @@ def test_env_progression_auto_is_resolved_by_the_engine(engine: str, progression
     raw = {"model": {"actor": "m"}, "data": {"prompts": "p.jsonl"}, "rollout": {"engine": engine},
            "env": {"path": "toy.calculator:CalculatorEnv", "progression": progression}}  # fmt: skip
     assert load_config(None, raw=raw).episode_progression == resolved
+
+
+def test_a_section_check_is_shown_as_the_field_it_names() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^invalid config .*\n  learner\.offload_optimizer needs learner\.zero"
+    ):
+        load_config(ROOT / "configs/tiny.yaml", ["learner.offload_optimizer=true"])
+
+
+def test_recipe_registry_names_each_section_by_its_recipe() -> None:
+    from typing import get_args
+
+    from tandem.config import OFFLINE_RECIPES, RECIPE_CONFIGS, OfflineConfig
+
+    for recipe, section in RECIPE_CONFIGS.items():
+        assert get_args(section.model_fields["recipe"].annotation) == (recipe,)
+    assert OFFLINE_RECIPES == ("sft", "rm", "dpo")
+    assert [r for r, s in RECIPE_CONFIGS.items() if not issubclass(s, OfflineConfig)] == ["ppo"]
+    with pytest.raises(ConfigError, match=r"algorithm\.recipe: unknown recipe 'x'; choose from 'ppo', 'sft'"):
+        load_config(ROOT / "configs/tiny.yaml", ["algorithm.recipe=x"])
+
+
+def test_config_package_modules_are_documented_and_functions_short() -> None:
+    import ast
+
+    package = ROOT / "tandem" / "config"
+    modules = sorted(package.glob("*.py"))
+    assert len(modules) > 5
+    long = []
+    for path in modules:
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f"{path.name} has no module docstring"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+    assert long == []

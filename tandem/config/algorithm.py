@@ -1,0 +1,198 @@
+"""The training recipes: the ``algorithm`` section is a discriminated union on ``recipe``, one section
+class per recipe (online ``ppo``; offline ``sft``, ``rm``, ``dpo``), all listed once in :data:`RECIPES`,
+from which the union's tags and :data:`OFFLINE_RECIPES` are derived.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from tandem.config.base import Section, SectionCheckError
+
+
+class AlgorithmConfig(Section):
+    """The ``ppo`` recipe: online PPO and its variants against the replay buffer (``learner/ppo.py``)."""
+
+    recipe: Literal["ppo"] = Field(
+        "ppo",
+        description="Training recipe: ppo (online, rollout servers), sft, rm or dpo (offline, docs/stages.md).",
+    )
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="Advantage estimator; gae trains a critic."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount γ over response tokens (GAE).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
+    eps_clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip ε_low: ratio lower bound 1-ε_low.")
+    eps_clip_high: float = Field(
+        0.28,
+        gt=0,
+        description="PPO clip ε_high: ratio upper bound 1+ε_high (asymmetric, DAPO's clip-higher).",
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip c (>1) bounding the loss for negative advantages; null disables."
+    )
+    is_cap: float = Field(
+        5.0, gt=0, description="Truncation c of the importance weight exp(prox_logp - behav_logp)."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy.")
+    kl_target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive KL (Ziegler et al. 2019, learner/kl_control.py): steer kl_coef (its start) so"
+        " that policy/kl stays near this; null keeps kl_coef fixed.",
+    )
+    kl_horizon: float = Field(
+        10000.0,
+        gt=0,
+        description="Adaptive KL horizon: kl_coef moves by at most 20% per this many trajectories.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_in_reward: bool = Field(
+        False, description="Fold the KL into the per-token reward (true) or add it as a loss term (false)."
+    )
+    credit: Literal["episode", "turn"] = Field(
+        "episode",
+        description="Multi-turn rewards: episode puts their sum on the last generated token; turn puts each turn's reward on that turn's last generated token, so gae and reinforce_pp credit turns separately.",
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (gae only).")
+    value_clip: float | None = Field(0.2, gt=0, description="Clip range of the value update; null disables.")
+    max_staleness: int = Field(
+        2,
+        ge=0,
+        description="Largest learner version minus the oldest token version that may be trained on; 0 is on-policy.",
+    )
+    batch_size: int = Field(
+        16, ge=1, description="Trajectories per learner step (a multiple of rollout.n_samples)."
+    )
+    minibatch_size: int = Field(16, ge=1, description="Trajectories per optimizer step within a PPO epoch.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
+    sync_interval: int = Field(1, ge=1, description="Publish actor weights every this many learner steps.")
+    normalize_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose rewards are all equal (zero group advantage) and generate fresh ones in their place.",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO's soft overlong penalty: responses in the last this many tokens before rollout.max_new_tokens lose reward linearly; null disables.",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="Reward lost by a response of exactly rollout.max_new_tokens tokens."
+    )
+    whiten_advantages: bool = Field(
+        False,
+        description="gae: whiten advantages over the batch's valid tokens (the critic's returns are not).",
+    )
+    prox_forward: Literal["auto", "always"] = Field(
+        "auto",
+        description="auto skips the no-grad proximal forward when a batch gets exactly one optimizer step "
+        "(prox_logp = logp.detach(), the same math) and the KL is not in the reward; always runs it.",
+    )
+
+    @property
+    def proximal_pass(self) -> bool:
+        """Whether a step runs the actor's no-grad proximal forward. Not when the batch gets one optimizer
+        step, which starts from the proximal policy (its forward with gradient computes the same numbers),
+        unless the KL is folded into the reward and needed before the first backward."""
+        one_step = self.ppo_epochs == 1 and self.minibatch_size == self.batch_size
+        return not (self.prox_forward == "auto" and one_step and not (self.kl_in_reward and self.kl_coef > 0))
+
+    @model_validator(mode="after")
+    def _turn_credit_needs_a_per_token_estimator(self) -> AlgorithmConfig:
+        if self.credit == "turn" and self.advantage not in ("gae", "reinforce_pp"):
+            raise SectionCheckError(
+                f"algorithm.credit=turn places rewards on tokens, which only the per-token estimators read "
+                f"(gae, reinforce_pp); algorithm.advantage={self.advantage} scores whole sequences"
+            )
+        return self
+
+
+PPOConfig = AlgorithmConfig
+
+
+class OfflineConfig(Section):
+    """What every offline recipe (sft, rm, dpo) reads: a fixed JSONL dataset, its held-out split, early stop."""
+
+    train_file: str = Field(
+        ..., min_length=1, description="JSONL training set in the recipe's schema (docs/stages.md §2)."
+    )
+    eval_file: str | None = Field(
+        None,
+        description="Held-out JSONL set (same schema) for validation metrics and early stopping; null skips evaluation.",
+    )
+    batch_size: int = Field(32, ge=1, description="Examples (pairs for rm and dpo) per optimizer step.")
+    epochs: int = Field(
+        1, ge=1, description="Passes over train_file (training also stops at learner.total_steps)."
+    )
+    eval_interval: int = Field(
+        20, ge=1, description="Evaluate on eval_file every this many steps, and once more at the end."
+    )
+    early_stop_patience: int = Field(
+        0,
+        ge=0,
+        description="Stop after this many evaluations in a row without a better validation loss; 0 never stops early.",
+    )
+    max_tokens: int = Field(
+        1024,
+        ge=2,
+        description="Examples longer than this (prompt + response tokens) are rejected at load, naming the line.",
+    )
+    chat_template: bool = Field(
+        False,
+        description="Wrap a prompt/response record's prompt as a user turn of the tokenizer's chat template (messages records always are).",
+    )
+
+
+class SFTConfig(OfflineConfig):
+    """The ``sft`` recipe: supervised fine-tuning, loss on response tokens only (``learner/sft.py``)."""
+
+    recipe: Literal["sft"] = Field(..., description="Training recipe: sft.")
+    packing: bool = Field(
+        False,
+        description="Pack each micro-batch into one row (no padding; pays with a varlen attention kernel on GPU, ~9x slower on CPU).",
+    )
+
+
+class RMConfig(OfflineConfig):
+    """The ``rm`` recipe: a Bradley–Terry reward model on chosen/rejected pairs (``learner/rm.py``)."""
+
+    recipe: Literal["rm"] = Field(..., description="Training recipe: rm.")
+    init: str | None = Field(
+        None,
+        description="Checkpoint the reward model starts from (a causal LM or scalar-head directory); null is model.actor.",
+    )
+
+
+class DPOConfig(OfflineConfig):
+    """The ``dpo`` recipe: direct preference optimisation against a frozen reference (``learner/dpo.py``)."""
+
+    recipe: Literal["dpo"] = Field(..., description="Training recipe: dpo.")
+    beta: float = Field(0.1, gt=0, description="DPO β: the strength of the implicit KL to the reference.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Conservative DPO ε: the assumed rate of flipped preference labels."
+    )
+
+
+def _recipe_tag(value: Any) -> str:
+    """The recipe of an ``algorithm`` section; ppo when the key is absent (every pre-recipe config)."""
+    if isinstance(value, dict):
+        return value.get("recipe", "ppo")
+    return getattr(value, "recipe", "ppo")
+
+
+RECIPES: dict[str, type[Section]] = {
+    "ppo": AlgorithmConfig,
+    "sft": SFTConfig,
+    "rm": RMConfig,
+    "dpo": DPOConfig,
+}  # algorithm.recipe -> its section; the key is the class's `recipe` literal and the union's tag
+
+Algorithm = Annotated[
+    Union[tuple(Annotated[cls, Tag(recipe)] for recipe, cls in RECIPES.items())],  # noqa: UP007 (built from a list)
+    Discriminator(_recipe_tag),
+]  # one member per recipe, tagged by it, in RECIPES' order (the order config-doc shows them in)
+OFFLINE_RECIPES = tuple(recipe for recipe, cls in RECIPES.items() if issubclass(cls, OfflineConfig))

@@ -1,0 +1,242 @@
+"""The checks across sections, run in order by :class:`~tandem.config.root.Config`'s validator once every
+section is valid. Each is a small pure function of the whole config that raises ``ValueError`` naming the
+fields at fault; the first to fail is the one reported. A check that reads one section only is that
+section's own validator instead. :func:`checks_for` gives the list for a recipe: the placement and
+token-budget checks for all, then the online ones for ppo or the offline one for sft, rm and dpo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tandem.config.algorithm import OFFLINE_RECIPES
+
+if TYPE_CHECKING:
+    from tandem.config.root import Config
+
+Check = Callable[["Config"], None]
+
+
+# --------------------------------------------------------------------------------------------- placement
+
+
+def colocate_needs_sync(cfg: Config) -> None:
+    if cfg.placement.mode == "colocate" and cfg.run.mode != "sync":
+        raise ValueError(
+            "placement.mode=colocate takes turns on the same devices, which needs run.mode=sync "
+            "(max_staleness 0: the servers generate one batch per version, never while the learner trains)"
+        )
+
+
+def own_reference_is_not_colocated(cfg: Config) -> None:
+    if cfg.reference_scorer == "own" and cfg.placement_mode == "colocate":
+        raise ValueError(
+            "placement.reference=own gives the reference devices of its own, beside generation and "
+            "learning; colocated (run.mode=sync or placement.mode=colocate) every device is shared: use "
+            "placement.reference=learner or server there"
+        )
+
+
+def own_critic_is_runnable(cfg: Config) -> None:
+    if cfg.placement.critic != "own":
+        return
+    if cfg.algorithm.advantage != "gae":
+        raise ValueError("placement.critic=own needs a critic: algorithm.advantage=gae")
+    if cfg.placement_mode == "colocate":
+        raise ValueError(
+            "placement.critic=own gives the critic threads of its own, beside the actor's; colocated "
+            "(run.mode=sync or placement.mode=colocate) every device is shared: use "
+            "placement.critic=learner there"
+        )
+    if cfg.run.device == "cuda" or cfg.learner.num_ranks > 1:
+        raise ValueError(
+            "placement.critic=own trains the critic beside the actor on CPU threads of its own in "
+            "the learner's process: it needs run.device=cpu and learner.num_ranks=1 (on devices, "
+            "critic ranks of their own are predicted by `launch.py plan` but not yet run)"
+        )
+
+
+def own_reward_model_is_runnable(cfg: Config) -> None:
+    if cfg.placement.reward_model != "own":
+        return
+    if cfg.model.reward_model is None:
+        raise ValueError(
+            "placement.reward_model=own needs model.reward_model (the checkpoint it scores with)"
+        )
+    if cfg.placement_mode == "colocate":
+        raise ValueError(
+            "placement.reward_model=own gives the reward model devices of its own, beside generation "
+            "and learning; colocated (run.mode=sync or placement.mode=colocate) every device is "
+            "shared: use placement.reward_model=server there"
+        )
+    if cfg.algorithm.dynamic_sampling:
+        raise ValueError(
+            "algorithm.dynamic_sampling drops groups of equal rewards on the rollout servers, before "
+            "an own reward model's score exists: use placement.reward_model=server with it"
+        )
+
+
+def split_scoring_is_on_one_cpu_rank(cfg: Config) -> None:
+    if cfg.placement.scoring == "split" and (cfg.run.device == "cuda" or cfg.learner.num_ranks > 1):
+        raise ValueError(
+            "placement.scoring=split runs the learner's scoring forwards at once on shares of its CPU "
+            "threads: it needs run.device=cpu and learner.num_ranks=1 (on devices, disjoint device groups "
+            "are the own placements, which `launch.py plan` predicts but runs do not yet use)"
+        )
+
+
+# ------------------------------------------------------------------------------------------ token budget
+
+
+def _longest_sequence(cfg: Config) -> tuple[int, str]:
+    """The longest sequence the run can produce, and where that length comes from."""
+    a = cfg.algorithm
+    if a.recipe in ("rm", "dpo"):  # both sequences of a pair share a forward pass
+        pair = f"2 x algorithm.max_tokens ({a.max_tokens}; a pair's two sequences share a pass)"
+        return 2 * a.max_tokens, pair
+    if a.recipe == "sft":
+        return a.max_tokens, "algorithm.max_tokens"
+    if cfg.env.path is not None:
+        e, p = cfg.env.max_total_tokens, cfg.data.max_prompt_tokens
+        if e >= p:
+            return e, "env.max_total_tokens"
+        return p, "data.max_prompt_tokens (above env.max_total_tokens)"
+    p, n = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    return p + n, f"data.max_prompt_tokens ({p}) + rollout.max_new_tokens ({n})"
+
+
+def token_budget_holds_the_longest_sequence(cfg: Config) -> None:
+    """A token budget below the longest sequence the run can produce would leave that sequence out of
+    training (docs/design.md §4.8): refuse it here, naming where the length comes from. Agent sessions
+    have no token cap; one over the budget is masked out at run time and counted."""
+    budget = cfg.learner.max_tokens_per_micro_batch
+    if budget is None or (cfg.algorithm.recipe == "ppo" and cfg.agent.path is not None):
+        return
+    longest, source = _longest_sequence(cfg)
+    if budget < longest:
+        raise ValueError(
+            f"learner.max_tokens_per_micro_batch ({budget}) is below the longest sequence this run can "
+            f"produce, {source} = {longest}: a longer one would not fit a forward pass; raise the budget or "
+            "lower that limit"
+        )
+
+
+# --------------------------------------------------------------------------------------------- offline
+
+
+def micro_batches_divide_the_batch(cfg: Config) -> None:
+    a, micro = cfg.algorithm, cfg.learner.micro_batch_size
+    if a.batch_size % min(micro, a.batch_size):
+        raise ValueError(
+            f"algorithm.batch_size ({a.batch_size}) must be a multiple of learner.micro_batch_size ({micro})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- online
+
+
+def groups_stay_whole(cfg: Config) -> None:
+    a, n = cfg.algorithm, cfg.rollout.n_samples
+    if a.batch_size % n:
+        raise ValueError(
+            f"algorithm.batch_size ({a.batch_size}) must be a multiple of rollout.n_samples ({n}) so groups stay whole"
+        )
+
+
+def minibatches_divide_the_batch(cfg: Config) -> None:
+    # Read from the algorithm section alone, yet checked here, after groups_stay_whole: a batch_size that
+    # splits groups is reported as that, whatever its minibatch_size.
+    a = cfg.algorithm
+    if a.batch_size % a.minibatch_size:
+        raise ValueError(
+            f"algorithm.batch_size ({a.batch_size}) must be a multiple of algorithm.minibatch_size ({a.minibatch_size})"
+        )
+
+
+def group_estimators_have_groups(cfg: Config) -> None:
+    a, n = cfg.algorithm, cfg.rollout.n_samples
+    if a.advantage in ("grpo", "rloo") and n < 2:
+        raise ValueError(f"algorithm.advantage={a.advantage} needs rollout.n_samples >= 2 (got {n})")
+
+
+def env_or_agent(cfg: Config) -> None:
+    if cfg.env.path is not None and cfg.agent.path is not None:
+        raise ValueError("env.path and agent.path are exclusive: an episode is either one or the other")
+
+
+def some_reward_source(cfg: Config) -> None:
+    if (
+        not cfg.reward.functions
+        and cfg.model.reward_model is None
+        and cfg.env.path is None
+        and cfg.agent.path is None
+    ):
+        raise ValueError(
+            "reward: give at least one reward.functions entry, a model.reward_model, an env.path or an "
+            "agent.path"
+        )
+
+
+def overlong_buffer_fits_the_response(cfg: Config) -> None:
+    buffer, longest = cfg.algorithm.overlong_buffer, cfg.rollout.max_new_tokens
+    if buffer is not None and buffer > longest:
+        raise ValueError(
+            f"algorithm.overlong_buffer ({buffer}) must be <= rollout.max_new_tokens ({longest})"
+        )
+
+
+def adapter_sync_needs_hf(cfg: Config) -> None:
+    lora, engine = cfg.learner.lora, cfg.rollout.engine
+    if lora.rank and lora.sync == "adapter" and engine != "hf":
+        raise ValueError(
+            f"learner.lora.sync=adapter needs rollout.engine=hf (got {engine}): only the hf engine applies "
+            "adapter-only updates; use learner.lora.sync=merged"
+        )
+
+
+def sync_interval_within_staleness(cfg: Config) -> None:
+    interval, bound = cfg.algorithm.sync_interval, cfg.max_staleness
+    if interval > bound + 1:
+        why = "run.mode=sync trains on-policy (max_staleness 0)" if cfg.run.mode == "sync" else ""
+        raise ValueError(
+            f"algorithm.sync_interval ({interval}) must be <= max_staleness + 1 "
+            f"({bound + 1}{'; ' + why if why else ''}): weights published every "
+            f"{interval} steps make data up to {interval - 1} versions stale, which the "
+            "servers' freshness check and the learner's staleness filter refuse"
+        )
+
+
+def micro_batches_divide_the_minibatch(cfg: Config) -> None:
+    a, micro = cfg.algorithm, cfg.learner.micro_batch_size
+    if a.minibatch_size % min(micro, a.minibatch_size):
+        raise ValueError(
+            f"algorithm.minibatch_size ({a.minibatch_size}) must be a multiple of learner.micro_batch_size ({micro})"
+        )
+
+
+COMMON_CHECKS: tuple[Check, ...] = (
+    colocate_needs_sync,
+    own_reference_is_not_colocated,
+    own_critic_is_runnable,
+    own_reward_model_is_runnable,
+    split_scoring_is_on_one_cpu_rank,
+    token_budget_holds_the_longest_sequence,
+)
+OFFLINE_CHECKS: tuple[Check, ...] = (micro_batches_divide_the_batch,)
+ONLINE_CHECKS: tuple[Check, ...] = (
+    groups_stay_whole,
+    minibatches_divide_the_batch,
+    group_estimators_have_groups,
+    env_or_agent,
+    some_reward_source,
+    overlong_buffer_fits_the_response,
+    adapter_sync_needs_hf,
+    sync_interval_within_staleness,
+    micro_batches_divide_the_minibatch,
+)
+
+
+def checks_for(recipe: str) -> tuple[Check, ...]:
+    """The checks a config of ``recipe`` must pass, in the order they run."""
+    return COMMON_CHECKS + (OFFLINE_CHECKS if recipe in OFFLINE_RECIPES else ONLINE_CHECKS)

@@ -1,0 +1,254 @@
+"""Generation: the rollout servers and their engines (hf, vLLM, SGLang), the OpenAI-compatible HTTP API
+they serve, multi-turn environments and black-box agents, the rewards scored on them, and held-out
+evaluation on the servers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from tandem.config.base import Section
+
+
+class ServerConfig(Section):
+    """What a managed engine server (vLLM, SGLang) needs, whichever it is: where it listens, how it is
+    reached, and how long each kind of call may take."""
+
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra command-line arguments for the engine server (`vllm serve`, `sglang.launch_server`).",
+    )
+    url: str | None = Field(
+        None,
+        description="URL of an already running engine server to use instead of starting one (server_id is then ignored).",
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="Bind address of the managed engine server; 0.0.0.0 when a learner on another host drives its weight updates.",
+    )
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="HTTP port of server 0 (server i uses port+i); 0 picks a free port.",
+    )
+    api_key: str | None = Field(
+        None,
+        description="Bearer token of the engine server's routes (passed as --api-key and sent by every client).",
+    )
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long to wait for the engine server to load the model and answer /health.",
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for one generate call or control route of the engine server."
+    )
+    update_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for a weight reload or for a pushed weight version to appear."
+    )
+
+
+class SGLangConfig(ServerConfig):
+    mem_fraction_static: float = Field(
+        0.7, gt=0, le=1, description="Fraction of GPU memory SGLang reserves for weights and KV cache."
+    )
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel degree of each SGLang server.")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract",
+        description="How generation pauses for a weight update (retract recomputes in-flight KV with the new weights).",
+    )
+    allow_truncated_sampling: bool = Field(
+        False,
+        description="Allow top_p<1 / top_k>0 although SGLang's logprobs then ignore the truncation (biased behav_logp).",
+    )
+
+
+class VLLMConfig(ServerConfig):
+    gpu_memory_utilization: float = Field(0.7, gt=0, le=1, description="Fraction of GPU memory vLLM may use.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel degree of each vLLM server.")
+    pause_mode: Literal["keep", "abort", "wait"] = Field(
+        "keep", description="How generation pauses for a weight update (keep resumes in-flight requests)."
+    )
+
+
+class HTTPConfig(Section):
+    enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API from each rollout server.")
+    host: str = Field("127.0.0.1", description="Bind address; loopback by default.")
+    port: int = Field(
+        0, ge=0, le=65535, description="Port of server 0 (server i uses port+i); 0 picks a free port."
+    )
+    api_key: str | None = Field(None, description="Bearer token required on every request when set.")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Requests with larger bodies get 413.")
+    max_tokens_limit: int = Field(4096, ge=1, description="Upper bound on max_tokens a request may ask for.")
+    max_prompts_per_request: int = Field(
+        64, ge=1, description="Most prompts one /v1/completions request may hold."
+    )
+    max_total_tokens_per_request: int = Field(
+        65_536,
+        ge=1,
+        description="Most tokens one request may ask the engine to generate: prompts × n × max_tokens.",
+    )
+    max_concurrent_requests: int = Field(
+        16, ge=1, description="Requests generating at once; more are answered 429 at once (retry later)."
+    )
+    tool_parser: Literal["hermes"] | None = Field(
+        "hermes",
+        description="How tool calls are read from the model's text on /v1/chat/completions "
+        "(hermes: <tool_call>{json}</tool_call>); null refuses tools unless tool_choice is none.",
+    )
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm", "sglang"] = Field(
+        "hf", description="Inference engine of each rollout server."
+    )
+    num_servers: int = Field(1, ge=1, description="How many rollout servers launch.py starts.")
+    n_samples: int = Field(
+        4, ge=1, description="Samples per prompt (one group; GRPO/RLOO normalise within it)."
+    )
+    prompts_per_batch: int = Field(
+        4, ge=1, description="Prompt groups each server generates together in one engine call."
+    )
+    max_new_tokens: int = Field(32, ge=1, description="Maximum response length in tokens.")
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Sampling temperature (0 is greedy); behaviour logprobs are of the tempered distribution.",
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    stop: list[str] = Field(
+        default_factory=list, description="Stop strings; generation ends when one appears."
+    )
+    inflight_updates: bool = Field(
+        True,
+        description="hf engine: apply a pending weight update between decode steps, not only between batches.",
+    )
+    hf_prefix_cache_mb: float = Field(
+        256,
+        ge=0,
+        description="hf engine: memory (MiB) for the KV of finished sequences, reused by a later call whose "
+        "prompt extends one, so a multi-turn episode's next turn prefills only its new tokens (vLLM and SGLang "
+        "cache prefixes themselves); least recently used first out, emptied by every weight update; 0 disables. "
+        "Used by runs with several turns per episode (env.path, agent.path) and by the standalone server: a "
+        "single-turn run never extends a finished sequence, so its engine keeps none (storing each row costs "
+        "about 4% of generation on the tiny model).",
+    )
+    max_inflight_batches: int = Field(
+        0,
+        ge=0,
+        description="Batches a server holds at once (claimed, not yet appended): with more than 1 the next "
+        "batch generates while the last is scored and appended (on hf it joins the engine's running batch; "
+        "2 pays where generation sets the pace). 0: 1 for hf (in-process, it shares the CPU), 3 for "
+        "vllm/sglang (their own process). Always 1 when max_staleness is 0 (sync mode), with environment "
+        "episodes played in rounds (env.progression), or without inflight_updates.",
+    )
+    threads: int = Field(
+        0,
+        ge=0,
+        description="CPU threads per server (0: an equal share of the cores; in sync mode, of all of them).",
+    )
+    http: HTTPConfig = Field(default_factory=HTTPConfig, description="The server's OpenAI-compatible API.")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="Settings used when engine is vllm.")
+    sglang: SGLangConfig = Field(
+        default_factory=SGLangConfig, description="Settings used when engine is sglang."
+    )
+
+
+class EnvConfig(Section):
+    """Multi-turn episodes against an environment (docs/design.md §10). Off when ``path`` is null."""
+
+    path: str | None = Field(
+        None,
+        description="The environment as module:Class (a rollout.envs.base.Env factory); null: single-turn.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the environment's constructor."
+    )
+    max_turns: int = Field(4, ge=1, description="Model turns per episode before it ends as length.")
+    max_total_tokens: int = Field(
+        256,
+        ge=2,
+        description="Prompt + every turn, in tokens; rollout.max_new_tokens bounds each model turn.",
+    )
+    step_timeout_s: float = Field(
+        10.0, gt=0, description="An environment's reset/step/close taking longer ends its episode (abort)."
+    )
+    progression: Literal["auto", "rounds", "independent"] = Field(
+        "auto",
+        description="rounds: every live episode's turn in one engine call, then every environment step, in lockstep; independent: each episode takes its next turn as soon as its environment step returns, and the engine's running batch takes it in at its next step; auto: independent on vllm and sglang, rounds on hf (fewer, fuller forwards when the environment answers at once; independent wins when some steps are slow).",
+    )
+    gather_ms: float = Field(
+        2.0,
+        ge=0,
+        description="independent progression: how long an idle hf engine waits after a turn arrives for the turns of the same moment to join it before its first step (vllm and sglang schedule themselves).",
+    )
+
+
+class AgentConfig(Section):
+    """A black-box agent function trained in the run (docs/design.md §10.9). Off when ``path`` is null."""
+
+    path: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="The agent as module:function, async def agent(client, record, *, model, **kwargs) "
+        "returning its reward (a number, or a dict of reward parts); run n times per prompt through the "
+        "server's own OpenAI-compatible API, one session per episode. null: no agent.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to every call of the agent function."
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="An episode whose agent has not returned by then ends (abort, agent_timeout)."
+    )
+    gather_ms: float = Field(
+        5.0,
+        ge=0,
+        description="How long an idle hf engine waits after an agent's call arrives for the calls of the same moment to join it before its first step (vllm and sglang schedule themselves).",
+    )
+
+
+class RewardFunction(Section):
+    path: str = Field(
+        ...,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Dotted path module:function(prompt, completion, record) -> float | dict.",
+    )
+    weight: float = Field(1.0, description="Weight of this function in the total reward.")
+    name: str | None = Field(
+        None,
+        min_length=1,
+        description="Name of its reward parts (reward/<name> in metrics); null uses the module's last component.",
+    )
+
+
+class RewardConfig(Section):
+    functions: list[RewardFunction] = Field(
+        default_factory=list, description="Rule-based reward plug-ins, summed with their weights."
+    )
+    model_weight: float = Field(
+        1.0, description="Weight of the reward model's score when model.reward_model is set."
+    )
+    clip: float | None = Field(
+        None, gt=0, description="Clip the total reward to [-clip, clip]; null disables."
+    )
+
+
+class EvalConfig(Section):
+    prompts: str | None = Field(
+        None, description="JSONL of held-out prompts (same schema as data.prompts); null disables evaluation."
+    )
+    interval: int = Field(
+        10, ge=1, description="Evaluate the weights of every version that is a multiple of this."
+    )
+    n_samples: int = Field(4, ge=1, description="Completions per held-out prompt (the k of pass@k).")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation (0 is greedy).")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Response length limit; null uses rollout.max_new_tokens."
+    )
+    pass_threshold: float = Field(
+        1.0, description="A completion passes (for pass@k) when its reward is at least this."
+    )
