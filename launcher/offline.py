@@ -1,7 +1,7 @@
 """``launch.py`` on an offline recipe (sft, rm, dpo): the learner alone on its fixed data set.
 
 These recipes read no rollouts, so no Redis, prompt feeder or rollout servers start: the run is
-``python -m learner.train`` in the run directory (learner/offline.py), its log on the console and in
+``python -m learner.train`` in the run directory (learner/offline_runtime.py), its log on the console and in
 ``logs/learner.log``. The same command again resumes a fixed ``run.dir`` from its newest checkpoint.
 """
 

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from learner.batch import Batch, MicroBatch, make_batch
 from learner.examples import Pair, as_trajectory, load_pairs
 from learner.models import load_frozen, load_policy, make_engine, resolve_dtype
-from learner.offline import OfflineRuntime
+from learner.offline_runtime import OfflineRuntime
 from learner.runtime import Stats
 
 

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from learner.batch import Batch, MicroBatch, make_batch
 from learner.examples import Pair, as_trajectory, load_pairs
 from learner.models import load_scalar_head, make_engine, resolve_dtype, values
-from learner.offline import OfflineRuntime
+from learner.offline_runtime import OfflineRuntime
 from learner.runtime import Stats
 
 

@@ -2,7 +2,7 @@
 
 A recipe (``learner/ppo.py``, ``learner/sft.py``, ``learner/rm.py``, ``learner/dpo.py``) subclasses
 :class:`Runtime` (through ``learner/online.py`` for PPO, which reads a replay buffer, or
-``learner/offline.py`` for the trainers on a fixed dataset) and adds its models and one ``step``. What is
+``learner/offline_runtime.py`` for the trainers on a fixed dataset) and adds its models and one ``step``. What is
 here is what none of them should have to think about (docs/design.md §4.1, docs/stages.md):
 
 - **Ranks.** One process per rank (torchrun, or a plain ``python -m`` for one rank); every rank runs the

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from learner.batch import Layout, make_batch
 from learner.examples import Demonstration, as_trajectory, load_demonstrations
 from learner.models import load_policy, make_engine, resolve_dtype
-from learner.offline import OfflineRuntime
+from learner.offline_runtime import OfflineRuntime
 from learner.runtime import Stats
 from tandem.config import Config
 

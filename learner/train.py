@@ -5,7 +5,7 @@ Several ranks through ``torchrun --nproc-per-node N -m learner.train ...``. The 
 against the replay buffer, as launch.py starts it), or one of the offline trainers ``sft``, ``rm``, ``dpo``
 on a fixed dataset. Each recipe is a module with a short ``step``; the shared plumbing is
 ``learner/runtime.py`` (ranks, telemetry, stopping), ``learner/online.py`` (buffer, weight sync,
-exactly-once) and ``learner/offline.py`` (dataset, evaluation, early stop).
+exactly-once) and ``learner/offline_runtime.py`` (dataset, evaluation, early stop).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import learner.offline as offline
+import learner.offline_runtime as offline
 from learner.batch import budget_sizes, make_batch, pair_micro_batches
 from learner.dpo import DPOTrainer
 from learner.examples import Demonstration, as_trajectory
