@@ -72,7 +72,7 @@ def summarize(
     everything lives, and the fleet size over time. Writes ``summary.json``."""
     launched = {f"server-{i}" for i in range(cfg.rollout.num_servers)}
     servers = sorted(launched | set(fleet.seen(client, cfg.run.name)), key=lambda s: int(s.split("-")[1]))
-    for proc in ["learner", *servers, *cfg.own_scorers]:  # own scorers: rollout/scoring_worker.py
+    for proc in ["learner", *servers, *cfg.own_scorers]:  # own scorers: rollout/own_scorer.py
         raw = client.lrange(history_key(cfg.run.name, proc), 0, -1)
         history_path(run_dir, proc).write_text("".join(r.decode() + "\n" for r in raw))
     if placement:

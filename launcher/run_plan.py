@@ -98,10 +98,10 @@ def plan_run(
         )
         for i in range(cfg.rollout.num_servers)
     ]
-    workers = [  # each scores every trajectory as it arrives (rollout/scoring_worker.py)
+    workers = [  # each scores every trajectory as it arrives (rollout/own_scorer.py)
         Role(
             name=role,
-            module="rollout.scoring_worker",
+            module="rollout.own_scorer",
             argv=("--role", role, *common),
             processes=1,
             threads=aux_threads(cfg, cores),

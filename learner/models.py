@@ -22,7 +22,7 @@ What this module owns and why it looks the way it does:
   ``kl_coef > 0``; with ``placement.reference: learner_cpu`` it lives on CPU and visits the device for its forward pass.
   With ``placement.reference: server`` or ``own`` it is not loaded here at all: the rollout servers score it
   next to generation (``rollout/reference.py``), or the reference worker as trajectories arrive
-  (``rollout/scoring_worker.py``), and each trajectory carries its ``ref_logp``.
+  (``rollout/own_scorer.py``), and each trajectory carries its ``ref_logp``.
   The reward model itself is scored on the rollout servers, not here; the learner only reads it as a
   critic initialisation.
 - **dtype.** ``model.dtype: auto`` is bfloat16 on GPU and float32 on CPU. Logits are upcast to float32

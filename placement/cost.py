@@ -331,7 +331,7 @@ def _predict(
     if roles.reference and plan.reference == "learner_cpu":
         scoring += phase("reference_reload", learn_devs)
     # Frozen models alone on their own group (the reference, the reward model) score each trajectory as it
-    # arrives (rollout/scoring_worker.py): a pipeline stage between generation and learning, not a pass of
+    # arrives (rollout/own_scorer.py): a pipeline stage between generation and learning, not a pass of
     # the learner's step. Sharing the group with an own critic, which works beside the step, they are
     # priced beside it, as before: the group's devices serve one phase at a time, so a batch being scored
     # holds up the critic's forward of the step.

@@ -9,7 +9,7 @@ them):
 - the over-long penalty (DAPO's soft overlong punishment, ``algorithm.overlong_buffer``).
 
 The total is clipped by ``reward.clip``. With the reward model on a worker of its own
-(``placement.reward_model: own``, :mod:`rollout.scoring_worker`) the trajectory carries the text it reads
+(``placement.reward_model: own``, :mod:`rollout.own_scorer`) the trajectory carries the text it reads
 and the rules' total instead, and the learner adds the worker's score (§11.1). With ``placement.reference:
 server`` the reference's log-probabilities are scored here too, just before the append
 (:meth:`GroupScorer.score_reference`).

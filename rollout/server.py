@@ -88,7 +88,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code)
     warm_up(engine, tokenizer)
     rewards = RewardFunctions(cfg.reward)
-    # placement.reward_model: own: the reward model worker scores instead (rollout/scoring_worker.py)
+    # placement.reward_model: own: the reward model worker scores instead (rollout/own_scorer.py)
     reward_model = None if "reward_model" in cfg.own_scorers else reward_model_of(cfg)
     reference = load_reference(cfg)  # placement.reference: server (docs/design.md §11.1)
     metrics = ServerMetrics(engine)

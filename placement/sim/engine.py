@@ -283,7 +283,7 @@ class SimRun:
         self, plan: Plan, groups: Groups, first: int, steps: int, stop: Callable[[int], bool] | None
     ) -> int:
         # The servers' batches reach the learner through the buffer; with frozen scorers alone on their own
-        # group, their workers score each batch on its way (rollout/scoring_worker.py), a third stage.
+        # group, their workers score each batch on its way (rollout/own_scorer.py), a third stage.
         streamed = streams(plan, self.roles)
         ready: queue.Queue[Workload] = queue.Queue(maxsize=max(1, self.max_staleness))
         made: queue.Queue[Workload] = queue.Queue(maxsize=1) if streamed else ready

@@ -23,8 +23,8 @@ from buffer.streams import ReplayBuffer
 from learner.batch import make_batch
 from learner.ppo import PPOLearner
 from placement.configured import aux_threads, configured_plan, thread_split
+from rollout.own_scorer import Scorer, ScoringWorker
 from rollout.reference import reference_of
-from rollout.scoring_worker import Scorer, ScoringWorker
 from tandem.config import load_config
 from tandem.telemetry import Telemetry, history_path, read_history
 from tests.test_reference_placement import learner_of, mixed_trajectories, other_ckpt, ppo_config

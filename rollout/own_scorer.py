@@ -1,7 +1,7 @@
-"""``python -m rollout.scoring_worker``: a frozen model on a worker of its own, scoring the stream
+"""``python -m rollout.own_scorer``: a frozen model on a worker of its own, scoring the stream
 (``placement.reference: own``, ``placement.reward_model: own``; docs/design.md §11.1).
 
-    python -m rollout.scoring_worker --role reference|reward_model --config FILE [key.sub=value ...] --run-dir DIR
+    python -m rollout.own_scorer --role reference|reward_model --config FILE [key.sub=value ...] --run-dir DIR
 
 Neither the reference's forward nor the reward model's needs generation's or training's output, only the
 trajectory, so neither need wait for the learner's step: this process scores every trajectory as the
@@ -42,7 +42,7 @@ from tandem.procs import exit_with_driver
 from tandem.telemetry import Telemetry, setup_logging
 from tandem.timing import timed
 
-log = logging.getLogger("rollout.scoring_worker")
+log = logging.getLogger("rollout.own_scorer")
 
 ROLES = tuple(SCORE_KEYS)  # a role's name: its consumer group, its ready, stats and history keys, its log
 BLOCK_MS = 1_000  # longest wait for new trajectories, so a stop is seen
