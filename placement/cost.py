@@ -304,63 +304,98 @@ def streams(plan: Plan, roles: Roles) -> bool:
 def _predict(
     plan: Plan, roles: Roles, model: CostModel, work: Workload, device_bytes: float, host_bytes: float
 ) -> Prediction:
-    t, m = model.t, model.m
-    gen_devs, learn_devs, aux = plan.generation, plan.learning, plan.aux
-    own = plan.own(roles)
+    """Each side's time, the step's, the memory, and why the plan does not fit (None: it does)."""
+    server = _server_side(plan, roles, model, work)
+    rest = _learner_side(plan, roles, model, work)
+    sync = model.t("sync_local" if plan.mode == "colocate" else "sync", work, plan.learning)
+    learning = rest.mean + sync
+    step = _step_seconds(plan, roles, model, work, server, rest, sync, learning)
+    peak, host = _memory(plan, roles, model, work)
+    why = None
+    if peak > device_bytes:
+        why = f"needs {peak / 2**30:.2f} GiB per device, {device_bytes / 2**30:.2f} available"
+    elif host > host_bytes:
+        why = f"parks {host / 2**30:.2f} GiB in host memory, {host_bytes / 2**30:.2f} available"
+    return Prediction(plan, step, server.mean, learning, peak, host, why)
 
-    def phase(name: str, devices: int) -> Span:
-        mean = t(name, work, devices)
-        return Span(mean, (model.spread.get(name, 0.0) * mean) ** 2)
 
-    # The servers' side: generation, then what is scored next to it.
-    server = phase("generate", gen_devs)
+def _phase(model: CostModel, work: Workload, name: str, devices: int) -> Span:
+    """A phase's law as a span: its mean, and the variance its measured spread gives it."""
+    mean = model.t(name, work, devices)
+    return Span(mean, (model.spread.get(name, 0.0) * mean) ** 2)
+
+
+def _server_side(plan: Plan, roles: Roles, model: CostModel, work: Workload) -> Span:
+    """The servers' side: generation, then what is scored next to it."""
+    server = _phase(model, work, "generate", plan.generation)
     if roles.reference and plan.reference == "server":
-        server += phase("reference", gen_devs)
+        server += _phase(model, work, "reference", plan.generation)
     if roles.reward_model and plan.reward_model == "server":
-        server += phase("reward_model", gen_devs)
+        server += _phase(model, work, "reward_model", plan.generation)
+    return server
 
-    # The learner's side: scoring on the learning group (and the own group beside it), then training.
+
+def _learner_side(plan: Plan, roles: Roles, model: CostModel, work: Workload) -> Span:
+    """The learner's side before the weight sync: scoring on the learning group (and the own group beside
+    it), then training; the own group works beside the learning group, and each waits for the slower."""
+    learn_devs = plan.learning
     forwards = plan.learner_scoring(roles)
     if plan.scoring == "serial" or not forwards:
-        scoring = sum((phase(f, learn_devs) for f in forwards), Span())
+        scoring = sum((_phase(model, work, f, learn_devs) for f in forwards), Span())
     else:
         scoring = functools.reduce(
             slower,
-            (phase(f, g) for f, g in zip(forwards, split_devices(learn_devs, len(forwards)), strict=True)),
+            (
+                _phase(model, work, f, g)
+                for f, g in zip(forwards, split_devices(learn_devs, len(forwards)), strict=True)
+            ),
         )
     if roles.reference and plan.reference == "learner_cpu":
-        scoring += phase("reference_reload", learn_devs)
+        scoring += _phase(model, work, "reference_reload", learn_devs)
     # Frozen models alone on their own group (the reference, the reward model) score each trajectory as it
     # arrives (rollout/own_scorer.py): a pipeline stage between generation and learning, not a pass of
     # the learner's step. Sharing the group with an own critic, which works beside the step, they are
     # priced beside it, as before: the group's devices serve one phase at a time, so a batch being scored
     # holds up the critic's forward of the step.
-    streamed = streams(plan, roles)
-    beside = [] if streamed else own
-    own_scoring = sum((phase({"critic": "critic_values"}.get(r, r), aux) for r in beside), Span())
-    train, own_train = phase("actor_train", learn_devs), Span()
+    beside = [] if streams(plan, roles) else plan.own(roles)
+    own_scoring = sum(
+        (_phase(model, work, {"critic": "critic_values"}.get(r, r), plan.aux) for r in beside), Span()
+    )
+    train, own_train = _phase(model, work, "actor_train", learn_devs), Span()
     if roles.critic:
         if plan.critic == "learner":
-            train += phase("critic_train", learn_devs)
+            train += _phase(model, work, "critic_train", learn_devs)
         else:
-            own_train = phase("critic_train", aux)
-    sync = t("sync_local" if plan.mode == "colocate" else "sync", work, learn_devs)
-    # The own group scores and trains beside the learning group: each waits for the slower, every step.
-    rest = slower(scoring, own_scoring) + slower(train, own_train)
-    learning = rest.mean + sync
+            own_train = _phase(model, work, "critic_train", plan.aux)
+    return slower(scoring, own_scoring) + slower(train, own_train)
 
+
+def _step_seconds(
+    plan: Plan,
+    roles: Roles,
+    model: CostModel,
+    work: Workload,
+    server: Span,
+    rest: Span,
+    sync: float,
+    learning: float,
+) -> float:
+    """The step: colocated, the sides take turns with a switch between; separated, they work at once."""
     if plan.mode == "colocate":
-        step = server.mean + t("switch", work, gen_devs) + learning
-    else:
-        # The weight broadcast holds the servers too (they pause to load it), so it is on both sides'
-        # path: each step both sides do their work, then the broadcast. A streamed own group is a third
-        # stage, which sets the pace only when it is the slowest.
-        sides = slower(server, rest)
-        if streamed:
-            sides = slower(sides, sum((phase(r, aux) for r in own), Span()))
-        step = sides.mean + sync
+        return server.mean + model.t("switch", work, plan.generation) + learning
+    # The weight broadcast holds the servers too (they pause to load it), so it is on both sides'
+    # path: each step both sides do their work, then the broadcast. A streamed own group is a third
+    # stage, which sets the pace only when it is the slowest.
+    sides = slower(server, rest)
+    if streams(plan, roles):
+        sides = slower(sides, sum((_phase(model, work, r, plan.aux) for r in plan.own(roles)), Span()))
+    return sides.mean + sync
 
-    # Memory per device of each group; colocated sides take turns, so only the larger is resident.
+
+def _memory(plan: Plan, roles: Roles, model: CostModel, work: Workload) -> tuple[float, float]:
+    """Peak bytes per device over the groups, and bytes parked in host memory; colocated sides take turns,
+    so only the larger is resident."""
+    m, gen_devs, learn_devs, aux = model.m, plan.generation, plan.learning, plan.aux
     server_roles = ["engine"]
     server_roles += ["reference"] if roles.reference and plan.reference == "server" else []
     server_roles += ["reward_model"] if roles.reward_model and plan.reward_model == "server" else []
@@ -369,16 +404,11 @@ def _predict(
     learner_roles += ["critic"] if roles.critic and plan.critic == "learner" else []
     server_mem = sum(m(r, work, gen_devs) for r in server_roles)
     learner_mem = sum(m(r, work, learn_devs) for r in learner_roles)
-    own_mem = sum(m(r, work, aux) for r in own) if aux else 0.0
+    own_mem = sum(m(r, work, aux) for r in plan.own(roles)) if aux else 0.0
     host = m("reference", work, 1) if roles.reference and plan.reference == "learner_cpu" else 0.0
     if plan.mode == "colocate":
         peak = max(server_mem, learner_mem)
         host += min(server_mem, learner_mem) * gen_devs  # the side asleep is parked in host memory
     else:
         peak = max(server_mem, learner_mem, own_mem)
-    why = None
-    if peak > device_bytes:
-        why = f"needs {peak / 2**30:.2f} GiB per device, {device_bytes / 2**30:.2f} available"
-    elif host > host_bytes:
-        why = f"parks {host / 2**30:.2f} GiB in host memory, {host_bytes / 2**30:.2f} available"
-    return Prediction(plan, step, server.mean, learning, peak, host, why)
+    return peak, host
