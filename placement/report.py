@@ -47,7 +47,38 @@ def format_ranking(preds: list[Prediction], roles: Roles, configured: Prediction
     return "\n".join(rows)
 
 
+class Refused(Exception):
+    """What ``launch.py plan`` cannot place, said as one ``error:`` line (exit code 2)."""
+
+
 def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = ppo_config(args)
+        devices = args.devices or os.cpu_count() or 1
+        if devices < 1:
+            raise Refused("--devices must be at least 1")
+        cuda = args.cuda or cfg.run.device == "cuda"
+        device_bytes, host_bytes = memory_of(args, cuda, devices)
+        roles = roles_of(cfg)
+        model, work, source = laws_of(args, cfg, cuda)
+        preds = rank(roles, devices, model, work, device_bytes=device_bytes, host_bytes=host_bytes)
+        mine = configured_prediction(cfg, preds, roles, devices)
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kind = "GPUs" if cuda else "CPU threads"
+    print(
+        f"# {len(preds)} plans on {devices} {kind}, {work.samples} samples x ({work.prompt_len:.0f} + "
+        f"{work.response_len:.0f}) tokens a step; models: actor"
+        + "".join(f", {r}" for r in ("reference", "critic", "reward_model") if getattr(roles, r))
+    )
+    print(f"# {source}")
+    print(format_ranking(preds, roles, mine, args.top))
+    return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="launch.py plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -69,62 +100,62 @@ def main(argv: list[str]) -> int:
         metavar="RUN_DIR",
         help="fit the laws to this run's measured phase times (repeat: runs on two device counts)",
     )
-    args = ap.parse_intermixed_args(argv)
+    return ap.parse_intermixed_args(argv)
+
+
+def ppo_config(args: argparse.Namespace) -> Config:
+    """The config with its overrides; only the online PPO recipe has roles to place."""
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise Refused(e) from None
     if cfg.recipe != "ppo":
-        print(
-            f"error: launch.py plan places the online PPO roles; {args.config} is algorithm.recipe={cfg.recipe}",
-            file=sys.stderr,
+        raise Refused(
+            f"launch.py plan places the online PPO roles; {args.config} is algorithm.recipe={cfg.recipe}"
         )
-        return 2
-    devices = args.devices or os.cpu_count() or 1
-    if devices < 1:
-        print("error: --devices must be at least 1", file=sys.stderr)
-        return 2
-    cuda = args.cuda or cfg.run.device == "cuda"
+    return cfg
+
+
+def memory_of(args: argparse.Namespace, cuda: bool, devices: int) -> tuple[float, float]:
+    """Bytes per device and host bytes for offloads: as given, else 80 GiB per GPU, or this host's memory
+    shared by the CPU devices."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     device_bytes = (args.device_gb or 80.0) * GiB if cuda else host / devices
     if args.device_gb and not cuda:
         device_bytes = args.device_gb * GiB
     host_bytes = (args.host_gb * GiB) if args.host_gb else host
-    roles, model, work = roles_of(cfg), prior_model(cfg, cuda=cuda), workload_of(cfg, args.prompt_len)
+    return device_bytes, host_bytes
+
+
+def laws_of(args: argparse.Namespace, cfg: Config, cuda: bool) -> tuple[CostModel, Workload, str]:
+    """The cost laws, the step's workload and a line saying where they come from: the prior, with the
+    phases ``--profile`` runs measured fitted over it."""
+    model, work = prior_model(cfg, cuda=cuda), workload_of(cfg, args.prompt_len)
     source = "predicted from checkpoint sizes and nominal device speeds (a prior: orders of magnitude, not a profile)"
-    if args.profile:
-        try:
-            profiles = [read_run(d, os.cpu_count() or 1) for d in args.profile]
-        except (OSError, ValueError, KeyError, ConfigError) as e:
-            print(f"error: --profile: {e}", file=sys.stderr)
-            return 2
-        measured = CostModel.from_samples([s for p in profiles for s in p.samples])
-        model = CostModel({**model.time, **measured.time}, {**model.memory, **measured.memory})
-        work = profiled_workload(profiles, cfg.algorithm.batch_size)
-        source = (
-            f"fitted to the measured phases of {len(profiles)} run(s): {', '.join(sorted(measured.time))}; "
-            "other phases from the prior"
-        )
-    preds = rank(roles, devices, model, work, device_bytes=device_bytes, host_bytes=host_bytes)
+    if not args.profile:
+        return model, work, source
+    try:
+        profiles = [read_run(d, os.cpu_count() or 1) for d in args.profile]
+    except (OSError, ValueError, KeyError, ConfigError) as e:
+        raise Refused(f"--profile: {e}") from None
+    measured = CostModel.from_samples([s for p in profiles for s in p.samples])
+    model = CostModel({**model.time, **measured.time}, {**model.memory, **measured.memory})
+    work = profiled_workload(profiles, cfg.algorithm.batch_size)
+    source = (
+        f"fitted to the measured phases of {len(profiles)} run(s): {', '.join(sorted(measured.time))}; "
+        "other phases from the prior"
+    )
+    return model, work, source
+
+
+def configured_prediction(cfg: Config, preds: list[Prediction], roles: Roles, devices: int) -> Prediction:
+    """The configured plan's row of the ranking; refused where it cannot run or there is nothing to choose."""
     configured = configured_plan(cfg, devices)
     mine = next((p for p in preds if p.plan == configured), None)
     if devices > 1 and mine is None and (why := validate(configured, roles, devices)):
-        print(
-            f"error: the configured placement ({configured.label(roles)}) cannot run on {devices} device(s): "
-            f"{why}",
-            file=sys.stderr,
+        raise Refused(
+            f"the configured placement ({configured.label(roles)}) cannot run on {devices} device(s): {why}"
         )
-        return 2
     if devices == 1 or mine is None:
-        print(f"error: {devices} device(s) leave no choice of placement for this config", file=sys.stderr)
-        return 2
-    kind = "GPUs" if cuda else "CPU threads"
-    print(
-        f"# {len(preds)} plans on {devices} {kind}, {work.samples} samples x ({work.prompt_len:.0f} + "
-        f"{work.response_len:.0f}) tokens a step; models: actor"
-        + "".join(f", {r}" for r in ("reference", "critic", "reward_model") if getattr(roles, r))
-    )
-    print(f"# {source}")
-    print(format_ranking(preds, roles, mine, args.top))
-    return 0
+        raise Refused(f"{devices} device(s) leave no choice of placement for this config")
+    return mine
