@@ -674,9 +674,16 @@ def create_app(
         sink=sink,
     )
     app = FastAPI(title="tandem rollout server", docs_url=None, redoc_url=None, openapi_url=None)
-
     app.add_middleware(Guard, api_key=http.api_key, metrics=metrics)
     app.add_middleware(BodyLimit, limit=http.max_request_bytes)
+    add_error_handlers(app)
+    add_routes(app, api, engine, metrics, model_name)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every failure answers in OpenAI's error shape (400 for what the client sent, 500 for our bugs),
+    and a client that went away is logged rather than answered."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -719,6 +726,9 @@ def create_app(
         log.exception("request failed")
         return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
+
+def add_routes(app: FastAPI, api: API, engine: Engine, metrics: ServerMetrics, model_name: str) -> None:
+    """The OpenAI routes (``api``'s methods), and the health and Prometheus endpoints beside them."""
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
     app.get("/v1/models")(api.models)
@@ -732,5 +742,3 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
