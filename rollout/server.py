@@ -25,6 +25,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis
@@ -43,6 +44,12 @@ from tandem.config import Config, HTTPConfig, load_config
 from tandem.fleet import Beat
 from tandem.procs import exit_with_driver
 from tandem.telemetry import Telemetry, setup_logging
+
+if TYPE_CHECKING:
+    from buffer.streams import ReplayBuffer
+    from rollout.evaluate import Evaluator
+    from rollout.reference import ReferenceModel
+    from tandem.rewards import RewardFunctions
 
 log = logging.getLogger("rollout.server")
 
@@ -70,41 +77,19 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
 
     cfg = load_config(args.config, args.overrides)
     sid, name = args.server_index, f"server-{args.server_index}"
-    setup_logging(cfg.logging.level)
-    seed_everything(cfg.run.seed + sid)
-    if "OMP_NUM_THREADS" not in os.environ:  # a launcher planned our threads (and torch read them); else:
-        torch.set_num_threads(thread_split(cfg)[0])
-
+    set_up_process(cfg, sid)
     client = connect_redis(cfg)
     buffer = ReplayBuffer.from_config(client, cfg, consumer=name)
     subscriber = make_subscriber(cfg, client, name, run_dir=args.run_dir)
-    engine = make_engine(cfg, cfg.model.actor, server_index=sid)
-    if cfg.weight_path == "engine":
-        from weightsync.engine_push import EngineEndpoint, register_engine
-
-        register_engine(
-            client, cfg.run.name, EngineEndpoint(sid, cfg.rollout.engine, engine.url, engine.world_size())
-        )
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code)
-    warm_up(engine, tokenizer)
+    engine, tokenizer = start_engine(cfg, client, sid)
     rewards = RewardFunctions(cfg.reward)
     # placement.reward_model: own: the reward model worker scores instead (rollout/own_scorer.py)
     reward_model = None if "reward_model" in cfg.own_scorers else reward_model_of(cfg)
     reference = load_reference(cfg)  # placement.reference: server (docs/design.md §11.1)
     metrics = ServerMetrics(engine)
-    http = None
-    if cfg.rollout.http.enabled:
-        port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
-        # A black-box agent's finished session is a trajectory of its own group (docs/design.md §10.6).
-        http = start_http(engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port,
-                          sink=lambda t: buffer.put(reference.fill([t]) if reference else [t]))  # fmt: skip
+    http = start_run_http(cfg, engine, tokenizer, metrics, sid, buffer, reference)
     telemetry = Telemetry(cfg, name, client, run_dir=args.run_dir)
-    evaluator = None
-    if cfg.eval.prompts is not None:
-        from rollout.evaluate import Evaluator
-
-        eval_telemetry = Telemetry(cfg, f"eval-{name}", client, run_dir=args.run_dir, job_type="eval")
-        evaluator = Evaluator(cfg, engine, tokenizer, rewards, client, eval_telemetry)
+    evaluator = make_evaluator(cfg, engine, tokenizer, rewards, client, name, args.run_dir)
     loop = RolloutLoop(
         cfg,
         engine,
@@ -145,6 +130,72 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         telemetry.close()
         client.close()
     return 0
+
+
+def set_up_process(cfg: Config, sid: int) -> None:
+    """Logging, seeds (one stream per server) and torch threads, before anything loads."""
+    setup_logging(cfg.logging.level)
+    seed_everything(cfg.run.seed + sid)
+    if "OMP_NUM_THREADS" not in os.environ:  # a launcher planned our threads (and torch read them); else:
+        torch.set_num_threads(thread_split(cfg)[0])
+
+
+def start_engine(cfg: Config, client: redis.Redis, sid: int) -> tuple[Engine, PreTrainedTokenizerBase]:
+    """The engine, registered where the learner pushes weights into engines, and warmed up: a broken one
+    fails here, before the server reports ready."""
+    engine = make_engine(cfg, cfg.model.actor, server_index=sid)
+    if cfg.weight_path == "engine":
+        from weightsync.engine_push import EngineEndpoint, register_engine
+
+        register_engine(
+            client, cfg.run.name, EngineEndpoint(sid, cfg.rollout.engine, engine.url, engine.world_size())
+        )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code)
+    warm_up(engine, tokenizer)
+    return engine, tokenizer
+
+
+def start_run_http(
+    cfg: Config,
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    metrics: ServerMetrics,
+    sid: int,
+    buffer: ReplayBuffer,
+    reference: ReferenceModel | None,
+) -> HTTPServer | None:
+    """The server's HTTP API where ``rollout.http.enabled`` (port: base + server index, or a free one)."""
+    if not cfg.rollout.http.enabled:
+        return None
+    port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
+    # A black-box agent's finished session is a trajectory of its own group (docs/design.md §10.6).
+    return start_http(
+        engine,
+        tokenizer,
+        cfg.model.actor,
+        cfg.rollout.http,
+        metrics,
+        port=port,
+        sink=lambda t: buffer.put(reference.fill([t]) if reference else [t]),
+    )
+
+
+def make_evaluator(
+    cfg: Config,
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    rewards: RewardFunctions,
+    client: redis.Redis,
+    name: str,
+    run_dir: str | None,
+) -> Evaluator | None:
+    """The held-out evaluator where ``eval.prompts`` is set, logging under its own ``eval-`` name."""
+    if cfg.eval.prompts is None:
+        return None
+    from rollout.evaluate import Evaluator
+
+    eval_telemetry = Telemetry(cfg, f"eval-{name}", client, run_dir=run_dir, job_type="eval")
+    return Evaluator(cfg, engine, tokenizer, rewards, client, eval_telemetry)
 
 
 def serve_standalone(args: argparse.Namespace, stop: threading.Event) -> int:
