@@ -50,6 +50,7 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from queue import SimpleQueue
+from typing import TYPE_CHECKING, Any
 
 import redis
 from transformers import PreTrainedTokenizerBase
@@ -72,6 +73,9 @@ from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
 from tandem.timing import BusyClock, Timers, Waits
 from weightsync.base import Subscriber, WeightSyncError, weights_key
+
+if TYPE_CHECKING:
+    from rollout.agents.runner import AgentRunner
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,19 @@ class _Unscored:
     completions: list[Completion]
     batch: _Batch
     ready: float
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
+    """What every batch samples with: ``rollout.n_samples`` completions per prompt, as ``rollout`` says."""
+    r = cfg.rollout
+    return SamplingParams(
+        n=r.n_samples,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop=list(r.stop),
+    )
 
 
 def inflight_window(cfg: Config) -> int:
@@ -152,38 +169,14 @@ class RolloutLoop:
             idle=lambda: not self.inflight, server_index=server_index,
             release_also=reference.release if reference is not None else None,
         )  # fmt: skip
-        r = cfg.rollout
-        self.sampling = SamplingParams(
-            n=r.n_samples,
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop=list(r.stop),
-        )
+        self.sampling = sampling_params(cfg)
         self.scoring = GroupScorer(
             cfg, tokenizer, self.sampling, rewards, server_index=server_index, timers=self.timers,
             reward_model=reward_model, reference=reference,
         )  # fmt: skip
-        self.env_factory, self.episodes = None, None
-        if cfg.env.path is not None:
-            e = cfg.env
-            self.env_factory = load_env_factory(e.path, e.kwargs)
-            self.episodes = EpisodeRunner(
-                engine, tokenizer, self.sampling, max_turns=e.max_turns, max_total_tokens=e.max_total_tokens,
-                step_timeout_s=e.step_timeout_s, vocab_size=len(tokenizer), progression=cfg.episode_progression,
-                gather_s=e.gather_ms / 1000,
-            )  # fmt: skip
+        self.env_factory, self.episodes = self._episode_runner()
         self.window = inflight_window(cfg)  # batches in flight
-        self.agents = None
-        if cfg.agent.path is not None:  # the SDK is imported only by agent runs
-            from rollout.agents.runner import AgentRunner
-
-            self.agents = AgentRunner(
-                cfg, engine, tokenizer, metrics=self.metrics, between_batches=self.weights.poll,
-                between_steps=self.weights.poll_inflight if r.inflight_updates else None,
-                batches=self.window,
-            )  # fmt: skip
+        self.agents = self._agent_runner()
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.admission = Admission.from_config(buffer.client, cfg, buffer.consumer)  # and its credits
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
@@ -198,6 +191,32 @@ class RolloutLoop:
         )
         self.scoring_thread = ThreadPoolExecutor(1, thread_name_prefix=f"rollout{server_index}-score")
         self.unscored: SimpleQueue[_Unscored] = SimpleQueue()  # groups generated, not yet scored
+
+    def _episode_runner(self) -> tuple[Callable[[], Any] | None, EpisodeRunner | None]:
+        """With ``env.path``: the environment factory and the runner of its multi-turn episodes."""
+        cfg, e = self.cfg, self.cfg.env
+        if e.path is None:
+            return None, None
+        factory = load_env_factory(e.path, e.kwargs)
+        runner = EpisodeRunner(
+            self.engine, self.tokenizer, self.sampling, max_turns=e.max_turns, max_total_tokens=e.max_total_tokens,
+            step_timeout_s=e.step_timeout_s, vocab_size=len(self.tokenizer), progression=cfg.episode_progression,
+            gather_s=e.gather_ms / 1000,
+        )  # fmt: skip
+        return factory, runner
+
+    def _agent_runner(self) -> AgentRunner | None:
+        """With ``agent.path``: the runner of black-box agents (the SDK is imported only by agent runs)."""
+        cfg = self.cfg
+        if cfg.agent.path is None:
+            return None
+        from rollout.agents.runner import AgentRunner
+
+        return AgentRunner(
+            cfg, self.engine, self.tokenizer, metrics=self.metrics, between_batches=self.weights.poll,
+            between_steps=self.weights.poll_inflight if cfg.rollout.inflight_updates else None,
+            batches=self.window,
+        )  # fmt: skip
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
