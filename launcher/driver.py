@@ -349,13 +349,7 @@ def _run(
     watch: Watch | None = None,
 ) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_dir.name})})
-    if resume is None or cfg.run.dir is not None:
-        # What a later run of the same command or --resume starts from (without the embedded Redis's URL,
-        # added below); a fixed run.dir keeps the config of its latest command. Owner-only: a redis.url or
-        # API key the user gave is in it, as --resume needs it.
-        write_private(run_dir / "config.public.yaml", dump_config(cfg))
-    print(f"[launch] run directory: {run_dir}")
-
+    record_config(cfg, run_dir, resumed=resume is not None)
     embedded = None
     client = None
     started = False
@@ -369,10 +363,7 @@ def _run(
         reconnect_s = DRIVER_RECONNECT_S if embedded is not None else cfg.supervision.reconnect_s
         client = connect_run(cfg.redis.url, reconnect_s=reconnect_s)
         keeper = RedisKeeper(cfg, embedded)
-        client.delete(stop_key(cfg.run.name))
-        from weightsync.dist import forget_dead_publisher  # torch: not at the launcher's import
-
-        forget_dead_publisher(client, cfg.run.name)
+        forget_last_life(cfg, client)
         config_path = write_process_config(cfg, run_dir)
 
         from buffer.streams import ReplayBuffer
@@ -387,11 +378,7 @@ def _run(
         print(f"[launch] started {', '.join(r.name for r in plan.roles)}; logs in {run_dir / 'logs'}")
         outcome = wait_ready(cfg, plan, backend, client, keeper, feeder)
         if outcome.ok:
-            console = Console(cfg, enabled=console_enabled)
-            try:
-                outcome = supervise(cfg, backend, client, keeper, feeder, console, watch)
-            finally:
-                console.close()
+            outcome = supervise_with_console(cfg, backend, client, keeper, feeder, console_enabled, watch)
     except StartError as e:
         outcome = Outcome(False, f"could not start: {e}")
     except RedisUnavailable as e:  # an external redis.url that does not answer: no process was started
@@ -399,23 +386,73 @@ def _run(
     except KeyboardInterrupt:
         outcome = Outcome(False, "interrupted (Ctrl-C): stopping every process")
     finally:
-        print("[launch] stopping ...", flush=True)
-        if embedded is not None and not embedded.alive and started:
-            with contextlib.suppress(Exception):  # the processes still flushing need it, and the summary
-                embedded.restart()
-        if client is not None:
-            with contextlib.suppress(redis.RedisError):
-                client.set(stop_key(cfg.run.name), "1")  # ask everyone to finish (the learner checkpoints)
-        if started:
-            backend.stop(grace_s=60.0)
-        if client is not None:  # also after Ctrl-C or a crash: what was learned so far
-            with contextlib.suppress(redis.RedisError):
-                summarize(cfg, client, run_dir, backend.placement())
-        if embedded is not None:
-            embedded.stop()
-        remove_shared_weights(cfg, run_dir)
+        stop_run(cfg, backend, run_dir, embedded, client, started=started)
     print(f"[launch] {outcome.message}")
     print(
         f"[launch] logs: {run_dir / 'logs'}; wandb files: {run_dir / 'wandb'} (mode {cfg.logging.wandb_mode})"
     )
     return MOVED if outcome.moved else 0 if outcome.ok else 1
+
+
+def record_config(cfg: Config, run_dir: Path, *, resumed: bool) -> None:
+    """Write what a later run of the same command or --resume starts from (without the embedded Redis's
+    URL, added later); a resumed run in its own directory keeps the config it started with, a fixed
+    run.dir the config of its latest command. Owner-only: a redis.url or API key the user gave is in it,
+    as --resume needs it."""
+    if not resumed or cfg.run.dir is not None:
+        write_private(run_dir / "config.public.yaml", dump_config(cfg))
+    print(f"[launch] run directory: {run_dir}")
+
+
+def forget_last_life(cfg: Config, client: redis.Redis) -> None:
+    """Clear what a previous life of this run left in Redis that would stop or mislead this one: its stop
+    request, and the weight publisher that died with it."""
+    client.delete(stop_key(cfg.run.name))
+    from weightsync.dist import forget_dead_publisher  # torch: not at the launcher's import
+
+    forget_dead_publisher(client, cfg.run.name)
+
+
+def supervise_with_console(
+    cfg: Config,
+    backend: Backend,
+    client: redis.Redis,
+    keeper: RedisKeeper,
+    feeder: PromptFeeder,
+    console_enabled: bool,
+    watch: Watch | None,
+) -> Outcome:
+    """Supervise the ready run with its console, which is closed however the run ends."""
+    console = Console(cfg, enabled=console_enabled)
+    try:
+        return supervise(cfg, backend, client, keeper, feeder, console, watch)
+    finally:
+        console.close()
+
+
+def stop_run(
+    cfg: Config,
+    backend: Backend,
+    run_dir: Path,
+    embedded: EmbeddedRedis | None,
+    client: redis.Redis | None,
+    *,
+    started: bool,
+) -> None:
+    """However the run ended: ask every process to finish, stop them, summarize what was learned so far,
+    and free Redis and the shared weights. Each step copes with what was never started."""
+    print("[launch] stopping ...", flush=True)
+    if embedded is not None and not embedded.alive and started:
+        with contextlib.suppress(Exception):  # the processes still flushing need it, and the summary
+            embedded.restart()
+    if client is not None:
+        with contextlib.suppress(redis.RedisError):
+            client.set(stop_key(cfg.run.name), "1")  # ask everyone to finish (the learner checkpoints)
+    if started:
+        backend.stop(grace_s=60.0)
+    if client is not None:  # also after Ctrl-C or a crash: what was learned so far
+        with contextlib.suppress(redis.RedisError):
+            summarize(cfg, client, run_dir, backend.placement())
+    if embedded is not None:
+        embedded.stop()
+    remove_shared_weights(cfg, run_dir)
