@@ -32,8 +32,8 @@ from buffer.retry import RedisUnavailable, connect_run
 from launcher.backends import Backend, Outcome, StartError
 from launcher.console import Console, status_line, summarize
 from launcher.feeder import PromptFeeder, PromptSet
-from launcher.run_plan import RunPlan, plan_run
 from launcher.prepare import how_to_make
+from launcher.run_plan import RunPlan, plan_run
 from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, write_private
 from tandem.procs import alive

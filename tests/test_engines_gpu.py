@@ -109,7 +109,12 @@ def test_generate_then_reload_from_disk(engine, tmp_path, request):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_nccl_push_from_the_learner(engine, tmp_path, request, run_id):
     need(engine, gpus=2)
-    from weightsync.engine_push import EngineEndpoint, EnginePublisher, EngineVersionSubscriber, register_engine
+    from weightsync.engine_push import (
+        EngineEndpoint,
+        EnginePublisher,
+        EngineVersionSubscriber,
+        register_engine,
+    )
 
     actor = request.getfixturevalue("tiny_ckpt")["actor"]
     redis_client = request.getfixturevalue("redis_client")
