@@ -90,6 +90,13 @@ def test_sync_interval_beyond_the_staleness_bound_is_refused() -> None:
         load_config(tiny, [s2, "algorithm.sync_interval=2", "run.mode=sync"])
 
 
+def test_an_own_critic_on_an_offline_recipe_is_a_config_error() -> None:
+    """An offline recipe has no advantage estimator, so no critic: the check names the field, not an
+    AttributeError from reading a ppo-only field."""
+    with pytest.raises(ConfigError, match=r"placement\.critic=own needs a critic"):
+        load_config(ROOT / "configs/sft-echo.yaml", ["placement.critic=own"])
+
+
 def test_per_turn_credit_needs_a_per_token_estimator() -> None:
     tiny = ROOT / "configs/tiny.yaml"
     assert load_config(tiny, ["algorithm.credit=turn", "algorithm.advantage=gae"]).algorithm.credit == "turn"

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from tandem.config.base import Section
 
-# The planner ranks every placement (placement/plan.py); these are the ones the processes run today, for a
+# The planner ranks every placement (placement/plans.py); these are the ones the processes run today, for a
 # config to ask for and for placement.mode: auto to choose.
 RUNNABLE_PLACEMENT: dict[str, tuple[str, ...]] = {
     "reference": ("learner", "learner_cpu", "server", "own"),

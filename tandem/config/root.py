@@ -91,11 +91,11 @@ class Config(Section):
     @property
     def critic_own(self) -> bool:
         """The critic scores and trains beside the actor on threads of its own (``placement.critic: own``)."""
-        return self.placement.critic == "own" and self.algorithm.advantage == "gae"
+        return self.placement.critic == "own" and getattr(self.algorithm, "advantage", None) == "gae"
 
     @property
     def own_scorers(self) -> list[str]:
-        """The roles that score the stream on workers of their own (rollout/scoring_worker.py), in the
+        """The roles that score the stream on workers of their own (rollout/own_scorer.py), in the
         order the learner reads their scores: ``reference``, ``reward_model``."""
         own = ["reference"] if self.reference_scorer == "own" else []
         if self.model.reward_model is not None and self.placement.reward_model == "own":
