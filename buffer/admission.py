@@ -63,9 +63,15 @@ def largest_group(*, batch_size: int, max_staleness: int) -> int:
 
 
 def recounted(
-    version: int, *, batch_size: int, n_samples: int, trajectories: int, claimed: int, credits: int,
+    version: int,
+    *,
+    batch_size: int,
+    n_samples: int,
+    trajectories: int,
+    claimed: int,
+    credits: int,
     trained_unacked: int = 0,
-) -> int:  # fmt: skip
+) -> int:
     """What truly holds admission (see :meth:`Admission.recount`): trained trajectories, those still in the
     stream (less those already trained), and the claimed prompts and unspent credits, ``n_samples`` each."""
     return version * batch_size + trajectories - trained_unacked + (claimed + credits) * n_samples
@@ -114,9 +120,15 @@ class Admission:
     """
 
     def __init__(
-        self, client: redis.Redis, run: str, *, consumer: str, batch_size: int, max_staleness: int,
+        self,
+        client: redis.Redis,
+        run: str,
+        *,
+        consumer: str,
+        batch_size: int,
+        max_staleness: int,
         n_samples: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.client, self.run, self.consumer = client, run, consumer
         self.batch_size, self.max_staleness, self.n_samples = batch_size, max_staleness, n_samples
         self.version_key, self.admitted_key = version_key(run), admitted_key(run)
@@ -229,9 +241,12 @@ class Admission:
                 self.try_admit(missing)
             else:
                 self.wait(
-                    missing, timeout_s=timeout_s, should_stop=should_stop, while_waiting=while_waiting,
+                    missing,
+                    timeout_s=timeout_s,
+                    should_stop=should_stop,
+                    while_waiting=while_waiting,
                     wake_channels=wake_channels,
-                )  # fmt: skip
+                )
         return self.credits
 
     # ---------------------------------------------------------------------------------------- credits
@@ -294,9 +309,13 @@ class Admission:
         claimed = streams.prompts_claimed()
         credits = sum(max(0, int(c)) for c in self.client.hvals(self.credits_key))
         admitted = recounted(
-            version, batch_size=self.batch_size, n_samples=self.n_samples,
-            trajectories=streams.trajectories_pending(), claimed=claimed, credits=credits,
+            version,
+            batch_size=self.batch_size,
+            n_samples=self.n_samples,
+            trajectories=streams.trajectories_pending(),
+            claimed=claimed,
+            credits=credits,
             trained_unacked=trained_unacked,
-        )  # fmt: skip
+        )
         self.client.set(self.admitted_key, admitted)
         return admitted

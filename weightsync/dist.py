@@ -202,9 +202,12 @@ class DistPublisher(Publisher):
         self._seq += 1
         rnd = [version, self._seq]
         offer = {
-            "version": version, "round": rnd, "host": self.host, "port": self._store.port,
+            "version": version,
+            "round": rnd,
+            "host": self.host,
+            "port": self._store.port,
             "backend": self.backend,
-        }  # fmt: skip
+        }
         self.client.delete(weights_key(self.run, "join", *rnd))
         pipe = self.client.pipeline()
         pipe.set(weights_key(self.run, "offer"), msgpack.packb(offer))
