@@ -122,8 +122,14 @@ class Evaluator:
         self.telemetry.log(result.metrics(), step=version)
         log.info(
             "eval at v%d: reward %.3f, pass@1 %.3f, pass@%d %.3f over %d prompts (%.1fs)",
-            version, result.reward_mean, result.pass_at_1, n, result.pass_at_k, result.prompts, result.seconds,
-        )  # fmt: skip
+            version,
+            result.reward_mean,
+            result.pass_at_1,
+            n,
+            result.pass_at_k,
+            result.prompts,
+            result.seconds,
+        )
         return result
 
     def text(self, token_ids: list[int]) -> str:

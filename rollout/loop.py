@@ -165,15 +165,27 @@ class RolloutLoop:
         self.timers = Timers()  # seconds spent in each phase since the last log (written by every thread)
         self.inflight: list[Future[list[list[Trajectory]]]] = []  # batches handed to generation threads
         self.weights = EngineWeights(
-            cfg, engine, subscriber, metrics=self.metrics, timers=self.timers, should_stop=self.should_stop,
-            idle=lambda: not self.inflight, server_index=server_index,
+            cfg,
+            engine,
+            subscriber,
+            metrics=self.metrics,
+            timers=self.timers,
+            should_stop=self.should_stop,
+            idle=lambda: not self.inflight,
+            server_index=server_index,
             release_also=reference.release if reference is not None else None,
-        )  # fmt: skip
+        )
         self.sampling = sampling_params(cfg)
         self.scoring = GroupScorer(
-            cfg, tokenizer, self.sampling, rewards, server_index=server_index, timers=self.timers,
-            reward_model=reward_model, reference=reference,
-        )  # fmt: skip
+            cfg,
+            tokenizer,
+            self.sampling,
+            rewards,
+            server_index=server_index,
+            timers=self.timers,
+            reward_model=reward_model,
+            reference=reference,
+        )
         self.env_factory, self.episodes = self._episode_runner()
         self.window = inflight_window(cfg)  # batches in flight
         self.agents = self._agent_runner()
@@ -199,10 +211,16 @@ class RolloutLoop:
             return None, None
         factory = load_env_factory(e.path, e.kwargs)
         runner = EpisodeRunner(
-            self.engine, self.tokenizer, self.sampling, max_turns=e.max_turns, max_total_tokens=e.max_total_tokens,
-            step_timeout_s=e.step_timeout_s, vocab_size=len(self.tokenizer), progression=cfg.episode_progression,
+            self.engine,
+            self.tokenizer,
+            self.sampling,
+            max_turns=e.max_turns,
+            max_total_tokens=e.max_total_tokens,
+            step_timeout_s=e.step_timeout_s,
+            vocab_size=len(self.tokenizer),
+            progression=cfg.episode_progression,
             gather_s=e.gather_ms / 1000,
-        )  # fmt: skip
+        )
         return factory, runner
 
     def _agent_runner(self) -> AgentRunner | None:
@@ -213,10 +231,14 @@ class RolloutLoop:
         from rollout.agents.runner import AgentRunner
 
         return AgentRunner(
-            cfg, self.engine, self.tokenizer, metrics=self.metrics, between_batches=self.weights.poll,
+            cfg,
+            self.engine,
+            self.tokenizer,
+            metrics=self.metrics,
+            between_batches=self.weights.poll,
             between_steps=self.weights.poll_inflight if cfg.rollout.inflight_updates else None,
             batches=self.window,
-        )  # fmt: skip
+        )
 
     def run(self) -> None:
         """Generate until asked to stop (``stop_event``, the run's stop key); then give back admission."""
@@ -248,8 +270,13 @@ class RolloutLoop:
             self.weights.wait_for(self.subscriber.latest_version, min(c.weightsync.timeout_s, JOIN_WAIT_S))
         except WeightSyncError:  # the freshness rule (EngineWeights.ensure_fresh) still holds
             target = self.subscriber.latest_version()
-            log.warning("server-%d: joined at weights v%d; v%d has not arrived yet, generating anyway "
-                        "where admission allows", self.server_index, self.engine.version, target)  # fmt: skip
+            log.warning(
+                "server-%d: joined at weights v%d; v%d has not arrived yet, generating anyway "
+                "where admission allows",
+                self.server_index,
+                self.engine.version,
+                target,
+            )
 
     def step(self) -> int:
         """One admitted batch of prompt groups, generated, scored and appended: within this call when one
@@ -388,12 +415,14 @@ class RolloutLoop:
         (one Redis call when the window is open)."""
         with self.timers("time/wait_admission"):
             held = self.admission.top_up(
-                self.cfg.rollout.prompts_per_batch, timeout_s=POLL_S, should_stop=self.should_stop,
+                self.cfg.rollout.prompts_per_batch,
+                timeout_s=POLL_S,
+                should_stop=self.should_stop,
                 # The learner may be publishing the very version that opens admission, and a dist broadcast
                 # waits for this server to join: take weights while waiting.
                 while_waiting=self.weights.sleep_while_waiting,
                 wake_channels=[weights_key(self.cfg.run.name, "announce")],
-            )  # fmt: skip
+            )
         return held > 0
 
     def take_prompts(self) -> list[TakenPrompt]:
@@ -508,8 +537,11 @@ class RolloutLoop:
                     appended.append(group)
                 else:
                     self.duplicates += 1
-                    log.warning("server-%d: prompt %s was answered by another server; group dropped",
-                                self.server_index, taken.prompt.prompt_id)  # fmt: skip
+                    log.warning(
+                        "server-%d: prompt %s was answered by another server; group dropped",
+                        self.server_index,
+                        taken.prompt.prompt_id,
+                    )
         self.groups += len(appended)
         return appended
 

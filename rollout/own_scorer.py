@@ -121,12 +121,14 @@ class ScoringWorker:
         dt = span.seconds
         self.scored += len(trajs)
         tokens = sum(len(t.prompt_tokens) + len(t.response_tokens) for t in trajs)
-        self.telemetry.log({
-            f"time/{self.role}": dt,
-            f"{self.role}/trajectories": float(len(trajs)),
-            f"{self.role}/tokens_per_s": tokens / dt if dt > 0 else 0.0,
-            f"{self.role}/scored_total": float(self.scored),
-        })  # fmt: skip
+        self.telemetry.log(
+            {
+                f"time/{self.role}": dt,
+                f"{self.role}/trajectories": float(len(trajs)),
+                f"{self.role}/tokens_per_s": tokens / dt if dt > 0 else 0.0,
+                f"{self.role}/scored_total": float(self.scored),
+            }
+        )
 
 
 def scorer_of(cfg: Config, role: str) -> Scorer:

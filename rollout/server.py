@@ -109,8 +109,11 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     fleet = Beat(client, cfg.run.name, name).start()  # counted in the fleet until it leaves (§1.8)
     log.info(
         "%s ready (engine %s, weights v%d, %d torch threads)",
-        name, cfg.rollout.engine, engine.version, torch.get_num_threads(),
-    )  # fmt: skip
+        name,
+        cfg.rollout.engine,
+        engine.version,
+        torch.get_num_threads(),
+    )
     metrics.engine_stats.start()  # KV-cache use and preemptions, sampled every few seconds
     try:
         loop.run()

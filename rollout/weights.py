@@ -82,9 +82,14 @@ class EngineWeights:
         """Apply every version the subscriber hands out until the engine holds ``version()`` (re-read at
         each poll); returns early on a stop, raises WeightSyncError after ``timeout_s``."""
         wait_for(
-            self.subscriber, version, timeout_s, run=self.cfg.run.name, apply=self.apply,
-            held=lambda: self.engine.version, should_stop=self.should_stop,
-        )  # fmt: skip
+            self.subscriber,
+            version,
+            timeout_s,
+            run=self.cfg.run.name,
+            apply=self.apply,
+            held=lambda: self.engine.version,
+            should_stop=self.should_stop,
+        )
 
     def apply(self, update: Update | None) -> None:
         """The one path every weight update takes (between batches and in flight): apply, time, count."""

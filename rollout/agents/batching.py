@@ -53,8 +53,16 @@ class _Call:
 
     def key(self) -> tuple[object, ...]:
         s = self.sampling
-        return (s.n, s.max_new_tokens, s.temperature, s.top_p, s.top_k, tuple(s.stop_token_ids),
-                tuple(s.stop), s.seed)  # fmt: skip
+        return (
+            s.n,
+            s.max_new_tokens,
+            s.temperature,
+            s.top_p,
+            s.top_k,
+            tuple(s.stop_token_ids),
+            tuple(s.stop),
+            s.seed,
+        )
 
     def finish(self, out: list[list[Completion]] | None = None, error: BaseException | None = None) -> None:
         if not self.done.is_set():

@@ -191,22 +191,36 @@ class AgentRunner:
         self.fn = load_callable(a.path, what="agent.path")
         self.kwargs, self.timeout_s = dict(a.kwargs), a.timeout_s
         self.engine = BatchingEngine(
-            engine, gather_s=a.gather_ms / 1000, between_steps=between_steps, between_batches=between_batches,
+            engine,
+            gather_s=a.gather_ms / 1000,
+            between_steps=between_steps,
+            between_batches=between_batches,
             sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
             max_new_tokens=r.max_new_tokens,
-        )  # fmt: skip
+        )
         self.model_name = Path(cfg.model.actor).name
         self.api_key = secrets.token_hex(16)
         episodes = r.prompts_per_batch * r.n_samples * batches
         # An agent does not know the run's limits: a longer max_tokens is cut to rollout.max_new_tokens
         # (by the engine front), not refused; the model's context still bounds a call.
-        self.http = http = HTTPConfig(api_key=self.api_key, max_tokens_limit=1 << 30, max_total_tokens_per_request=1 << 30,
-                          max_concurrent_requests=max(16, 2 * episodes))  # fmt: skip
+        self.http = http = HTTPConfig(
+            api_key=self.api_key,
+            max_tokens_limit=1 << 30,
+            max_total_tokens_per_request=1 << 30,
+            max_concurrent_requests=max(16, 2 * episodes),
+        )
         max_context = AutoConfig.from_pretrained(
             cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code
         ).max_position_embeddings
-        app = create_app(self.engine, tokenizer, model_name=self.model_name, http=http, metrics=metrics,
-                         max_context=max_context, aliases=(str(cfg.model.actor),))  # fmt: skip
+        app = create_app(
+            self.engine,
+            tokenizer,
+            model_name=self.model_name,
+            http=http,
+            metrics=metrics,
+            max_context=max_context,
+            aliases=(str(cfg.model.actor),),
+        )
         self.sessions = app.state.api.sessions = SessionStore(tokenizer, strict=True)
         self.server = HTTPServer(app, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self.server.port}/v1"
@@ -223,8 +237,10 @@ class AgentRunner:
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 e.seconds = self.timeout_s + JOIN_SLACK_S
-                e.end(f"agent_timeout: still running after agent.timeout_s={self.timeout_s:g}s "
-                      f"(+{JOIN_SLACK_S:g}s); an agent that blocks its event loop cannot be cancelled")  # fmt: skip
+                e.end(
+                    f"agent_timeout: still running after agent.timeout_s={self.timeout_s:g}s "
+                    f"(+{JOIN_SLACK_S:g}s); an agent that blocks its event loop cannot be cancelled"
+                )
         for e in episodes:
             e.session = self.sessions.close(e.session_id)
             if not e.aborted and (e.session is None or not e.session.calls):  # a reward for nothing
@@ -246,8 +262,13 @@ class AgentRunner:
     async def episode(self, e: AgentEpisode) -> None:
         transport = _Counting()
         async with httpx.AsyncClient(transport=transport, timeout=self.timeout_s) as http:
-            client = self.openai.AsyncOpenAI(base_url=self.url, api_key=self.api_key, http_client=http,
-                                             max_retries=0, default_headers={"X-Session-Id": e.session_id})  # fmt: skip
+            client = self.openai.AsyncOpenAI(
+                base_url=self.url,
+                api_key=self.api_key,
+                http_client=http,
+                max_retries=0,
+                default_headers={"X-Session-Id": e.session_id},
+            )
             try:
                 result = await asyncio.wait_for(
                     self.fn(client, dict(e.record), model=self.model_name, **self.kwargs), self.timeout_s

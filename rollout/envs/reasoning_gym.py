@@ -43,10 +43,17 @@ def make_records(
     out = []
     for i in range(n):
         q = ds[i]["question"]
-        out.append({
-            "id": f"{name}-{seed}-{i}", "prompt": (q.lower() if lowercase else q) + "\n",
-            "rg_dataset": name, "rg_seed": seed, "rg_size": n, "rg_config": cfg, "rg_index": i,
-        })  # fmt: skip
+        out.append(
+            {
+                "id": f"{name}-{seed}-{i}",
+                "prompt": (q.lower() if lowercase else q) + "\n",
+                "rg_dataset": name,
+                "rg_seed": seed,
+                "rg_size": n,
+                "rg_config": cfg,
+                "rg_index": i,
+            }
+        )
     return out
 
 

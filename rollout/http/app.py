@@ -472,8 +472,12 @@ class API:
             ((c,),) = await self.generate([context], sampling, request)
         returned, finish = self.text_and_finish(c, sampling.stop)
         self.sessions.record(session, text, c, returned)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": req.model, "usage": self.usage([context], [[c]], 1)}  # fmt: skip
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": req.model,
+            "usage": self.usage([context], [[c]], 1),
+        }
         if chat:
             message, finish = self.chat_message(returned, finish, tools)
             if message.get("tool_calls"):

@@ -88,12 +88,16 @@ def _template_message(i: int, m: ChatMessage, replay: Mapping[str, str]) -> dict
     """One message in the form chat templates take; a message the template cannot take gets 400."""
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise APIError(
-            400, f"messages.{i}.content: only an assistant message with tool_calls may omit content",
+            400,
+            f"messages.{i}.content: only an assistant message with tool_calls may omit content",
             param=f"messages.{i}.content",
-        )  # fmt: skip
+        )
     if m.role != "assistant" and m.tool_calls:
-        raise APIError(400, f"messages.{i}.tool_calls: only an assistant message makes tool calls",
-                       param=f"messages.{i}.tool_calls")  # fmt: skip
+        raise APIError(
+            400,
+            f"messages.{i}.tool_calls: only an assistant message makes tool calls",
+            param=f"messages.{i}.tool_calls",
+        )
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:
         ids = [c.id for c in m.tool_calls]
