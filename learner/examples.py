@@ -140,6 +140,12 @@ def as_trajectory(prompt: list[int], response: list[int], key: str) -> Trajector
     """An example as a batch row: its response tokens are the ones a loss or a score reads."""
     r = len(response)
     return Trajectory(
-        traj_id=key, group_id=key, prompt_id=key, prompt_tokens=np.asarray(prompt), response_tokens=np.asarray(response),
-        behav_logp=np.zeros(r, dtype=np.float32), token_versions=np.zeros(r, dtype=np.int32), reward=0.0,
-    )  # fmt: skip
+        traj_id=key,
+        group_id=key,
+        prompt_id=key,
+        prompt_tokens=np.asarray(prompt),
+        response_tokens=np.asarray(response),
+        behav_logp=np.zeros(r, dtype=np.float32),
+        token_versions=np.zeros(r, dtype=np.int32),
+        reward=0.0,
+    )

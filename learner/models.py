@@ -95,8 +95,13 @@ def init_distributed(device: torch.device) -> dist.ProcessGroup:
         if device.type == "cpu":
             prepare_extensions()  # DeepSpeed loads its CPU collective op here (tandem/prebuild.py)
         deepspeed.init_distributed(dist_backend=backend)  # wraps a group that exists, or joins torchrun's
-    log.info("rank %d of %d on %s, %d torch threads", dist.get_rank(), dist.get_world_size(), device,
-             torch.get_num_threads())  # fmt: skip
+    log.info(
+        "rank %d of %d on %s, %d torch threads",
+        dist.get_rank(),
+        dist.get_world_size(),
+        device,
+        torch.get_num_threads(),
+    )
     return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
 
 

@@ -97,9 +97,14 @@ class OfflineRuntime(Runtime):
         pairs (``micro_batch_size`` pairs, or by ``learner.max_tokens_per_micro_batch``)."""
         lc = self.cfg.learner
         return pair_micro_batches(
-            batch, self.rank, self.world, self.layout, self.device,
-            size=lc.micro_batch_size, budget=lc.max_tokens_per_micro_batch,
-        )  # fmt: skip
+            batch,
+            self.rank,
+            self.world,
+            self.layout,
+            self.device,
+            size=lc.micro_batch_size,
+            budget=lc.max_tokens_per_micro_batch,
+        )
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -146,9 +151,13 @@ class OfflineRuntime(Runtime):
             self.log_row({**self.first_eval, "step": self.version})
         log.info(
             "%s: %d train / %d eval examples, %d steps (%d per epoch) from step %d",
-            self.cfg.recipe, len(self.train_examples), len(self.eval_examples), self.total_steps,
-            self.steps_per_epoch, self.version,
-        )  # fmt: skip
+            self.cfg.recipe,
+            len(self.train_examples),
+            len(self.eval_examples),
+            self.total_steps,
+            self.steps_per_epoch,
+            self.version,
+        )
         self.install_signal_handlers()
 
     def step(self) -> None:

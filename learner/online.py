@@ -296,8 +296,10 @@ class OnlineRuntime(Runtime):
         admitted = self.admission.recount(self.version, self.buffer, trained_unacked=len(self.pending))
         log.warning(
             "Redis was restarted: re-acked %d recent ids, version %d set again, admission recounted to %d",
-            reacked, self.version, admitted,
-        )  # fmt: skip
+            reacked,
+            self.version,
+            admitted,
+        )
 
     def unusable(self, t: Trajectory) -> str | None:
         return trajectory_problem(t, self.models.vocab_size)

@@ -125,9 +125,16 @@ class PPOLearner(OnlineRuntime):
         tok = self.models.tokenizer
         token = tok.eos_token_id if tok.eos_token_id is not None else 0
         dummy = Trajectory(
-            traj_id="smoke", group_id="smoke", prompt_id="smoke", prompt_tokens=[token], response_tokens=[token],
-            behav_logp=[0.0], token_versions=[0], reward=0.0, ref_logp=[0.0] if self.served_reference else None,
-        )  # fmt: skip
+            traj_id="smoke",
+            group_id="smoke",
+            prompt_id="smoke",
+            prompt_tokens=[token],
+            response_tokens=[token],
+            behav_logp=[0.0],
+            token_versions=[0],
+            reward=0.0,
+            ref_logp=[0.0] if self.served_reference else None,
+        )
         prox_logp, ref_logp, old_values = self.score(make_batch([dummy] * self.world, 0).to(self.device))
         for name, t in (("actor", prox_logp), ("reference", ref_logp), ("critic", old_values)):
             if t is not None and not torch.isfinite(t).all():
@@ -221,8 +228,11 @@ class PPOLearner(OnlineRuntime):
             t = batch.trajs[i]
             log.warning(
                 "trajectory %s: %d tokens, more than learner.max_tokens_per_micro_batch=%d; masked out of "
-                "this step (batch/over_budget)", t.traj_id, len(t.prompt_tokens) + len(t.response_tokens), budget,
-            )  # fmt: skip
+                "this step (batch/over_budget)",
+                t.traj_id,
+                len(t.prompt_tokens) + len(t.response_tokens),
+                budget,
+            )
 
     # --------------------------------------------------------------------------------------------- math
 
@@ -400,10 +410,17 @@ class PPOLearner(OnlineRuntime):
         # The batch's only optimizer step starts from the proximal policy: logp *is* prox_logp here.
         prox = logp.detach() if prox_logp is None else prox_logp[rows]
         loss, metrics = policy_loss(
-            logp, prox, batch.behav_logp[rows], adv[rows], mask,
-            eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high, is_cap=a.is_cap,
-            dual_clip=a.dual_clip, num_tokens=num_tokens,
-        )  # fmt: skip
+            logp,
+            prox,
+            batch.behav_logp[rows],
+            adv[rows],
+            mask,
+            eps_clip_low=a.eps_clip_low,
+            eps_clip_high=a.eps_clip_high,
+            is_cap=a.is_cap,
+            dual_clip=a.dual_clip,
+            num_tokens=num_tokens,
+        )
         n = mask.sum()
         stats.add("loss/policy", loss * num_tokens, n)
         stats.add_means(metrics, n)
