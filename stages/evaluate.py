@@ -108,8 +108,14 @@ def task_score(
     model, tok = load_policy(model_dir)
     records = load_prompts(prompts_file)[:n_prompts]
     groups = sample(
-        model, tok, records, samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-        chat_template=chat_template, seed=seed,
-    )  # fmt: skip
+        model,
+        tok,
+        records,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        chat_template=chat_template,
+        seed=seed,
+    )
     values = [rule_value(fn(s.record["prompt"], s.text, s.record)) for g in groups for s in g]
     return sum(values) / len(values)

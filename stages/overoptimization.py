@@ -88,9 +88,12 @@ class GoldMonitor:
             self.rm = RewardModel(str(reward_model), device="cpu", dtype="float32")
         self.model_weight = model_weight
         self.kwargs = dict(
-            samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-            chat_template=chat_template, seed=seed,
-        )  # fmt: skip
+            samples=samples,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            chat_template=chat_template,
+            seed=seed,
+        )
 
     def evaluate(self, policy: str | Path, version: int) -> dict[str, float]:
         model, _ = load_policy(policy)

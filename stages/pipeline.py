@@ -184,9 +184,13 @@ class Pipeline:
         if judge is None:
             raise ConfigError("pairs.source: policy needs a judge (pairs.judge or score.rule)")
         kwargs = dict(
-            judge=judge, samples=p.samples, max_new_tokens=ppo.rollout.max_new_tokens,
-            temperature=ppo.rollout.temperature, chat_template=ppo.data.chat_template, seed=ppo.run.seed,
-        )  # fmt: skip
+            judge=judge,
+            samples=p.samples,
+            max_new_tokens=ppo.rollout.max_new_tokens,
+            temperature=ppo.rollout.temperature,
+            chat_template=ppo.data.chat_template,
+            seed=ppo.run.seed,
+        )
         sft = self.dir / "sft" / "final"
         eval_records = load_prompts(self.data / "pair-prompts-eval.jsonl")
         eval_pairs, eval_stats = policy_preferences(sft, eval_records, budget=p.held_out, **kwargs)
@@ -308,11 +312,18 @@ class Pipeline:
         m, s = self.pc.monitor, self.pc.score
         prompts = self.data / "monitor-prompts.jsonl" if self.pc.data is not None else Path(cfg.data.prompts)
         gold = GoldMonitor(
-            cfg.model.reference or cfg.model.actor, load_prompts(prompts)[: m.prompts], s.rule,
-            reward_model=cfg.model.reward_model, reward=cfg.reward, model_weight=cfg.reward.model_weight,
-            samples=m.samples, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-            chat_template=cfg.data.chat_template, seed=cfg.run.seed,
-        )  # fmt: skip
+            cfg.model.reference or cfg.model.actor,
+            load_prompts(prompts)[: m.prompts],
+            s.rule,
+            reward_model=cfg.model.reward_model,
+            reward=cfg.reward,
+            model_weight=cfg.reward.model_weight,
+            samples=m.samples,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            chat_template=cfg.data.chat_template,
+            seed=cfg.run.seed,
+        )
         return PPOWatch(gold, m, self.dir / "ppo", cfg)
 
     def child(self, cmd: list[str], log_path: Path, stage: str, watch: PPOWatch | None = None) -> None:
@@ -345,9 +356,13 @@ class Pipeline:
         ppo = self.stage_configs()["ppo"]
         prompts = self.data / "score-prompts.jsonl" if self.pc.data is not None else Path(ppo.data.prompts)
         kwargs = dict(
-            n_prompts=s.prompts, samples=s.samples, max_new_tokens=ppo.rollout.max_new_tokens,
-            temperature=ppo.rollout.temperature, chat_template=ppo.data.chat_template, seed=ppo.run.seed,
-        )  # fmt: skip
+            n_prompts=s.prompts,
+            samples=s.samples,
+            max_new_tokens=ppo.rollout.max_new_tokens,
+            temperature=ppo.rollout.temperature,
+            chat_template=ppo.data.chat_template,
+            seed=ppo.run.seed,
+        )
         policy = self.dir / "sft" / "final" if stage == "sft" else Path(result["final"])
         if stage == "sft":
             result["task_score_base"] = task_score(cfg.model.actor, prompts, s.rule, **kwargs)

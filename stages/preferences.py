@@ -114,9 +114,15 @@ def policy_preferences(
     fn = load_callable(judge, "judge")
     model, tok = load_policy(policy)
     groups = sample(
-        model, tok, records, samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-        chat_template=chat_template, seed=seed,
-    )  # fmt: skip
+        model,
+        tok,
+        records,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        chat_template=chat_template,
+        seed=seed,
+    )
     scores = [[rule_value(fn(s.record["prompt"], s.text, s.record)) for s in g] for g in groups]
     cands = candidate_pairs(groups, scores)
     chosen = select_pairs(

@@ -293,9 +293,13 @@ Plan = list[list[tuple[str, int]]]  # groups run one after the other; a group's 
 
 
 def choose(
-    p: Pipeline, cfgs: dict[str, Config], cores: int, pending: list[str], spent: dict[str, float],
+    p: Pipeline,
+    cfgs: dict[str, Config],
+    cores: int,
+    pending: list[str],
+    spent: dict[str, float],
     record: dict[str, Any],
-) -> Plan:  # fmt: skip
+) -> Plan:
     """The plan: the one stage left alone; parallel's split; or auto's pick after its profile window."""
     if len(pending) == 1:
         record["plan"] = f"{pending[0]} alone"  # nothing to overlap with
@@ -316,11 +320,15 @@ def choose(
     for c in ranking:
         print(f"[pipeline]   {c.name:12s} {c.wall_s:7.1f}s")
     record.update(
-        profile_s=time.time() - t0, plan=best.name, predicted_s=best.wall_s,
+        profile_s=time.time() - t0,
+        plan=best.name,
+        predicted_s=best.wall_s,
         ranking=[{"plan": c.name, "predicted_s": c.wall_s} for c in ranking],
-        laws={s: {"step": vars(c.step), "overhead": vars(c.overhead), "steps_left": c.steps_left}
-              for s, c in costs.items()},
-    )  # fmt: skip
+        laws={
+            s: {"step": vars(c.step), "overhead": vars(c.overhead), "steps_left": c.steps_left}
+            for s, c in costs.items()
+        },
+    )
     if best.serial:
         return [[("sft", cores)], [("rm", cores)]]
     return [[("sft", best.sft_threads), ("rm", best.rm_threads)]]
