@@ -157,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:
             try:
                 return auto.run(
-                    cfg, prompts, lambda: get_backend(args.backend, args.ray), console_enabled=console,
-                    fresh=args.fresh, resume=resume,
-                )  # fmt: skip
+                    cfg,
+                    prompts,
+                    lambda: get_backend(args.backend, args.ray),
+                    console_enabled=console,
+                    fresh=args.fresh,
+                    resume=resume,
+                )
             except auto.ProbeFailed as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1

@@ -180,14 +180,20 @@ def reload(current: Config, run_dir: Path) -> Resolved | None:
         choice = json.loads(((probes or probes_dir(current)) / "choice.json").read_text())
         profiles = [read_probe(current, Path(d), cores) for d in choice["probes"].values()]
     except (OSError, KeyError, ValueError) as e:
-        print(f"[launch] placement auto: the resumed run keeps its plan without re-planning: its probes "
-              f"cannot be read ({e})", flush=True)  # fmt: skip
+        print(
+            f"[launch] placement auto: the resumed run keeps its plan without re-planning: its probes "
+            f"cannot be read ({e})",
+            flush=True,
+        )
         return None
     plan = configured_plan(current, cores)
     best = next((p for p in choose(current, profiles, cores) if p.plan == plan), None)
     if best is None:
-        print(f"[launch] placement auto: the resumed run's plan {plan.label(roles_of(current))} is not one "
-              "the planner ranks here; it keeps it without re-planning", flush=True)  # fmt: skip
+        print(
+            f"[launch] placement auto: the resumed run's plan {plan.label(roles_of(current))} is not one "
+            "the planner ranks here; it keeps it without re-planning",
+            flush=True,
+        )
         return None
     return Resolved(current, best, profiles, statistics.mean(choice["startup_s"]))
 
@@ -250,8 +256,13 @@ class Mover:
             self.observed[self.plan] = ratio
         self.samples = (self.samples + recent.samples)[-SAMPLES:]
         ranked = rank(
-            self.roles, self.cores, CostModel.from_samples(self.samples), work, plans=self.plans, observed=self.observed
-        )  # fmt: skip
+            self.roles,
+            self.cores,
+            CostModel.from_samples(self.samples),
+            work,
+            plans=self.plans,
+            observed=self.observed,
+        )
         d = self.replanner.decide(self.plan, ranked, remaining, self.move_s, recent.noise)
         verdict = f"move to {d.plan.label(self.roles)}" if d.switch else "stay"
         print(
@@ -311,9 +322,14 @@ def run(
     moved = False  # the stretch now starting follows a move, whose cost its first steps measure
     while True:
         code = driver.run(
-            current, prompts, make_backend(), resume=resume, console_enabled=console_enabled,
-            fresh=fresh and resume is None, watch=mover,
-        )  # fmt: skip
+            current,
+            prompts,
+            make_backend(),
+            resume=resume,
+            console_enabled=console_enabled,
+            fresh=fresh and resume is None,
+            watch=mover,
+        )
         if code not in (0, driver.MOVED):
             return code
         run_dir = latest_run_dir(current)

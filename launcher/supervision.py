@@ -110,8 +110,10 @@ class Restarts:
         if now is not None and now > self.mark:
             log.warning(
                 "%s progressed since its last restart (%d -> %d): its restart budget is whole again",
-                self.role, self.mark, now,
-            )  # fmt: skip
+                self.role,
+                self.mark,
+                now,
+            )
             self.times.clear()
             self.resets += 1
 

@@ -88,9 +88,13 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
         clean_up_tokenization_spaces=False,
-    )  # fmt: skip
+    )
     fast.chat_template = TOOLS_CHAT_TEMPLATE
     return fast
 
