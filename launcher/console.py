@@ -70,11 +70,7 @@ def summarize(
 ) -> dict:
     """Reward curve summary from the learner's history, a PNG plot, where each process ran, and where
     everything lives, and the fleet size over time. Writes ``summary.json``."""
-    launched = {f"server-{i}" for i in range(cfg.rollout.num_servers)}
-    servers = sorted(launched | set(fleet.seen(client, cfg.run.name)), key=lambda s: int(s.split("-")[1]))
-    for proc in ["learner", *servers, *cfg.own_scorers]:  # own scorers: rollout/own_scorer.py
-        raw = client.lrange(history_key(cfg.run.name, proc), 0, -1)
-        history_path(run_dir, proc).write_text("".join(r.decode() + "\n" for r in raw))
+    copy_histories(cfg, client, run_dir)
     if placement:
         print("[launch] placement: " + "; ".join(f"{p} on {node}" for p, node in placement.items()))
     rows = [r for r in read_history(run_dir, "learner") if "reward/mean" in r]
@@ -107,6 +103,25 @@ def summarize(
     n_marks = min(10, len(rows))
     marks = [rows[round(i * (len(rows) - 1) / max(1, n_marks - 1))] for i in range(n_marks)]
     print("[launch] reward curve: " + "  ".join(f"{int(r['step'])}:{r['reward/mean']:.2f}" for r in marks))
+    plot_rewards(cfg, run_dir, [r["time"] - t0 for r in rows], rewards)
+    if evals := summarize_evals(cfg, client, run_dir):
+        summary["eval"] = evals
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def copy_histories(cfg: Config, client: redis.Redis, run_dir: Path) -> None:
+    """Every process's metric history, from Redis into the run directory: the learner's, every server's that
+    ever joined the fleet, and the own scorers' (rollout/own_scorer.py)."""
+    launched = {f"server-{i}" for i in range(cfg.rollout.num_servers)}
+    servers = sorted(launched | set(fleet.seen(client, cfg.run.name)), key=lambda s: int(s.split("-")[1]))
+    for proc in ["learner", *servers, *cfg.own_scorers]:
+        raw = client.lrange(history_key(cfg.run.name, proc), 0, -1)
+        history_path(run_dir, proc).write_text("".join(r.decode() + "\n" for r in raw))
+
+
+def plot_rewards(cfg: Config, run_dir: Path, seconds: list[float], rewards: list[float]) -> None:
+    """``reward.png``: the reward over wall time, where matplotlib is installed (it is optional)."""
     try:
         import matplotlib
 
@@ -114,7 +129,7 @@ def summarize(
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["time"] - t0 for r in rows], rewards)
+        ax.plot(seconds, rewards)
         ax.set_xlabel("wall time (s)")
         ax.set_ylabel("reward/mean")
         ax.set_title(f"{run_dir.name} ({cfg.run.mode})")
@@ -124,24 +139,32 @@ def summarize(
         print(f"[launch] plot: {run_dir / 'reward.png'}")
     except ImportError:
         pass
+
+
+def summarize_evals(cfg: Config, client: redis.Redis, run_dir: Path) -> list[dict]:
+    """The held-out evaluations (none: an empty list), written to their history file and printed, one
+    summary row per evaluated version."""
     evals = eval_history(client, cfg.run.name)
-    if evals:
-        history_path(run_dir, "eval").write_text("".join(json.dumps(r) + "\n" for r in evals))
-        k = next(key for key in evals[0] if key.startswith("eval/pass@") and key != "eval/pass@1")
-        summary["eval"] = [
-            {"version": int(r["eval/version"]), "reward_mean": r["eval/reward_mean"],
-             "pass@1": r["eval/pass@1"], k.removeprefix("eval/"): r[k]}
-            for r in evals
-        ]  # fmt: skip
-        print(
-            "[launch] eval (held-out): "
-            + "  ".join(
-                f"v{int(r['eval/version'])}:{r['eval/reward_mean']:.2f}/{r['eval/pass@1']:.2f}" for r in evals
-            )
-            + "  (version:reward/pass@1)"
+    if not evals:
+        return []
+    history_path(run_dir, "eval").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    k = next(key for key in evals[0] if key.startswith("eval/pass@") and key != "eval/pass@1")
+    print(
+        "[launch] eval (held-out): "
+        + "  ".join(
+            f"v{int(r['eval/version'])}:{r['eval/reward_mean']:.2f}/{r['eval/pass@1']:.2f}" for r in evals
         )
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+        + "  (version:reward/pass@1)"
+    )
+    return [
+        {
+            "version": int(r["eval/version"]),
+            "reward_mean": r["eval/reward_mean"],
+            "pass@1": r["eval/pass@1"],
+            k.removeprefix("eval/"): r[k],
+        }
+        for r in evals
+    ]
 
 
 def fleet_changes(rows: list[dict]) -> list[dict]:
