@@ -250,10 +250,24 @@ class RayBackend:
         cfg, c = plan.cfg, plan.cfg.cluster
         self.cfg, self.client, self.plan = cfg, client, plan
         self.roles = {r.name: r for r in plan.roles}
-        timeout = c.start_timeout_s
-        learner = plan.learner
-        per_node = learner.processes // c.learner_nodes
+        per_node = plan.learner.processes // c.learner_nodes
         gpu = cfg.run.device != "cpu"
+        self._reserve_learner_nodes(per_node, gpu)
+        self._create_actors(per_node, gpu)
+        self._locate_actors()
+        self.config_text = dump_config(self._placed_config())
+        self._run_learner_ranks(per_node, gpu)
+        for s in [*plan.servers, *plan.workers]:
+            self._run_server(s.name)
+        self._record_placement()
+        print(
+            "[launch] placement: " + "; ".join(f"{p} on {n}" for p, n in self.placement().items()), flush=True
+        )
+
+    def _reserve_learner_nodes(self, per_node: int, gpu: bool) -> None:
+        """Reserve the learner's placement group first: without its nodes nothing else is worth starting."""
+        cfg, c = self.cfg, self.cfg.cluster
+        timeout = c.start_timeout_s
         strategy = "STRICT_PACK" if c.learner_nodes == 1 else "STRICT_SPREAD"
         bundle = {k: v for k, v in self._learner_bundle(cfg, per_node, gpu).items() if v > 0}
         self.pg = placement_group(
@@ -266,6 +280,11 @@ class RayBackend:
                 f"the learner's placement group ({c.learner_nodes} x {bundle}, {strategy}) was not scheduled"
                 f" within cluster.start_timeout_s={timeout:g}s: the cluster is busy or too small"
             ) from None
+
+    def _create_actors(self, per_node: int, gpu: bool) -> None:
+        """One actor per learner rank (in the placement group, never restarted) and per server or worker
+        (restarted by Ray, counted against the role's restart policy); none runs anything yet."""
+        cfg, c, plan = self.cfg, self.cfg.cluster, self.plan
         self.ranks = [
             Process.options(
                 num_cpus=c.learner_cpus,
@@ -275,7 +294,7 @@ class RayBackend:
                     self.pg, placement_group_bundle_index=r // per_node
                 ),
             ).remote(f"learner/rank-{r}")
-            for r in range(learner.processes)
+            for r in range(plan.learner.processes)
         ]
         for s in [*plan.servers, *plan.workers]:
             demand = self._demand(cfg, s)
@@ -286,7 +305,12 @@ class RayBackend:
                 max_restarts=-1,  # the role's restart policy decides when to give up
             ).remote(s.name)
             self.restarts[s.name] = Restarts(s.name, RestartPolicy.for_role(cfg, s.name))
-        names = [f"learner/rank-{r}" for r in range(learner.processes)] + list(self.actors)
+
+    def _locate_actors(self) -> None:
+        """Wait until every actor is scheduled and record its node, address and GPUs (the ranks' rendezvous
+        and ``CUDA_VISIBLE_DEVICES`` come from them); refuse shm weights to a server off the learner's node."""
+        timeout = self.cfg.cluster.start_timeout_s
+        names = [f"learner/rank-{r}" for r in range(self.plan.learner.processes)] + list(self.actors)
         actors = self.ranks + list(self.actors.values())
         try:
             wheres = ray.get([a.where.remote() for a in actors], timeout=timeout)
@@ -296,31 +320,38 @@ class RayBackend:
             ) from None
         self.where = dict(zip(names, wheres, strict=True))
         learner_node = self.where["learner/rank-0"]["node_id"]
-        if cfg.weightsync.transport == "shm":
-            for s in plan.servers:
+        if self.cfg.weightsync.transport == "shm":
+            for s in self.plan.servers:
                 if self.where[s.name]["node_id"] != learner_node:
                     raise StartError(
                         shm_refusal(
                             s.name, self.where[s.name]["node_id"], _node_label(self.where["learner/rank-0"])
                         )
                     )
-        # What every process reads, now with the placement in it (wandb records it with the config).
+
+    def _placed_config(self) -> Config:
+        """What every process reads, now with the placement in it (wandb records it with the config)."""
+        cfg, c = self.cfg, self.cfg.cluster
         update = {"cluster": c.model_copy(update={"placement": self.placement()})}
         if c.learner_nodes > 1:  # every node writes the checkpoint files it will read back (docs/ray.md §4)
             ds = {**cfg.learner.deepspeed}
             ds["checkpoint"] = {**ds.get("checkpoint", {}), "use_node_local_storage": True}
             update["learner"] = cfg.learner.model_copy(update={"deepspeed": ds})
-        cfg = cfg.model_copy(update=update)
-        self.config_text = dump_config(cfg)
+        return cfg.model_copy(update=update)
+
+    def _run_learner_ranks(self, per_node: int, gpu: bool) -> None:
+        """Run ``learner.train`` in every rank's actor, with the torch.distributed rendezvous taken from Ray:
+        rank 0's node address and a free port there."""
+        plan, learner = self.plan, self.plan.learner
         master = self.where["learner/rank-0"]["ip"]
-        port = ray.get(self.ranks[0].free_port.remote(), timeout=timeout)
+        port = ray.get(self.ranks[0].free_port.remote(), timeout=self.cfg.cluster.start_timeout_s)
         for r, actor in enumerate(self.ranks):
             env = {
                 **plan.env,
                 **self._rank_env(r, learner.processes, per_node, gpu),
                 "MASTER_ADDR": master,
                 "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": str(max(1, int(c.learner_cpus))),
+                "OMP_NUM_THREADS": str(max(1, int(self.cfg.cluster.learner_cpus))),
             }
             self.refs[f"learner/rank-{r}"] = actor.run.remote(
                 learner,
@@ -329,12 +360,6 @@ class RayBackend:
                 self._log(f"learner-rank{r}" if r else "learner"),
                 env,
             )
-        for s in [*plan.servers, *plan.workers]:
-            self._run_server(s.name)
-        self._record_placement()
-        print(
-            "[launch] placement: " + "; ".join(f"{p} on {n}" for p, n in self.placement().items()), flush=True
-        )
 
     def _rank_env(self, rank: int, world: int, per_node: int, gpu: bool) -> dict[str, str]:
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node)}
