@@ -12,6 +12,36 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from tandem.config.base import Section, SectionCheckError
 
 
+class ImportanceConfig(Section):
+    """The off-policy correction between the behaviour policy (what the rollout engine sampled from) and
+    the proximal policy (the actor at the start of the learner step): ``learner/importance.py``."""
+
+    level: Literal["token", "sequence"] = Field(
+        "token",
+        description="Ratio exp(prox_logp - behav_logp) per token, or per sequence as the geometric mean of its token ratios (GSPO's length-normalised ratio), the same for all its tokens.",
+    )
+    treatment: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: weight min(ratio, algorithm.is_cap) (TIS); mask: weight the ratio inside [mask_low, mask_high] and 0 outside it (MIS; IcePop at level token).",
+    )
+    mask_low: float = Field(
+        0.5, gt=0, description="treatment mask: tokens (or sequences) whose ratio is below this get weight 0."
+    )
+    mask_high: float = Field(
+        5.0, gt=0, description="treatment mask: tokens (or sequences) whose ratio is above this get weight 0."
+    )
+
+    @model_validator(mode="after")
+    def _mask_bounds_hold_one(self) -> ImportanceConfig:
+        if not self.mask_low < 1.0 < self.mask_high:
+            raise SectionCheckError(
+                f"algorithm.importance.mask_low ({self.mask_low}) and algorithm.importance.mask_high "
+                f"({self.mask_high}) must satisfy mask_low < 1 < mask_high: on-policy data (ratio 1) is never "
+                "masked"
+            )
+        return self
+
+
 class AlgorithmConfig(Section):
     """The ``ppo`` recipe: online PPO and its variants against the replay buffer (``learner/ppo.py``)."""
 
@@ -34,7 +64,34 @@ class AlgorithmConfig(Section):
         None, gt=1, description="Dual-clip c (>1) bounding the loss for negative advantages; null disables."
     )
     is_cap: float = Field(
-        5.0, gt=0, description="Truncation c of the importance weight exp(prox_logp - behav_logp)."
+        5.0,
+        gt=0,
+        description="Truncation c of the importance weight exp(prox_logp - behav_logp) (importance.treatment truncate).",
+    )
+    importance: ImportanceConfig = Field(
+        default_factory=ImportanceConfig,
+        description="Off-policy correction from the behaviour to the proximal policy (docs/design.md §4.9).",
+    )
+    loss: Literal["ppo", "gspo", "cispo"] = Field(
+        "ppo",
+        description="Policy loss: ppo (token ratio, clipped surrogate), gspo (sequence ratio, GSPO's clip range) or cispo (clipped, detached token ratio on a REINFORCE term; eps_clip_low/high).",
+    )
+    gspo_clip_low: float = Field(
+        3e-4, gt=0, lt=1, description="loss gspo: sequence-ratio lower bound 1-gspo_clip_low (GSPO's 3e-4)."
+    )
+    gspo_clip_high: float = Field(
+        4e-4, gt=0, description="loss gspo: sequence-ratio upper bound 1+gspo_clip_high (GSPO's 4e-4)."
+    )
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = Field(
+        "token-mean",
+        description="How per-token losses become one: token-mean over the minibatch (DAPO), or a mean over its sequences of each one's token sum, token mean, or token sum / loss_agg_norm (Dr. GRPO).",
+    )
+    loss_agg_norm: int | None = Field(
+        None,
+        gt=0,
+        description="seq-mean-token-sum-norm: the constant a sequence's token sum is divided by; null is rollout.max_new_tokens.",
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy.")
     kl_target: float | None = Field(
@@ -107,6 +164,25 @@ class AlgorithmConfig(Section):
             raise SectionCheckError(
                 f"algorithm.credit=turn places rewards on tokens, which only the per-token estimators read "
                 f"(gae, reinforce_pp); algorithm.advantage={self.advantage} scores whole sequences"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _loss_variants_fit_together(self) -> AlgorithmConfig:
+        if self.dual_clip is not None and self.loss != "ppo":
+            raise SectionCheckError(
+                f"algorithm.dual_clip bounds the clipped surrogate of algorithm.loss=ppo; algorithm.loss="
+                f"{self.loss} has no such term: set algorithm.dual_clip=null"
+            )
+        if self.loss == "gspo" and self.importance.level == "token":
+            raise SectionCheckError(
+                "algorithm.loss=gspo weighs whole sequences, but algorithm.importance.level=token would weigh "
+                "its tokens one by one: set algorithm.importance.level=sequence"
+            )
+        if self.loss_agg_norm is not None and self.loss_agg != "seq-mean-token-sum-norm":
+            raise SectionCheckError(
+                f"algorithm.loss_agg_norm is read only by algorithm.loss_agg=seq-mean-token-sum-norm "
+                f"(got algorithm.loss_agg={self.loss_agg}): set it to null"
             )
         return self
 

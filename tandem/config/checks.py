@@ -186,6 +186,21 @@ def overlong_buffer_fits_the_response(cfg: Config) -> None:
         )
 
 
+def token_sum_norm_bounds_the_response(cfg: Config) -> None:
+    """Dr. GRPO's constant divides each sequence's token sum; rollout.max_new_tokens stands in for it only
+    when it bounds a response, which a multi-turn episode's (model turns and environment turns) it does not."""
+    a = cfg.algorithm
+    if a.loss_agg != "seq-mean-token-sum-norm" or a.loss_agg_norm is not None:
+        return
+    if cfg.env.path is not None or cfg.agent.path is not None:
+        source = "env.path" if cfg.env.path is not None else "agent.path"
+        raise ValueError(
+            f"algorithm.loss_agg=seq-mean-token-sum-norm divides each sequence's token sum by a constant, "
+            f"rollout.max_new_tokens when algorithm.loss_agg_norm is null; with {source} a response holds "
+            "several turns and is not bounded by it: set algorithm.loss_agg_norm"
+        )
+
+
 def adapter_sync_needs_hf(cfg: Config) -> None:
     lora, engine = cfg.learner.lora, cfg.rollout.engine
     if lora.rank and lora.sync == "adapter" and engine != "hf":
@@ -231,6 +246,7 @@ ONLINE_CHECKS: tuple[Check, ...] = (
     env_or_agent,
     some_reward_source,
     overlong_buffer_fits_the_response,
+    token_sum_norm_bounds_the_response,
     adapter_sync_needs_hf,
     sync_interval_within_staleness,
     micro_batches_divide_the_minibatch,
