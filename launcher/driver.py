@@ -63,10 +63,25 @@ def check_inputs(cfg: Config) -> None:
             raise ConfigError(
                 f"{field_path}: {p} is not a checkpoint directory (no config.json); {how_to_make(cfg, p)}"
             )
+    check_context(cfg)
     if not Path(cfg.data.prompts).is_file():
         raise ConfigError(f"data.prompts: {cfg.data.prompts} not found; {how_to_make(cfg, cfg.data.prompts)}")
     if cfg.eval.prompts is not None and not Path(cfg.eval.prompts).is_file():
         raise ConfigError(f"eval.prompts: {cfg.eval.prompts} not found; {how_to_make(cfg, cfg.eval.prompts)}")
+
+
+def check_context(cfg: Config) -> None:
+    """A prompt and its response fit the actor's context (``max_position_embeddings`` of its config.json)."""
+    from tandem.data import model_limits
+
+    context = model_limits(cfg.model.actor)[1]
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if context is not None and cfg.recipe == "ppo" and longest > context:
+        raise ConfigError(
+            f"data.max_prompt_tokens ({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens "
+            f"({cfg.rollout.max_new_tokens}) = {longest} exceeds the context of model.actor "
+            f"({context} tokens, max_position_embeddings of {Path(cfg.model.actor) / 'config.json'})"
+        )
 
 
 def fixed_run_dir(cfg: Config) -> Path | None:
@@ -290,6 +305,18 @@ def supervise(
         time.sleep(SUPERVISE_TICK_S)
 
 
+def count_rejected(run_dir: Path) -> None:
+    """``data/rejected`` in ``summary.json``: the prompt records set aside (``rejected_prompts.jsonl``)."""
+    rejected = run_dir / "rejected_prompts.jsonl"
+    if not rejected.is_file():
+        return
+    path = run_dir / "summary.json"
+    with contextlib.suppress(OSError, ValueError):
+        summary = json.loads(path.read_text()) if path.is_file() else {}
+        summary["data/rejected"] = sum(1 for line in rejected.open() if line.strip())
+        path.write_text(json.dumps(summary, indent=2))
+
+
 def remove_shared_weights(cfg: Config, run_dir: Path) -> None:
     """The shm transport's files live outside the run dir (in /dev/shm, i.e. RAM): free them at the end.
     A later --resume re-publishes the checkpoint's weights, so nothing is lost."""
@@ -350,6 +377,8 @@ def _run(
 ) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_dir.name})})
     record_config(cfg, run_dir, resumed=resume is not None)
+    if (rejected := prompts.write_rejected(run_dir)) is not None:
+        print(f"[launch] {len(prompts.rejected)} bad prompt record(s) set aside in {rejected}", flush=True)
     embedded = None
     client = None
     started = False
@@ -453,6 +482,7 @@ def stop_run(
     if client is not None:  # also after Ctrl-C or a crash: what was learned so far
         with contextlib.suppress(redis.RedisError):
             summarize(cfg, client, run_dir, backend.placement())
+    count_rejected(run_dir)
     if embedded is not None:
         embedded.stop()
     remove_shared_weights(cfg, run_dir)

@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
+import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 
 from tandem.config import Config, ConfigError
 
+log = logging.getLogger("launch")
+
 
 @dataclass
 class PromptSet:
-    """The dataset's records and their token ids, checked against ``data.max_prompt_tokens`` up front."""
+    """The dataset's records and their token ids, checked against ``data.max_prompt_tokens`` up front;
+    ``rejected``: the bad records set aside under ``data.on_bad_record: skip``."""
 
     records: list[dict]
     tokens: list[list[int]]
+    rejected: list = field(default_factory=list)  # tandem.data.Rejected
 
     @classmethod
     def load(cls, cfg: Config) -> PromptSet:
         """Raises ConfigError naming the record and field, before any process starts."""
         from transformers import AutoTokenizer
 
-        from tandem.data import DatasetError, load_prompts, prompt_token_ids
+        from tandem.data import DatasetError, Rejected, prompt_records, prompt_token_ids, raw_line
 
         d = cfg.data
+        rejected: list[Rejected] | None = [] if d.on_bad_record == "skip" else None
         try:
-            records = load_prompts(d.prompts, d.prompt_field)
+            records = prompt_records(d.prompts, d.prompt_field, rejected=rejected)
         except DatasetError as e:
             raise ConfigError(f"data.prompts: {e}") from None
         tokenizer = AutoTokenizer.from_pretrained(
@@ -34,16 +41,44 @@ class PromptSet:
         )
         if d.chat_template and not tokenizer.chat_template:
             raise ConfigError(f"data.chat_template: the tokenizer of {cfg.model.actor} has no chat template")
-        tokens = []
-        for rec in records:
-            ids = prompt_token_ids(tokenizer, rec[d.prompt_field], chat_template=d.chat_template)
-            if len(ids) > d.max_prompt_tokens:
-                raise ConfigError(
-                    f"data.max_prompt_tokens: record {rec['id']} of {d.prompts} has {len(ids)} tokens"
-                    f" > {d.max_prompt_tokens}"
-                )
-            tokens.append(ids)
-        return cls(records, tokens)
+        kept, tokens = [], []
+        for lineno, rec in records:
+            try:
+                ids = prompt_token_ids(tokenizer, rec[d.prompt_field], chat_template=d.chat_template)
+            except Exception as e:  # whatever the tokenizer raises on is this record's problem
+                field_name, reason = "data.prompts", f"cannot be tokenised: {type(e).__name__}: {e}"
+            else:
+                if len(ids) <= d.max_prompt_tokens:
+                    kept.append(rec)
+                    tokens.append(ids)
+                    continue
+                field_name = "data.max_prompt_tokens"
+                reason = f"record {rec['id']} has {len(ids)} tokens > {d.max_prompt_tokens}"
+            if rejected is None:
+                raise ConfigError(f"{field_name}: {d.prompts}:{lineno}: {reason}")
+            rejected.append(Rejected(lineno, reason, raw_line(d.prompts, lineno)))
+        if not kept:
+            raise ConfigError(
+                f"data.prompts: {d.prompts}: no usable records ({len(rejected or [])} set aside)"
+            )
+        if rejected:
+            rejected.sort(key=lambda r: r.line)
+            log.warning(
+                "data.on_bad_record=skip: %d bad record(s) of %s set aside (first: line %d, %s)",
+                len(rejected),
+                d.prompts,
+                rejected[0].line,
+                rejected[0].reason,
+            )
+        return cls(kept, tokens, rejected or [])
+
+    def write_rejected(self, run_dir: Path) -> Path | None:
+        """``<run dir>/rejected_prompts.jsonl``: each record set aside, with its line and reason."""
+        if not self.rejected:
+            return None
+        path = run_dir / "rejected_prompts.jsonl"
+        path.write_text("".join(r.to_json() for r in self.rejected))
+        return path
 
 
 class PromptFeeder:

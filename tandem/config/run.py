@@ -103,7 +103,8 @@ class DataConfig(Section):
     max_prompt_tokens: int = Field(
         512,
         ge=1,
-        description="Prompts longer than this (in tokens) are rejected at load with their line number.",
+        description="Prompts longer than this (in tokens) are bad records (data.on_bad_record), named by "
+        "their line at load; with rollout.max_new_tokens it must fit the model's context.",
     )
     epochs: int = Field(
         1000,
@@ -113,6 +114,12 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle prompts in each pass (seeded by run.seed).")
     chat_template: bool = Field(
         False, description="Wrap each prompt with the tokenizer's chat template before tokenising."
+    )
+    on_bad_record: Literal["refuse", "skip"] = Field(
+        "refuse",
+        description="A prompt record that cannot be used (not tokenisable, longer than max_prompt_tokens): "
+        "refuse stops launch.py naming its file and line; skip sets it aside in "
+        "<run dir>/rejected_prompts.jsonl with its reason, counted as data/rejected in summary.json.",
     )
 
 
