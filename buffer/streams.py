@@ -30,7 +30,7 @@ import redis
 
 from buffer.admission import Admission, admitted_key, queue_refund, read_version
 from buffer.dead_letters import letters_key
-from buffer.group_stream import BLOCK_CAP_MS, GroupStream
+from buffer.group_stream import BLOCK_CAP_MS, GroupStream, Screen
 from buffer.schema import (
     PromptRecord,
     Trajectory,
@@ -239,13 +239,17 @@ class ReplayBuffer:
         args = [*map(str, (*at, *to)), *(encode_prompt(p) for p in prompts)]
         return int(self._feed(keys=[self._prompts.key, position_key], args=args))
 
-    def take_prompts(self, n: int, timeout_s: float) -> list[TakenPrompt]:
-        return [TakenPrompt(i, p, r) for i, p, r in self._prompts.take(n, timeout_s)]
+    def take_prompts(
+        self, n: int, timeout_s: float, screen: Screen[PromptRecord] | None = None
+    ) -> list[TakenPrompt]:
+        """Up to n prompts; one that ``screen`` refuses (or that fails the schema) goes to
+        ``{run}:prompts:dead`` with its reason, acknowledged, instead of being handed out."""
+        return [TakenPrompt(i, p, r) for i, p, r in self._prompts.take(n, timeout_s, screen)]
 
-    def reclaim_prompts(self, n: int) -> list[TakenPrompt]:
+    def reclaim_prompts(self, n: int, screen: Screen[PromptRecord] | None = None) -> list[TakenPrompt]:
         """Up to n prompts that already hold admission, without waiting: those this consumer held in an
         earlier life and those idle on a dead server. Never a new prompt, which would need admission."""
-        return [TakenPrompt(i, p, r) for i, p, r in self._prompts.reclaim(n)]
+        return [TakenPrompt(i, p, r) for i, p, r in self._prompts.reclaim(n, screen)]
 
     def keep_prompts(self, ids: Sequence[str]) -> None:
         """Heartbeat of a server still generating for these prompts: they stay its own (not reclaimed)."""

@@ -69,6 +69,7 @@ from rollout.scoring import GroupScorer
 from rollout.shaping import is_informative
 from rollout.weights import EngineWeights
 from tandem.config import Config
+from tandem.data import prompt_screen
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
 from tandem.timing import BusyClock, Timers, Waits
@@ -191,6 +192,8 @@ class RolloutLoop:
         self.agents = self._agent_runner()
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.admission = Admission.from_config(buffer.client, cfg, buffer.consumer)  # and its credits
+        # A prompt record this model cannot take (ids out of its vocabulary, too long) is dead-lettered.
+        self.screen = prompt_screen(cfg.model.actor, cfg.data.max_prompt_tokens, len(tokenizer))
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
         self.totals = Timers()  # the same, summed over every log, with time/engine_busy and time/wall
         self.busy = BusyClock()  # wall time with at least one generation running
@@ -427,13 +430,13 @@ class RolloutLoop:
 
     def take_prompts(self) -> list[TakenPrompt]:
         with self.timers("time/take_prompts"):
-            prompts = self.buffer.take_prompts(self.admission.credits, timeout_s=POLL_S)
+            prompts = self.buffer.take_prompts(self.admission.credits, timeout_s=POLL_S, screen=self.screen)
         self.admission.spend(sum(not p.redelivered for p in prompts))
         return prompts
 
     def reclaim_prompts(self) -> list[TakenPrompt]:
         with self.timers("time/take_prompts"):
-            return self.buffer.reclaim_prompts(self.cfg.rollout.prompts_per_batch)
+            return self.buffer.reclaim_prompts(self.cfg.rollout.prompts_per_batch, screen=self.screen)
 
     def generate(
         self, prompts: list[TakenPrompt], on_prompt: OnPrompt | None = None
