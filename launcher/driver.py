@@ -321,11 +321,14 @@ def remove_shared_weights(cfg: Config, run_dir: Path) -> None:
     """The shm transport's files live outside the run dir (in /dev/shm, i.e. RAM): free them at the end.
     A later --resume re-publishes the checkpoint's weights, so nothing is lost."""
     if cfg.weightsync.transport == "shm" and cfg.weightsync.shm_dir is None:
-        from weightsync.shm import default_root
+        from weightsync.shm import ROOT_NOTE, WeightSyncError, check_private, noted_root
 
-        root = default_root(cfg.run.name, run_dir)
-        if root.is_relative_to("/dev/shm"):
-            shutil.rmtree(root, ignore_errors=True)
+        root = noted_root(run_dir)  # the learner's publisher made it and noted it in the run dir
+        if root is not None and root.is_relative_to("/dev/shm"):
+            with contextlib.suppress(WeightSyncError):  # never another user's folder
+                check_private(root)
+                shutil.rmtree(root, ignore_errors=True)
+            (run_dir / ROOT_NOTE).unlink(missing_ok=True)
 
 
 def run(

@@ -1,6 +1,6 @@
 """The ``shm`` transport: each version is a Hugging Face-loadable safetensors directory in shared memory.
 
-Layout under the root (default ``/dev/shm/tandem-<run>``, else ``<run dir>/weights``)::
+Layout under the root (default ``/dev/shm/tandem-<run>-<random>``, mode 0700, else ``<run dir>/weights``)::
 
     v00000007/model.safetensors            (or model-0000i-of-0000N.safetensors + model.safetensors.index.json)
     v00000007/config.json, tokenizer ...   copied from ``config_dir`` so vLLM/SGLang can reload from disk
@@ -38,6 +38,8 @@ import logging
 import mmap
 import os
 import shutil
+import stat
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,15 +74,62 @@ log = logging.getLogger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".index.json")
 
 
+ROOT_NOTE = "shm_root"  # in the run directory: the path of the run's folder in /dev/shm
+
+
 def default_root(run: str, run_dir: str | os.PathLike[str] | None) -> Path:
+    """The run's folder in /dev/shm: made once under a random name (``tandem-<run>-XXXXXXXX``, mode 0700)
+    and noted in ``<run dir>/shm_root``, where a restarted learner and the launcher find it again; a noted
+    folder is reopened only if it is still this user's private folder. Without /dev/shm, the run dir's
+    ``weights/``."""
     shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / f"tandem-{run}"
-    if run_dir is None:
-        raise WeightSyncError(
-            "shm transport: /dev/shm is unavailable; pass run_dir or set weightsync.shm_dir"
-        )
-    return Path(run_dir) / "weights"
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        if run_dir is None:
+            raise WeightSyncError(
+                "shm transport: /dev/shm is unavailable; pass run_dir or set weightsync.shm_dir"
+            )
+        return Path(run_dir) / "weights"
+    if (root := noted_root(run_dir)) is not None and os.path.lexists(root):
+        check_private(root)
+        return root
+    root = Path(tempfile.mkdtemp(prefix=f"tandem-{run}-", dir=shm))
+    if run_dir is not None:
+        from tandem.config import write_private
+
+        write_private(Path(run_dir) / ROOT_NOTE, f"{root}\n")
+    return root
+
+
+def noted_root(run_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The /dev/shm folder that ``default_root`` made for the run in ``run_dir``, if it made one."""
+    note = Path(run_dir) / ROOT_NOTE if run_dir is not None else None
+    if note is None or not note.is_file():
+        return None
+    return Path(note.read_text().strip())
+
+
+def check_private(root: Path) -> None:
+    """Refuse a weights folder that another user could have made or could write: it must be a folder
+    (not a link) of this user with no access for anyone else. Its files are then what our publisher wrote."""
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        raise WeightSyncError(f"shm: {root} does not exist") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise WeightSyncError(f"shm: {root} is not a folder (a link?); refusing it")
+    if st.st_uid != os.getuid():
+        raise WeightSyncError(f"shm: {root} belongs to uid {st.st_uid}, not this user ({os.getuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise WeightSyncError(f"shm: {root} has mode {stat.S_IMODE(st.st_mode):o}; it must be 700")
+
+
+def make_private_root(root: Path) -> None:
+    """Create ``root`` (mode 0700) or take an existing folder of this user private; refuse anyone else's."""
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(root)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(root, 0o700)  # a configured weightsync.shm_dir made with the default umask
+    check_private(root)
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -122,7 +171,7 @@ class ShmPublisher(Publisher):
         # a run whose memory is the point: colocated with placement.release_memory, on one host.
         self.recycle = recycle
         self.registry = Registry(client, run, live_s)
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_root(self.root)
         self._free = self.root / ".free"
         self._free.mkdir(exist_ok=True)
         self._maps = Mappings(writable=True)
@@ -284,7 +333,7 @@ class ShmPublisher(Publisher):
             with contextlib.suppress(FileNotFoundError):
                 os.rename(free, path)
                 return
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
 
     @staticmethod
     def _name_shards(tmp: Path, entries: list[Entry]) -> list[Entry]:
@@ -391,6 +440,7 @@ class ShmSubscriber(RegisteredSubscriber):
         self._rejected: set[int] = set()
         self.rejected = 0  # versions refused (checksum or size), for metrics
         self._maps = Mappings(writable=False)
+        self._checked: set[Path] = set()  # weight folders found private (check_private)
         self._retained_at = 0.0
         # xxhash releases the GIL, so verification spreads over a few cores, leaving one to the engine and
         # (on a shared host) the publisher; one thread already outpaces a writer (hashing is ~2x memcpy).
@@ -444,6 +494,9 @@ class ShmSubscriber(RegisteredSubscriber):
         manifest = msgpack.unpackb(raw)
         root = Path(manifest["dir"])
         try:
+            if root.parent not in self._checked:  # another user's folder, or a link, is never read
+                check_private(root.parent)
+                self._checked.add(root.parent)
             maps = {f: self._maps.get(root / f, size) for f, size in manifest["files"].items()}
         except FileNotFoundError:
             return None

@@ -14,6 +14,7 @@ checksum pass.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import warnings
@@ -114,8 +115,14 @@ class Mappings:
 
     def get(self, path: Path, size: int | None = None) -> tuple[tuple[int, int], mmap.mmap]:
         """Map ``path`` whole. A writer passes ``size`` (the file is resized to it); a reader checks it."""
-        flags = os.O_RDWR if self.writable else os.O_RDONLY
-        fd = os.open(path, flags)
+        # Never through a link: a shard is a file our publisher made in its private folder.
+        flags = (os.O_RDWR if self.writable else os.O_RDONLY) | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, flags)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise WeightSyncError(f"{path} is a symbolic link; refusing it") from None
         try:
             if self.writable and size is not None:
                 os.ftruncate(fd, size)  # a no-op when a recycled file already has this size
