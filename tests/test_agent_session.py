@@ -39,11 +39,20 @@ def calculator_agent(client: openai.OpenAI, question: str, session: str) -> str:
     return second
 
 
+KEY = "agent-test-key"  # a server with a sink takes finished sessions only with its key
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def open_session(url: str) -> str:
+    """A session id issued by the server (it takes no other)."""
+    return httpx.post(f"{url}/v1/sessions", headers=AUTH, timeout=30).json()["id"]
+
+
 @pytest.fixture(scope="module")
 def served(tiny_ckpt):
     engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=11)
     sunk: list[Trajectory] = []
-    app = create_app(engine, engine.tokenizer, model_name="tiny", http=HTTPConfig(),
+    app = create_app(engine, engine.tokenizer, model_name="tiny", http=HTTPConfig(api_key=KEY),
                      metrics=ServerMetrics(engine), max_context=engine.max_positions, sink=sunk.append)  # fmt: skip
     server = HTTPServer(app, "127.0.0.1", 0).start()
     yield engine, f"http://127.0.0.1:{server.port}", sunk
@@ -54,9 +63,12 @@ def test_agent_session_is_a_token_exact_trajectory(served, tiny_ckpt) -> None:
     from transformers import AutoModelForCausalLM
 
     engine, url, sunk = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
-    calculator_agent(client, "37+48=", "s-1")
-    r = httpx.post(f"{url}/v1/sessions/s-1/finish", json={"reward": 1.0, "group_id": "g"}, timeout=30)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=60, max_retries=0)
+    sid = open_session(url)
+    calculator_agent(client, "37+48=", sid)
+    r = httpx.post(
+        f"{url}/v1/sessions/{sid}/finish", json={"reward": 1.0, "group_id": "g"}, headers=AUTH, timeout=30
+    )
     assert r.status_code == 200, r.text
     assert r.json()["calls"] == 2
     (t,) = sunk
@@ -77,15 +89,16 @@ def test_agent_session_is_a_token_exact_trajectory(served, tiny_ckpt) -> None:
 
 def test_a_prompt_that_rewrites_history_is_refused(served) -> None:
     _, url, _ = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=60, max_retries=0)
+    sid = open_session(url)
     client.completions.create(
-        model="tiny", prompt="12+30=", max_tokens=3, extra_headers={"X-Session-Id": "s-2"}
+        model="tiny", prompt="12+30=", max_tokens=3, extra_headers={"X-Session-Id": sid}
     )
     with pytest.raises(openai.BadRequestError, match="does not extend"):
         client.completions.create(
-            model="tiny", prompt="99+1=", max_tokens=3, extra_headers={"X-Session-Id": "s-2"}
+            model="tiny", prompt="99+1=", max_tokens=3, extra_headers={"X-Session-Id": sid}
         )
-    r = httpx.post(f"{url}/v1/sessions/nope/finish", json={"reward": 1.0}, timeout=30)
+    r = httpx.post(f"{url}/v1/sessions/nope/finish", json={"reward": 1.0}, headers=AUTH, timeout=30)
     assert r.status_code == 404
 
 
@@ -100,12 +113,13 @@ def test_agent_trajectories_train(served, tiny_ckpt, tmp_path) -> None:
 
     _, url, sunk = served
     sunk.clear()
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
-    for i, reward in enumerate([1.0, 0.0]):
-        calculator_agent(client, "37+48=", f"t-{i}")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=60, max_retries=0)
+    for reward in [1.0, 0.0]:
+        sid = open_session(url)
+        calculator_agent(client, "37+48=", sid)
         assert (
             httpx.post(
-                f"{url}/v1/sessions/t-{i}/finish", json={"reward": reward, "group_id": "g"}
+                f"{url}/v1/sessions/{sid}/finish", json={"reward": reward, "group_id": "g"}, headers=AUTH
             ).status_code
             == 200
         )

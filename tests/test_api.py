@@ -371,9 +371,12 @@ def test_request_size_limits_name_the_parameter(engine: HFEngine) -> None:
         assert "1..2 prompts (got 3)" in r.json()["error"]["message"]
         r = httpx.post(url, json={"model": MODEL, "prompt": ["a", "b"], "n": 7, "max_tokens": 8})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-        assert "2 prompt(s) × n=7 × max_tokens=8 = 112 tokens exceeds" in r.json()["error"]["message"]
-        r = httpx.post(url, json={"model": MODEL, "prompt": ["a", "b"], "n": 6, "max_tokens": 8})
-        assert r.status_code == 200 and len(r.json()["choices"]) == 12  # 96 tokens: within the limit
+        assert (
+            "(2 prompt tokens + 2 prompt(s) × max_tokens=8) × n=7 = 126 tokens exceeds"
+            in r.json()["error"]["message"]
+        )
+        r = httpx.post(url, json={"model": MODEL, "prompt": ["a", "b"], "n": 5, "max_tokens": 8})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 10  # 90 tokens: within the limit
     finally:
         server.stop()
 

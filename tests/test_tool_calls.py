@@ -29,6 +29,8 @@ from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
 from toy.tiny import CHAT_TEMPLATE
 
+KEY = "tool-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "it is 21 degrees in paris."
@@ -197,7 +199,7 @@ def weather_agent_reply(prompt: str) -> str:
 def served():
     engine = ScriptedEngine(byte_tokenizer())
     sunk: list[Trajectory] = []
-    server = serve(engine, sink=sunk.append)
+    server = serve(engine, sink=sunk.append, api_key=KEY)  # a sink takes finished sessions only with a key
     yield engine, f"http://127.0.0.1:{server.port}", sunk
     server.stop()
 
@@ -213,7 +215,7 @@ def engine(served) -> ScriptedEngine:
 
 @pytest.fixture
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[1]}/v1", api_key="unused", timeout=30, max_retries=0)
+    return openai.OpenAI(base_url=f"{served[1]}/v1", api_key=KEY, timeout=30, max_retries=0)
 
 
 def stream_message(stream) -> tuple[str, list[dict], str, list[str]]:
@@ -359,7 +361,7 @@ def test_malformed_tool_json_from_the_model_is_content(client: openai.OpenAI, en
 )  # fmt: skip
 def test_invalid_tool_requests_get_400_naming_the_field(served, engine, body, param, says) -> None:
     request = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body}
-    r = httpx.post(f"{served[1]}/v1/chat/completions", json=request, timeout=30)
+    r = httpx.post(f"{served[1]}/v1/chat/completions", json=request, headers=AUTH, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
@@ -432,7 +434,8 @@ def test_a_session_keeps_the_sampled_tool_call_tokens(served, client: openai.Ope
     # written unlike the server's own rendering of a call, which would not extend what was sampled
     compact = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
     engine.reply = lambda p: ANSWER if "<tool_response>\n21\n</tool_response>" in p else compact
-    headers = {"X-Session-Id": "tool-session"}
+    sid = httpx.post(f"{url}/v1/sessions", headers=AUTH, timeout=30).json()["id"]  # the server's id
+    headers = {"X-Session-Id": sid}
     messages = [{"role": "user", "content": "weather in paris?"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], extra_headers=headers)
     (call,) = r.choices[0].message.tool_calls
@@ -443,9 +446,9 @@ def test_a_session_keeps_the_sampled_tool_call_tokens(served, client: openai.Ope
     ]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], extra_headers=headers)
     assert r.choices[0].message.content == ANSWER
-    done = httpx.post(f"{url}/v1/sessions/tool-session/finish", json={"reward": 1.0}, timeout=30)
+    done = httpx.post(f"{url}/v1/sessions/{sid}/finish", json={"reward": 1.0}, headers=AUTH, timeout=30)
     assert done.status_code == 200, done.text
-    (t,) = [x for x in sunk if x.meta["session_id"] == "tool-session"]
+    (t,) = [x for x in sunk if x.meta["session_id"] == sid]
 
     first, second = engine.completions
     tokens, mask = list(t.response_tokens), list(t.loss_mask)

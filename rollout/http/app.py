@@ -47,6 +47,7 @@ from transformers import PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from rollout.http import limits
 from rollout.http.chat_prompt import ChatPrompts
 from rollout.http.middleware import BodyLimit, Guard
 from rollout.http.schemas import (
@@ -62,6 +63,7 @@ from rollout.http.sessions import SessionError, SessionStore
 from rollout.http.tools import PARSERS, ParsedCall, ToolParser
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
+from tandem.rewards import clip_reward
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +149,10 @@ class API:
         max_context: int | None,
         aliases: tuple[str, ...] = (),
         sink: Callable[[Trajectory], None] | None = None,
+        reward_clip: float | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.http, self.metrics = engine, tokenizer, http, metrics
+        self.reward_clip = reward_clip
         self.sessions, self.sink = SessionStore(tokenizer), sink
         self.prompts = ChatPrompts(tokenizer)
         self.tool_parser = PARSERS[http.tool_parser] if http.tool_parser else None
@@ -192,13 +196,17 @@ class API:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        total = len(prompts) * req.n * max_tokens
+        # Every row holds its prompt's KV as well as its own tokens: the prompt counts n times.
+        prompt_tokens = sum(map(len, prompts))
+        total = (prompt_tokens + len(prompts) * max_tokens) * req.n
         if total > self.http.max_total_tokens_per_request:
             raise APIError(
                 400,
-                f"{len(prompts)} prompt(s) × n={req.n} × max_tokens={max_tokens} = {total} tokens exceeds the "
-                f"server's limit of {self.http.max_total_tokens_per_request} per request",
+                f"({prompt_tokens} prompt tokens + {len(prompts)} prompt(s) × max_tokens={max_tokens}) × "
+                f"n={req.n} = {total} tokens exceeds the server's limit of "
+                f"{self.http.max_total_tokens_per_request} per request (max_total_tokens_per_request)",
                 param="max_tokens",
+                code="request_too_large",
             )
         return SamplingParams(
             n=req.n,
@@ -487,12 +495,27 @@ class API:
         choice = {"index": 0, "text": returned, "logprobs": None, "finish_reason": finish}
         return {**head, "object": "text_completion", "choices": [choice]}
 
+    async def open_session(self) -> dict[str, Any]:
+        """Open a session; calls and the finish name it by the id issued here (no other id is taken)."""
+        try:
+            return {"id": self.sessions.issue(), "object": "session"}
+        except SessionError as e:
+            raise APIError(403, str(e), type="permission_error", param="session_id") from None
+
     async def finish_session(self, session_id: str, req: FinishRequest) -> dict[str, Any]:
         """Close a session into a trajectory with the agent's reward; the server's sink takes it."""
         if problem := text_problem(session_id):  # the path's id; the body's strings were checked already
             raise APIError(400, f"session_id: {problem}", param="session_id")
+        if self.sink is not None and self.http.api_key is None:
+            raise APIError(
+                403,
+                "finishing a session adds a trajectory to the run's training data, which needs the API key: "
+                "set rollout.http.api_key (or TANDEM_API_KEY) and send it as a bearer token",
+                type="permission_error",
+                code="api_key_required",
+            )
         try:
-            t = self.sessions.finish(session_id, req.reward, req.group_id)
+            t = self.sessions.finish(session_id, clip_reward(req.reward, self.reward_clip), req.group_id)
         except SessionError as e:
             raise APIError(404, str(e), param="session_id") from None
         if self.sink is not None:
@@ -665,8 +688,10 @@ def create_app(
     max_context: int | None = None,
     aliases: tuple[str, ...] = (),
     sink: Callable[[Trajectory], None] | None = None,
+    reward_clip: float | None = None,
 ) -> FastAPI:
-    """The FastAPI app of one server. ``max_context`` bounds prompt + max_tokens (None: no check here)."""
+    """The FastAPI app of one server. ``max_context`` bounds prompt + max_tokens (None: no check here);
+    ``reward_clip``: a finished session's reward is clipped to [-clip, clip] (``reward.clip``)."""
     api = API(
         engine,
         tokenizer,
@@ -676,6 +701,7 @@ def create_app(
         max_context=max_context,
         aliases=aliases,
         sink=sink,
+        reward_clip=reward_clip,
     )
     app = FastAPI(title="tandem rollout server", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, api_key=http.api_key, metrics=metrics)
@@ -711,6 +737,14 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if isinstance(e.__cause__, RecursionError):  # json.loads recursed past the stack
+            return error_response(
+                400,
+                f"the request body nests too deep to parse; the limit is {limits.MAX_JSON_DEPTH} "
+                "levels (max_json_depth)",
+                "invalid_request_error",
+                code="json_limit_exceeded",
+            )
         if isinstance(bad := e.__cause__, UnicodeDecodeError):  # FastAPI's 400 for a body json.loads refused
             return error_response(
                 400,
@@ -736,6 +770,7 @@ def add_routes(app: FastAPI, api: API, engine: Engine, metrics: ServerMetrics, m
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
     app.get("/v1/models")(api.models)
+    app.post("/v1/sessions")(api.open_session)
     app.post("/v1/sessions/{session_id}/finish")(api.finish_session)
     app.state.api = api
 

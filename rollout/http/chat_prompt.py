@@ -13,12 +13,12 @@ exactly rather than re-serialising the calls.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from rollout.http import limits
 from rollout.http.schemas import APIError, ChatMessage, ChatRequest
 from rollout.http.tools import hermes_messages
 from tandem.data import chat_token_ids
@@ -105,12 +105,14 @@ def _template_message(i: int, m: ChatMessage, replay: Mapping[str, str]) -> dict
             return {"role": "assistant", "content": replay[ids[0]]}  # the sampled text, exactly
         out["tool_calls"] = []
         for j, c in enumerate(m.tool_calls):
+            param = f"messages.{i}.tool_calls.{j}.function.arguments"
             try:
-                arguments = json.loads(c.function.arguments)
+                arguments = limits.loads(c.function.arguments)
+            except limits.JSONLimitError as e:
+                raise APIError(400, f"{param}: {e}", param=param, code="json_limit_exceeded") from None
             except ValueError:
                 arguments = None
             if not isinstance(arguments, dict):
-                param = f"messages.{i}.tool_calls.{j}.function.arguments"
                 raise APIError(400, f"{param}: must be a JSON object", param=param)
             function = {"name": c.function.name, "arguments": arguments}
             out["tool_calls"].append({"id": c.id, "type": "function", "function": function})

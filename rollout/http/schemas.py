@@ -8,13 +8,20 @@ or not, nested or not, that holds a lone surrogate or NUL gets 400 naming the fi
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from rollout.http import limits
+
 MAX_N = 64  # choices per prompt
+GREEDY_BELOW = 1e-5  # a lower temperature samples greedily (vLLM's _SAMPLING_EPS)
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 512  # characters of one stop string
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
 
 
 def text_problem(s: str) -> str | None:
@@ -35,13 +42,16 @@ def text_problem(s: str) -> str | None:
 
 def _first_bad_text(data: Any) -> tuple[str, str] | None:
     """``(param, problem)`` of the first string in a parsed JSON body (values and keys, in document order)
-    that :func:`text_problem` refuses. Iterative: a deeply nested body must not exhaust the stack."""
+    that :func:`text_problem` refuses, or of the first value nested past :data:`limits.MAX_JSON_DEPTH`.
+    Iterative: a deeply nested body must not exhaust the stack."""
     stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
     while stack:
         path, value = stack.pop()
         if isinstance(value, str):
             if problem := text_problem(value):
                 return ".".join(path), problem
+        elif isinstance(value, (dict, list)) and len(path) >= limits.MAX_JSON_DEPTH:
+            return ".".join(path[:3]), limits.too_deep(len(path) + limits.value_depth(value))
         elif isinstance(value, dict):
             for key in value:
                 if isinstance(key, str) and (problem := text_problem(key)):
@@ -68,17 +78,60 @@ class _Request(BaseModel):
 
 
 class SamplingFields(_Request):
-    """Fields both endpoints share. Strict: ``"5"`` is not a number and ``true`` is not an integer."""
+    """Fields both endpoints share. Strict: ``"5"`` is not a number and ``true`` is not an integer.
+
+    Sampling parameters are bounded as vLLM bounds them (docs/design.md §6.4): every number finite (Python's
+    JSON reader takes ``NaN`` and ``Infinity``), a temperature below :data:`GREEDY_BELOW` is greedy (dividing
+    logits by 1e-300 gives inf and NaN), penalties in vLLM's ranges. The penalties and ``logit_bias`` are
+    validated and accepted for compatibility; the hf engine does not apply them.
+    """
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # an extension, as in vLLM and SGLang
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # an extension, as in vLLM
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what torch.Generator.manual_seed takes
     stream: bool = False
     session_id: str | None = Field(None, min_length=1, max_length=128)  # or the X-Session-Id header
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below_eps(cls, v: float) -> float:
+        return 0.0 if v < GREEDY_BELOW else v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not (token.isascii() and token.isdigit()):
+                raise PydanticCustomError(
+                    "logit_bias", "keys must be token ids (got {token!r})", {"token": token}
+                )
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise PydanticCustomError(
+                    "logit_bias",
+                    "token {token}: bias must be a finite number in [-100, 100] (got {bias})",
+                    {"token": token, "bias": bias},
+                )
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_length(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for s in [v] if isinstance(v, str) else v or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise PydanticCustomError(
+                    "stop",
+                    "a stop string has {n} characters; the limit is {limit}",
+                    {"n": len(s), "limit": MAX_STOP_CHARS},
+                )
+        return v
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

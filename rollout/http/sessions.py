@@ -19,13 +19,16 @@ sends that assistant message back, it is rendered as the text the model sampled,
 extends the transcript.
 
 A call changes the session only once its completion is recorded: a call that fails or is cancelled leaves
-no trace, so the agent may retry it. An agent run in the rollout loop (docs/design.md §10.9) uses a
-``strict`` store: sessions are opened and closed by the runner, a call on any other session is refused,
-and a completion that arrives after its session was closed is dropped.
+no trace, so the agent may retry it. Session ids are the server's: ``POST /v1/sessions`` opens one and
+returns its id (unguessable), and a call or finish naming an id the server did not issue, or has closed,
+is refused; a client cannot choose an id, nor reach another client's session by guessing one. An agent run
+in the rollout loop (docs/design.md §10.9) uses a ``strict`` store: sessions are opened and closed by the
+runner only, and a completion that arrives after its session was closed is dropped.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,8 +61,9 @@ class Session(Turns):
 
 
 class SessionStore:
-    """Open sessions of one server, safe across the API's worker threads. ``strict``: only sessions opened
-    with :meth:`open` take calls (an agent runner's store); otherwise a call's session id opens one."""
+    """Open sessions of one server, safe across the API's worker threads. Only sessions opened with
+    :meth:`issue` (the API's ``POST /v1/sessions``) or :meth:`open` take calls. ``strict``: the owner
+    (an agent runner) opens them all, and :meth:`issue` is refused."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, *, strict: bool = False) -> None:
         self.tokenizer, self.strict = tokenizer, strict
@@ -68,7 +72,18 @@ class SessionStore:
 
     def open(self, session_id: str) -> None:
         with self._lock:
+            if len(self.sessions) >= MAX_SESSIONS:  # past the limit, the oldest idle one goes
+                oldest = min(self.sessions.values(), key=lambda x: x.touched)
+                del self.sessions[oldest.session_id]
             self.sessions[session_id] = Session(session_id)
+
+    def issue(self) -> str:
+        """Open a session under a fresh id of the server's, and return the id."""
+        if self.strict:
+            raise SessionError("sessions on this server are opened by its agent runner")
+        session_id = f"sess-{secrets.token_hex(16)}"
+        self.open(session_id)
+        return session_id
 
     def close(self, session_id: str) -> Session | None:
         """Take a session out of the store: later calls on it are refused, late completions dropped."""
@@ -80,12 +95,10 @@ class SessionStore:
         with self._lock:
             s = self.sessions.get(session_id)
             if s is None:
-                if self.strict:
-                    raise SessionError(f"session {session_id!r} is not open on this server")
-                if len(self.sessions) >= MAX_SESSIONS:
-                    oldest = min(self.sessions.values(), key=lambda x: x.touched)
-                    del self.sessions[oldest.session_id]
-                s = self.sessions[session_id] = Session(session_id)
+                raise SessionError(
+                    f"session {session_id!r} is not open on this server: POST /v1/sessions opens one and "
+                    "returns its id"
+                )
             s.touched = time.monotonic()
             prompt, added = self._extension(s, prompt_text)
             return prompt + s.tokens + added

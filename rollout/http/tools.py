@@ -21,6 +21,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.http import limits
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -64,8 +66,8 @@ def parse_hermes(text: str, allowed: Collection[str] | None = None) -> tuple[str
 
 
 def _call(body: str, allowed: Collection[str] | None) -> ParsedCall | None:
-    try:
-        obj = json.loads(body)
+    try:  # within the depth limit: a model can write a thousand brackets too
+        obj = limits.loads(body)
     except ValueError:
         return None
     if not isinstance(obj, dict):
@@ -73,7 +75,7 @@ def _call(body: str, allowed: Collection[str] | None) -> ParsedCall | None:
     name, args = obj.get("name"), obj.get("arguments", {})
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
-            args = json.loads(args)
+            args = limits.loads(args)
         except ValueError:
             return None
     if not isinstance(name, str) or not isinstance(args, dict):
