@@ -21,14 +21,21 @@ update and ``sleep`` empty it.
 
 One lock serialises the model between the rollout loop, the HTTP API and weight updates. It is held per
 decode step, not per call, so an update lands between two steps of every running row.
+
+One call's failure is its own: rows are sampled group by group, and a group that fails (non-finite
+logits, a sampler error) is sampled again call by call; a call that still fails ends with
+:class:`SamplingFailed` and its rows leave the batch, while the other calls' rows decode on. Only a
+failed forward, whose KV cache is then unknown, fails every call in the batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import (
@@ -51,6 +58,11 @@ from weightsync.base import Update, WeightSyncError
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX_CACHE_MB: float = RolloutConfig.model_fields["hf_prefix_cache_mb"].default
+GREEDY_BELOW = 1e-5  # a lower temperature samples greedily, as in vLLM and the HTTP API
+
+
+class SamplingFailed(ValueError):
+    """One call's rows could not be sampled; the call fails alone and its batch-mates go on."""
 
 
 def _same_storage_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -167,6 +179,8 @@ class HFEngine:
         on_prompt: OnPrompt | None = None,
     ) -> list[list[Completion]]:
         self._check(prompts, sampling)
+        if 0 < sampling.temperature < GREEDY_BELOW:  # logits / 1e-300 are inf and NaN
+            sampling = dataclasses.replace(sampling, temperature=0.0)
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
         generator = self._rng
         if sampling.seed is not None:
@@ -186,8 +200,12 @@ class HFEngine:
             raise ValueError(
                 f"n and max_new_tokens must be >= 1 (got {sampling.n}, {sampling.max_new_tokens})"
             )
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
-            raise ValueError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
+        t, top_p = sampling.temperature, sampling.top_p
+        if (
+            not (math.isfinite(t) and t >= 0 and math.isfinite(top_p) and 0 < top_p <= 1)
+            or sampling.top_k < 0
+        ):
+            raise ValueError("temperature must be finite and >= 0, top_p in (0, 1], top_k >= 0")
         vocab = self.model.config.vocab_size
         for i, p in enumerate(prompts):
             if not p:
@@ -292,6 +310,8 @@ class HFEngine:
         for j, (e, token, logp) in enumerate(
             zip(batch.entries, tokens.tolist(), logps.tolist(), strict=True)
         ):
+            if isinstance(e.request.error, SamplingFailed):  # its call failed at this step: the row leaves
+                continue
             c, s = e.completion, e.request.sampling
             stopped = self._append(c, token, logp, version, e.request.stop_ids, s.stop)
             if e.request.on_token is not None:
@@ -306,17 +326,34 @@ class HFEngine:
             batch.keep(keep)
 
     def _sample(self, entries: list[Entry], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's token and behaviour logprob, sampled by its own call's settings. (B, V) -> (B,), (B,)."""
+        """Each row's token and behaviour logprob, sampled by its own call's settings. (B, V) -> (B,), (B,).
+
+        A group of rows that fails is sampled again call by call; a call that still fails is finished with
+        :class:`SamplingFailed` (its rows get token 0 here and leave the batch in :meth:`_step`)."""
         groups = sample_groups(entries)
         if len(groups) == 1:
-            request = entries[0].request
-            return sample_tokens(logits, request.sampling, request.generator)
-        tokens = torch.empty(len(entries), dtype=torch.long, device=logits.device)
-        logps = torch.empty(len(entries), dtype=torch.float32, device=logits.device)
+            try:
+                return _sample_rows(logits, entries[0].request)
+            except Exception:
+                pass  # sampled again below, call by call
+        tokens = torch.zeros(len(entries), dtype=torch.long, device=logits.device)
+        logps = torch.zeros(len(entries), dtype=torch.float32, device=logits.device)
         for group in groups:
-            request = entries[group[0]].request
-            idx = torch.tensor(group, device=logits.device)
-            tokens[idx], logps[idx] = sample_tokens(logits[idx], request.sampling, request.generator)
+            if len(groups) > 1:  # (one group already failed whole above)
+                idx = torch.tensor(group, device=logits.device)
+                try:
+                    tokens[idx], logps[idx] = _sample_rows(logits[idx], entries[group[0]].request)
+                    continue
+                except Exception:
+                    pass  # sampled again call by call
+            for rows in _by_request(entries, group):
+                request = entries[rows[0]].request
+                idx = torch.tensor(rows, device=logits.device)
+                try:
+                    tokens[idx], logps[idx] = _sample_rows(logits[idx], request)
+                except Exception as e:
+                    log.warning("hf engine: a call failed alone: %s", e)
+                    request.finish(SamplingFailed(f"sampling failed for this request: {e}"))
         return tokens, logps
 
     def _prefill_inputs(
@@ -531,3 +568,22 @@ class HFEngine:
             self._clear_prefix_cache()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _sample_rows(logits: torch.Tensor, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_tokens`` for rows of one sampling group, refusing NaN or +inf logits (CUDA's sampler would
+    assert on them and poison the device; -inf is a masked token) and a non-finite behaviour logprob."""
+    if not bool((logits < float("inf")).all()):
+        raise ValueError("the model's logits hold NaN or +inf")
+    tokens, logps = sample_tokens(logits, request.sampling, request.generator)
+    if not bool(torch.isfinite(logps).all()):
+        raise ValueError("a sampled token has a non-finite logprob")
+    return tokens, logps
+
+
+def _by_request(entries: list[Entry], rows: list[int]) -> Iterator[list[int]]:
+    """``rows`` (batch indices) split by the call they belong to, first seen first."""
+    out: dict[int, list[int]] = {}
+    for j in rows:
+        out.setdefault(id(entries[j].request), []).append(j)
+    yield from out.values()
