@@ -214,13 +214,16 @@ class GroupStream(Generic[R]):
         if ids:
             self.client.xclaim(self.key, self.group, self.consumer, 0, list(ids), justid=True)
 
-    def hand_back(self) -> int:
-        """Mark every entry this consumer holds as idle past ``claim_idle_ms`` (XCLAIM ... IDLE), so the
-        next XAUTOCLAIM of any other consumer takes it at once; returns how many. For a graceful leave."""
-        held = self._with_group(
-            self.client.xpending_range, self.key, self.group, "-", "+", 10_000, self.consumer
-        )
-        ids = [_str(p["message_id"]) for p in held]
+    def hand_back(self, ids: Sequence[str] | None = None) -> int:
+        """Mark every entry this consumer holds (or those of ``ids``) as idle past ``claim_idle_ms`` (XCLAIM
+        ... IDLE), so the next XAUTOCLAIM of any consumer, this one included, takes it at once; returns how
+        many. For a graceful leave, or a batch the engine failed."""
+        if ids is None:
+            held = self._with_group(
+                self.client.xpending_range, self.key, self.group, "-", "+", 10_000, self.consumer
+            )
+            ids = [_str(p["message_id"]) for p in held]
+        ids = list(ids)
         if ids:
             self.client.xclaim(
                 self.key, self.group, self.consumer, 0, ids, idle=self.claim_idle_ms, justid=True

@@ -255,10 +255,11 @@ class ReplayBuffer:
         """Heartbeat of a server still generating for these prompts: they stay its own (not reclaimed)."""
         self._prompts.keep_claimed(ids)
 
-    def return_prompts(self) -> int:
-        """A server leaving gracefully hands back the prompts it holds: another server claims them at once
-        (with the admission they carry) instead of after ``claim_idle_ms``. Returns how many."""
-        return self._prompts.hand_back()
+    def return_prompts(self, ids: Sequence[str] | None = None) -> int:
+        """A server leaving gracefully hands back the prompts it holds (or those of ``ids``, a batch its
+        engine failed): a server claims them at once (with the admission they carry) instead of after
+        ``claim_idle_ms``. Returns how many."""
+        return self._prompts.hand_back(ids)
 
     @property
     def claim_idle_ms(self) -> int:

@@ -83,6 +83,7 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # longest single wait (admission, prompts, weights), so a stop request is seen within ~1 s
 JOIN_WAIT_S = 30.0  # longest wait for the current weights at start; then the freshness rule alone
 BUSY_WINDOW_S = 1.0  # shortest span the logged engine busy fraction is measured over
+ENGINE_ERROR_BACKOFF_MAX_S = 5.0  # longest pause after engine calls failed in a row
 OWN_PROCESS_INFLIGHT = 3  # batches held at once by default with an engine in its own process (vllm, sglang)
 
 
@@ -195,6 +196,8 @@ class RolloutLoop:
         # A prompt record this model cannot take (ids out of its vocabulary, too long) is dead-lettered.
         self.screen = prompt_screen(cfg.model.actor, cfg.data.max_prompt_tokens, len(tokenizer))
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
+        self.engine_errors = 0  # engine calls that failed; their prompts were handed back
+        self.failing = 0  # engine calls failed in a row: the next waits a little longer (no hot loop)
         self.totals = Timers()  # the same, summed over every log, with time/engine_busy and time/wall
         self.busy = BusyClock()  # wall time with at least one generation running
         self.group_waits = Waits()  # each group's seconds from its last sample back to its append
@@ -326,6 +329,14 @@ class RolloutLoop:
             completions[i], ready[i] = group, at
 
         self.generate_each(prompts, keep)
+        done = [i for i, c in enumerate(completions) if c]  # a failed engine call reports only some
+        prompts, completions, ready = (
+            [prompts[i] for i in done],
+            [completions[i] for i in done],
+            [ready[i] for i in done],
+        )
+        if not prompts:
+            return []
         return self.put_scored(prompts, self.scoring.score([p.prompt for p in prompts], completions), ready)
 
     def generate_each(
@@ -333,14 +344,38 @@ class RolloutLoop:
     ) -> None:
         """Generate a batch, calling ``each(i, completions, ready)`` once per prompt as soon as its ``n``
         samples are back (``ready``: ``time.perf_counter()`` then). A prompt the engine did not report is
-        passed on when the call returns."""
+        passed on when the call returns. An engine call that fails (a weight update aside) does not end the
+        loop: it is counted (``rollout/engine_errors``), and the prompts it did not report are handed back
+        to the buffer, where the next take claims them again."""
         reported = set[int]()
 
         def report(i: int, completions: list[Completion]) -> None:
             reported.add(i)
             each(i, completions, time.perf_counter())
 
-        for i, group in enumerate(self.generate(prompts, on_prompt=report)):
+        try:
+            groups = self.generate(prompts, on_prompt=report)
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            self.engine_errors += 1
+            self.failing += 1
+            lost = [p.id for i, p in enumerate(prompts) if i not in reported]
+            log.warning(
+                "server-%d: the engine failed a batch (%s: %s); handing back %d prompt(s)",
+                self.server_index,
+                type(e).__name__,
+                e,
+                len(lost),
+            )
+            try:
+                self.buffer.return_prompts(lost)
+            except redis.RedisError as err:  # they stay pending: claimed again after claim_idle_ms
+                log.warning("server-%d: could not hand back prompts: %s", self.server_index, err)
+            self.stop_event.wait(min(ENGINE_ERROR_BACKOFF_MAX_S, 0.1 * 2**self.failing))
+            return
+        self.failing = 0
+        for i, group in enumerate(groups):
             if i not in reported:
                 report(i, group)
 
@@ -584,6 +619,7 @@ class RolloutLoop:
                 "rollout/groups": self.groups,
                 "rollout/duplicates_refused": self.duplicates,
                 "rollout/uniform_groups_dropped": self.uniform_dropped,
+                "rollout/engine_errors": self.engine_errors,
                 "rollout/version": self.engine.version,
                 "rollout/response_len": tokens / len(trajs),
                 # What sets a batch's decode time, whatever its devices (the planner's L, §11.2).
