@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import redis
 import torch
+from pydantic import ValidationError
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
@@ -180,6 +181,7 @@ def start_run_http(
         metrics,
         port=port,
         sink=lambda t: buffer.put(reference.fill([t]) if reference else [t]),
+        reward_clip=cfg.reward.clip,
     )
 
 
@@ -202,6 +204,10 @@ def make_evaluator(
 
 
 def serve_standalone(args: argparse.Namespace, stop: threading.Event) -> int:
+    try:  # the key falls back to $TANDEM_API_KEY; a bind other hosts reach is refused without one
+        http_cfg = HTTPConfig(host=args.host, port=args.port, api_key=args.api_key)
+    except ValidationError as e:
+        raise SystemExit(f"rollout server: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
     setup_logging("INFO")
     seed_everything(args.seed)
     if args.threads:
@@ -211,8 +217,6 @@ def serve_standalone(args: argparse.Namespace, stop: threading.Event) -> int:
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     warm_up(engine, tokenizer)
-    api_key = args.api_key or os.environ.get("TANDEM_API_KEY")
-    http_cfg = HTTPConfig(host=args.host, port=args.port, api_key=api_key)
     name = args.served_model_name or Path(args.model).name
     metrics = ServerMetrics(engine)
     http = start_http(engine, tokenizer, args.model, http_cfg, metrics, port=args.port, name=name)
@@ -271,6 +275,7 @@ def start_http(
     port: int,
     name: str | None = None,
     sink: Callable[[Trajectory], None] | None = None,
+    reward_clip: float | None = None,
 ) -> HTTPServer:
     """Serve the API under the checkpoint directory's name (the full path is accepted too)."""
     model_name = name or Path(model_path).name
@@ -284,6 +289,7 @@ def start_http(
         max_context=hf_config.max_position_embeddings,
         aliases=(str(model_path),),
         sink=sink,
+        reward_clip=reward_clip,
     )
     return HTTPServer(app, http_cfg.host, port).start()
 

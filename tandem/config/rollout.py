@@ -5,9 +5,11 @@ evaluation on the servers.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tandem.config.base import Section
 
@@ -49,6 +51,13 @@ class ServerConfig(Section):
     update_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for a weight reload or for a pushed weight version to appear."
     )
+
+    @model_validator(mode="after")
+    def _key_from_environment(self) -> ServerConfig:
+        """A null key falls back to ``$TANDEM_ENGINE_API_KEY``, so shipped configs hold no secret."""
+        if self.api_key is None and (key := os.environ.get(ENGINE_API_KEY_ENV)):
+            self.api_key = key
+        return self
 
 
 class SGLangConfig(ServerConfig):
@@ -99,6 +108,34 @@ class HTTPConfig(Section):
         description="How tool calls are read from the model's text on /v1/chat/completions "
         "(hermes: <tool_call>{json}</tool_call>); null refuses tools unless tool_choice is none.",
     )
+
+    @model_validator(mode="after")
+    def _key_off_loopback(self) -> HTTPConfig:
+        """The key falls back to ``$TANDEM_API_KEY``; a bind other hosts can reach needs one."""
+        if self.api_key is None and (key := os.environ.get(API_KEY_ENV)):
+            self.api_key = key
+        if self.enabled and self.api_key is None and not is_loopback(self.host):
+            raise ValueError(
+                f"rollout.http.host={self.host!r} can be reached from other hosts, and the API has no key: "
+                "anyone who reaches it could generate and, in a run, add training data. Set a key "
+                f"(rollout.http.api_key, --api-key standalone, or the environment variable {API_KEY_ENV}), "
+                "or bind to 127.0.0.1"
+            )
+        return self
+
+
+API_KEY_ENV = "TANDEM_API_KEY"  # the HTTP API's key when rollout.http.api_key (or --api-key) is not set
+ENGINE_API_KEY_ENV = "TANDEM_ENGINE_API_KEY"  # a managed vLLM/SGLang server's key when api_key is not set
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a server reachable from this host only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class RolloutConfig(Section):
