@@ -14,14 +14,18 @@ Where the ideas come from:
   (what the rollout engine sampled from) is corrected by a detached importance weight
   ``w = exp(prox_logp − behav_logp)`` (Hilton et al. 2022, "Batch size-invariance for policy
   optimization"; AReaL, Fu et al. 2025), truncated at ``c`` as in IMPALA's V-trace (Espeholt et al. 2018)
-  to bound its variance. With ``prox_logp == behav_logp`` the loss is textbook PPO.
+  to bound its variance. With ``prox_logp == behav_logp`` the loss is textbook PPO. The weight's other
+  levels and treatments (sequence-level, masked) are ``learner/importance.py``'s.
+- Loss variants (``algorithm.loss``): GSPO's sequence-level ratio and clip (Zheng et al. 2025, "Group
+  Sequence Policy Optimization"); CISPO's clipped, detached importance weight on a REINFORCE term
+  (MiniMax-M1, 2025). Aggregations (``algorithm.loss_agg``): token-level mean (DAPO), the sequence means of
+  GRPO, and Dr. GRPO's constant normaliser (Liu et al. 2025).
 - KL estimators k1/k2/k3: Schulman, "Approximating KL Divergence" (2020).
 - Clipped value loss: the PPO2 baselines implementation (as in CleanRL).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -29,11 +33,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from learner.advantages import masked_mean, masked_sum, masked_var, masked_whiten
+from learner.importance import importance_weights, sequence_mean
 from tandem.logprobs import FULL_PRECISION, logprobs_from_logits  # shared with the rollout servers
 
 __all__ = [
+    "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "KLEstimator",
+    "aggregate",
+    "aggregation_units",
     "entropy_from_logits",
     "explained_variance",
     "kl_k1",
@@ -114,8 +123,112 @@ as a loss term: ``kl_coef * masked_mean(est(logp, ref_logp), mask)`` with ``logp
 
 
 # ---------------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------------
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""Keys match ``algorithm.loss_agg``; see :func:`aggregate`."""
+
+
+def aggregation_units(mask: Tensor, mode: str) -> Tensor:
+    """What ``mode`` averages over in ``mask``: its valid tokens (token-mean) or its sequences with at least
+    one valid token (the seq-mean modes). Pass a minibatch's to :func:`aggregate` for each of its
+    micro-batches. Shape: mask (B, T) -> () float."""
+    tokens = mask.float().sum(-1)  # (B,)
+    return tokens.sum() if mode == "token-mean" else (tokens > 0).float().sum()
+
+
+def aggregate(
+    loss_per_token: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    norm: float | None = None,
+    *,
+    units: float | Tensor | None = None,
+) -> Tensor:
+    """One loss from per-token losses ``ℓ``, over valid tokens (``n_i`` of sequence ``i``)::
+
+        token-mean                Σ_i Σ_t ℓ_it / Σ_i n_i          every token weighs the same (DAPO)
+        seq-mean-token-sum        mean_i Σ_t ℓ_it                  a long sequence weighs more
+        seq-mean-token-mean       mean_i (Σ_t ℓ_it / n_i)          every sequence weighs the same (GRPO, GSPO)
+        seq-mean-token-sum-norm   mean_i (Σ_t ℓ_it / norm)         norm a constant, e.g. the longest response
+                                                                   allowed: no length bias (Dr. GRPO, Liu et
+                                                                   al. 2025, "Understanding R1-Zero-Like
+                                                                   Training: A Critical Perspective")
+
+    ``mean_i`` is over sequences with at least one valid token (a fully masked row, e.g. an aborted sample,
+    counts for nothing). ``units`` replaces the denominator (the count of tokens, or of sequences): pass
+    :func:`aggregation_units` of the whole minibatch when it is split into micro-batches whose gradients
+    accumulate, so that their losses sum to the minibatch's. The denominator is at least 1.
+
+    Shape: loss_per_token (B, T), mask (B, T) -> ().
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_per_token, mask, units)
+    sums = masked_sum(loss_per_token, mask, dim=-1)  # (B,)
+    if mode == "seq-mean-token-sum":
+        per_seq = sums
+    elif mode == "seq-mean-token-mean":
+        per_seq = sums / mask.to(sums.dtype).sum(-1).clamp_min(1.0)
+    elif mode == "seq-mean-token-sum-norm":
+        if norm is None or not norm > 0:
+            raise ValueError(f"loss aggregation {mode} needs a positive norm (got {norm})")
+        per_seq = sums / norm
+    else:
+        raise ValueError(f"loss aggregation {mode!r}: expected one of {', '.join(AGGREGATIONS)}")
+    if units is None:
+        units = aggregation_units(mask, mode)
+    return per_seq.sum() / torch.as_tensor(units, dtype=sums.dtype, device=sums.device).clamp_min(1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Policy loss
 # ---------------------------------------------------------------------------------------------------
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+"""Keys match ``algorithm.loss``; see :func:`policy_loss`."""
+
+
+def _ppo_terms(
+    logp: Tensor, prox_logp: Tensor, advantages: Tensor, low: float, high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token clipped surrogate (PPO; dual-clip, Ye et al. 2020), the clip and the dual-clip branches."""
+    ratio = torch.exp((logp - prox_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # (B, T)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    per_token = torch.maximum(unclipped, clipped)  # (B, T)
+    dual_active = torch.zeros_like(per_token, dtype=torch.bool)
+    if dual_clip is not None:
+        # Bounds the loss of a negative-advantage token whose ratio has exploded (a stale or rare token).
+        bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual_active, bound, per_token)
+    return per_token, clipped > unclipped, dual_active
+
+
+def _gspo_terms(
+    logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token GSPO-token surrogate (Zheng et al. 2025) and its clip branch.
+
+    ``s_i = exp(mean_t(logp − prox_logp))`` over the sequence's valid tokens, and per token
+    ``s_it = sg[s_i] · π_t / sg[π_t]``: the value of ``s_i``, the gradient ``s_i·∇log π_t`` of its token.
+    """
+    seq_log_ratio = sequence_mean((logp - prox_logp).detach(), mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(logp - logp.detach() + seq_log_ratio)  # (B, T), equal along a row
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _cispo_terms(
+    logp: Tensor, prox_logp: Tensor, advantages: Tensor, low: float, high: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token CISPO term (MiniMax-M1, 2025): ``−sg(clip(r, 1−ε_low, 1+ε_high)) · A · log π``, and where
+    ``r`` was clipped. Every token keeps a gradient, scaled by its clipped ratio."""
+    ratio = torch.exp((logp - prox_logp).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    weight = ratio.clamp(1.0 - low, 1.0 + high)
+    return -weight * advantages * logp, weight != ratio
 
 
 def policy_loss(
@@ -127,44 +240,57 @@ def policy_loss(
     *,
     eps_clip_low: float,
     eps_clip_high: float,
-    is_cap: float,
+    is_cap: float = 5.0,
     dual_clip: float | None = None,
     num_tokens: float | Tensor | None = None,
+    loss: str = "ppo",
+    gspo_clip_low: float = 3e-4,
+    gspo_clip_high: float = 4e-4,
+    importance: tuple[Tensor, Tensor] | None = None,
+    agg: str = "token-mean",
+    agg_norm: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Decoupled PPO clipped surrogate with a truncated importance weight, token-level mean.
+    """Decoupled policy loss: a surrogate against the proximal policy times a detached importance weight ``w``
+    for the behaviour → proximal gap, aggregated by ``agg`` (default: token-level mean).
 
-    Per valid token, with ``r = exp(logp − prox_logp)`` and ``w = min(exp(prox_logp − behav_logp), is_cap)``::
+    Per valid token, with ``r = exp(logp − prox_logp)``::
 
-        ℓ = w · max(−r·A, −clip(r, 1−ε_low, 1+ε_high)·A)
-        ℓ = w · min(max(−r·A, −clip(r)·A), −c·A)          for A < 0 when dual_clip = c (> 1)
+        ppo    ℓ = w · max(−r·A, −clip(r, 1−ε_low, 1+ε_high)·A)
+               ℓ = w · min(max(−r·A, −clip(r)·A), −c·A)     for A < 0 when dual_clip = c (> 1)
+        gspo   ℓ = w · max(−s·A, −clip(s, 1−g_low, 1+g_high)·A)   s = exp(mean_t(logp − prox_logp)) of the
+               token's sequence, gradient s·∇logp per token (GSPO-token, Zheng et al. 2025); g = gspo_clip_*
+        cispo  ℓ = −w · sg(clip(r, 1−ε_low, 1+ε_high)) · A · logp   (CISPO, MiniMax-M1, 2025)
 
-    ``prox_logp``, ``behav_logp`` and ``advantages`` are detached here: gradient flows only into ``logp``,
-    and only at valid tokens. ``num_tokens``: see ``masked_mean`` (micro-batch accumulation).
+    ``importance``: ``(w, cut)`` from :func:`learner.importance.importance_weights` (any level and
+    treatment); None is today's token-level truncation ``w = min(exp(prox_logp − behav_logp), is_cap)``.
+    ``prox_logp``, ``behav_logp`` and ``advantages`` are detached here: gradient flows only into ``logp``, and
+    only at valid tokens. ``num_tokens``: the minibatch's :func:`aggregation_units` (its token count for
+    token-mean, its sequence count otherwise) when it is split into micro-batches; see :func:`aggregate`.
 
     Metrics (detached 0-d tensors, means over valid tokens):
-    ``policy/clipfrac`` (the clip branch is active), ``policy/dual_clipfrac`` (the dual-clip bound is
-    active; 0 without dual-clip), ``policy/approx_kl`` (k3 estimate of KL(prox ‖ current)),
-    ``policy/is_weight_mean``, ``policy/is_weight_max``, ``policy/is_truncfrac`` (w hit the cap),
-    ``policy/ess`` (effective sample size of w normalised to (0, 1]: (Σw)² / (N·Σw²)).
+    ``policy/clipfrac`` (the clip branch is active; for cispo, r was clipped), ``policy/dual_clipfrac`` (the
+    dual-clip bound is active; 0 without dual-clip), ``policy/approx_kl`` (k3 estimate of KL(prox ‖ current)),
+    ``policy/is_weight_mean``, ``policy/is_weight_max``, ``policy/is_truncfrac`` (w was cut: truncated at
+    the cap or masked), ``policy/ess`` (effective sample size of w normalised to (0, 1]: (Σw)² / (N·Σw²)).
 
     Shape: logp, prox_logp, behav_logp, advantages, mask (B, T) -> loss ().
     """
     prox_logp, behav_logp, advantages = prox_logp.detach(), behav_logp.detach(), advantages.detach()
-    log_ratio = (logp - prox_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
-    per_token = torch.maximum(unclipped, clipped)  # (B, T)
-    dual_active = torch.zeros_like(per_token, dtype=torch.bool)
-    if dual_clip is not None:
-        # Bounds the loss of a negative-advantage token whose ratio has exploded (a stale or rare token).
-        bound = -dual_clip * advantages
-        dual_active = (advantages < 0) & (per_token > bound)
-        per_token = torch.where(dual_active, bound, per_token)
-
-    # min(exp(x), c) as exp(min(x, log c)): no overflow for very stale tokens.
-    is_weight = torch.exp((prox_logp - behav_logp).clamp(max=math.log(is_cap)))  # (B, T), detached
-    loss = masked_mean(per_token * is_weight, mask, num_tokens)
+    if importance is None:
+        importance = importance_weights(prox_logp, behav_logp, mask, cap=is_cap)
+    is_weight, cut = importance  # (B, T) each, detached
+    dual_active = None
+    if loss == "ppo":
+        per_token, clip_active, dual_active = _ppo_terms(
+            logp, prox_logp, advantages, eps_clip_low, eps_clip_high, dual_clip
+        )
+    elif loss == "gspo":
+        per_token, clip_active = _gspo_terms(logp, prox_logp, advantages, mask, gspo_clip_low, gspo_clip_high)
+    elif loss == "cispo":
+        per_token, clip_active = _cispo_terms(logp, prox_logp, advantages, eps_clip_low, eps_clip_high)
+    else:
+        raise ValueError(f"policy loss {loss!r}: expected one of {', '.join(POLICY_LOSSES)}")
+    loss_value = aggregate(per_token * is_weight.detach(), mask, agg, agg_norm, units=num_tokens)
 
     with torch.no_grad():
         # Every per-token quantity in one (6, B, T) stack and one masked sum: on a small model each torch
@@ -173,10 +299,10 @@ def policy_loss(
         dtype = is_weight.dtype
         per_token_metrics = torch.stack(
             [
-                (clipped > unclipped).to(dtype),
-                dual_active.to(dtype),
+                clip_active.to(dtype),
+                (torch.zeros_like(is_weight) if dual_active is None else dual_active.to(dtype)),
                 kl_k3(prox_logp, logp.detach()).to(dtype),
-                (prox_logp - behav_logp >= math.log(is_cap)).to(dtype),
+                cut.to(dtype),
                 is_weight,
                 is_weight**2,
             ]
@@ -194,7 +320,7 @@ def policy_loss(
             "policy/is_truncfrac": truncfrac,
             "policy/ess": w_sum**2 / (n * w_sq_sum).clamp_min(torch.finfo(dtype).tiny),
         }
-    return loss, metrics
+    return loss_value, metrics
 
 
 # ---------------------------------------------------------------------------------------------------
