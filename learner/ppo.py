@@ -22,15 +22,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from buffer.schema import Trajectory
 from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
 from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
+from learner.importance import importance_weights, mismatch_metrics
 from learner.kl_control import make_kl_controller
 from learner.lm_head import use_chunked_head
-from learner.losses import KL_ESTIMATORS, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
+from learner.losses import (
+    KL_ESTIMATORS,
+    aggregation_units,
+    entropy_from_logits,
+    logprobs_from_logits,
+    policy_loss,
+    value_loss,
+)
 from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
 from learner.online import OnlineRuntime, peak_memory_gb
 from learner.passes import Pass, beside, run_passes
@@ -63,6 +72,16 @@ def episode_metric_means(trajs: list[Trajectory]) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in sums.items()}
 
 
+def token_staleness(trajs: list[Trajectory], version: int, width: int) -> Tensor:
+    """Learner ``version`` minus the policy version that generated each response token (``mismatch/kl_k3/s*``).
+
+    Shape: (B, width) int64; 0 past a response's end (environment tokens, version -1, are off the mask)."""
+    out = np.zeros((len(trajs), width), dtype=np.int64)
+    for i, t in enumerate(trajs):
+        out[i, : len(t.token_versions)] = version - t.token_versions
+    return torch.from_numpy(out)
+
+
 def served_ref_logp(batch: Batch) -> Tensor:
     """The reference logprobs scored outside the learner (``placement.reference`` server or own), 0 off
     the mask.
@@ -93,6 +112,8 @@ class PPOLearner(OnlineRuntime):
         self.timers = Timers()
         self.kl_estimator = KL_ESTIMATORS[a.kl_estimator]
         self.kl_ctl = make_kl_controller(a.kl_coef, a.kl_target, a.kl_horizon)  # learner/kl_control.py
+        # seq-mean-token-sum-norm's constant (Dr. GRPO): the longest response the servers may generate.
+        self.agg_norm = a.loss_agg_norm or cfg.rollout.max_new_tokens
         self.require_multiple_of_ranks(
             **{"algorithm.batch_size": a.batch_size, "algorithm.minibatch_size": a.minibatch_size}
         )
@@ -215,7 +236,8 @@ class PPOLearner(OnlineRuntime):
                 a.whiten_advantages,
             )
         )
-        return self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values)
+        staleness = token_staleness(batch.trajs, self.version, batch.mask.shape[1]).to(self.device)
+        return self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values, staleness)
 
     def warn_over_budget(self, batch: Batch) -> None:
         """A trajectory longer than the token budget is dropped, not trained on alone (docs/design.md §4.8):
@@ -343,6 +365,7 @@ class PPOLearner(OnlineRuntime):
         adv: Tensor,
         returns: Tensor | None,
         old_values: Tensor | None,
+        staleness: Tensor | None = None,
     ) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches; one optimizer step per minibatch per model.
 
@@ -363,9 +386,13 @@ class PPOLearner(OnlineRuntime):
             m.actor.train()
             for rows in minibatches:
                 num_tokens = batch.mask[rows].sum()  # the whole minibatch's, on all ranks
+                # what the policy loss averages over: the same tokens (token-mean) or the sequences
+                units = aggregation_units(batch.mask[rows], a.loss_agg)
                 with self.timers("time/actor_train"):
                     for mb in self.micro(batch, rows):
-                        self.actor_backward(mb, batch, prox_logp, ref_logp, adv, num_tokens, actor_stats)
+                        self.actor_backward(
+                            mb, batch, prox_logp, ref_logp, adv, num_tokens, actor_stats, staleness, units
+                        )
                     m.actor.step()
 
         def critic() -> None:
@@ -400,8 +427,11 @@ class PPOLearner(OnlineRuntime):
         adv: Tensor,
         num_tokens: Tensor,
         stats: Stats,
+        staleness: Tensor | None = None,
+        units: Tensor | None = None,
     ) -> None:
         a, rows = self.cfg.algorithm, mb.rows
+        units = num_tokens if units is None else units  # the minibatch's aggregation_units
         mask = batch.mask[rows]  # (b, R)
         # (b, R) each; the entropy carries gradient only when it is in the loss
         logp, entropy = self.logprobs(
@@ -409,21 +439,48 @@ class PPOLearner(OnlineRuntime):
         )
         # The batch's only optimizer step starts from the proximal policy: logp *is* prox_logp here.
         prox = logp.detach() if prox_logp is None else prox_logp[rows]
+        behav, imp = batch.behav_logp[rows], a.importance
+        weights = importance_weights(  # learner/importance.py: (w, cut), (b, R) each
+            prox,
+            behav,
+            mask,
+            level=imp.level,
+            treatment=imp.treatment,
+            cap=a.is_cap,
+            mask_low=imp.mask_low,
+            mask_high=imp.mask_high,
+        )
         loss, metrics = policy_loss(
             logp,
             prox,
-            batch.behav_logp[rows],
+            behav,
             adv[rows],
             mask,
             eps_clip_low=a.eps_clip_low,
             eps_clip_high=a.eps_clip_high,
             is_cap=a.is_cap,
             dual_clip=a.dual_clip,
-            num_tokens=num_tokens,
+            num_tokens=units,
+            loss=a.loss,
+            gspo_clip_low=a.gspo_clip_low,
+            gspo_clip_high=a.gspo_clip_high,
+            importance=weights,
+            agg=a.loss_agg,
+            agg_norm=self.agg_norm,
         )
         n = mask.sum()
-        stats.add("loss/policy", loss * num_tokens, n)
+        stats.add("loss/policy", loss * units, aggregation_units(mask, a.loss_agg))
         stats.add_means(metrics, n)
+        means, counts = mismatch_metrics(
+            prox,
+            behav,
+            mask,
+            cut=weights[1],
+            treatment=imp.treatment,
+            staleness=None if staleness is None else staleness[rows],
+        )
+        for key, mean in means.items():  # each over its own tokens (a staleness bucket's, for kl_k3/s*)
+            stats.add(key, mean * counts[key], counts[key])
         entropy = masked_mean(entropy, mask, num_tokens)
         stats.add("policy/entropy", entropy * num_tokens, n)
         loss = loss - a.entropy_coef * entropy if a.entropy_coef > 0 else loss

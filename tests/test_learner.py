@@ -283,7 +283,28 @@ def run_with_admission_producer(cfg: Config, redis_client, tmp_path: Path) -> li
     return history(redis_client, cfg.run.name)
 
 
-def test_async_at_staleness_zero_equals_sync(tiny_ckpt, redis_server, redis_client, tmp_path) -> None:
+# Three representative loss variants (docs/design.md §4.9), not every combination: each case runs two
+# learners for four steps (~7 s on two idle cores, several times that under load). Together they cover
+# each loss, both importance levels and treatments, and three of the four aggregations.
+LOSS_VARIANTS = {
+    "ppo-token-truncate": {},
+    "gspo-sequence-mask": {
+        "loss": "gspo",
+        "importance": {"level": "sequence", "treatment": "mask", "mask_low": 0.2},
+        "loss_agg": "seq-mean-token-mean",
+    },
+    "cispo-token-mask": {
+        "loss": "cispo",
+        "importance": {"treatment": "mask", "mask_low": 0.2},
+        "loss_agg": "seq-mean-token-sum-norm",
+    },
+}
+
+
+@pytest.mark.parametrize("variant", LOSS_VARIANTS)
+def test_async_at_staleness_zero_equals_sync(
+    variant, tiny_ckpt, redis_server, redis_client, tmp_path
+) -> None:
     runs = {}
     for mode, max_staleness in (("async", 0), ("sync", 3)):  # sync forces 0 whatever the config says
         run = f"eq-{mode}-{os.getpid()}-{time.monotonic_ns()}"
@@ -293,13 +314,20 @@ def test_async_at_staleness_zero_equals_sync(tiny_ckpt, redis_server, redis_clie
             run,
             tmp_path / mode,
             run={"mode": mode},
-            algorithm={"max_staleness": max_staleness, "minibatch_size": 4, "ppo_epochs": 2},
+            algorithm={
+                "max_staleness": max_staleness,
+                "minibatch_size": 4,
+                "ppo_epochs": 2,
+                **LOSS_VARIANTS[variant],
+            },
             learner={"total_steps": 4, "save_hf_final": False},
         )
         runs[mode] = run_with_admission_producer(load_config(None, raw=raw), redis_client, tmp_path / mode)
     for rows in runs.values():
         assert [r["learner/version"] for r in rows] == [1, 2, 3, 4]
         assert all(r["staleness/max"] == 0 for r in rows)  # on-policy: trained only on its own version
+        # the mismatch metrics are logged every step, per staleness bucket present (only s0 here)
+        assert all("mismatch/kl_k3/s0" in r and "mismatch/kl_k3/s1" not in r for r in rows)
     losses = {mode: [(r["loss/policy"], r["policy/entropy"]) for r in rows] for mode, rows in runs.items()}
     assert losses["async"] == losses["sync"]
     assert len({p for p, _ in losses["sync"]}) == 4  # the steps differ: the comparison is not vacuous
