@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -95,6 +96,29 @@ def resolve_backend(backend: str) -> str:
 def default_host() -> str:
     """Address the servers reach the learner at: $TANDEM_WEIGHTSYNC_HOST, else the learner's MASTER_ADDR."""
     return os.environ.get("TANDEM_WEIGHTSYNC_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def bound_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """The master side of a ``TCPStore`` that listens on ``host`` only (``port`` 0: a free one).
+
+    A master ``TCPStore`` listens on every interface, and torch 2.13's constructor takes no bind address;
+    it does take a listening socket (``master_listen_fd``), which it then owns and closes.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            host, port, None, True, timeout, wait_for_workers=False, master_listen_fd=sock.fileno()
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes it
+    return store
 
 
 def _new_group(store: dist.Store, rank: int, world: int, backend: str, host: str, timeout_s: float):
@@ -168,9 +192,8 @@ class DistPublisher(Publisher):
         self.host = host or default_host()
         self.registry = Registry(client, run, live_s)
         self.device = _device(self.backend)
-        self._store = dist.TCPStore(
-            self.host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        # On the address the servers dial, not every interface (its clients are the run's servers only).
+        self._store = bound_store(self.host, 0, timedelta(seconds=timeout_s))
         self._bucket: torch.Tensor | None = None
         self._seq = 0  # rounds published, so a repeat of a version gets keys of its own
         self._last_version: int | None = None

@@ -120,7 +120,14 @@ def init_custom_process_group(
         rendezvous,
     )
 
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    if rank == 0 and init_method.startswith("tcp://"):
+        # The master's store listens on the address the engines dial only, not on every interface.
+        from weightsync.dist import bound_store
+
+        where = urlsplit(init_method)
+        store = bound_store(where.hostname or "127.0.0.1", where.port or 0, timeout)
+    else:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
@@ -434,7 +441,7 @@ class EnginePublisher(Publisher):
             offset += ep.world_size
         # The learner's address on the route to the engine: what the engine dials for the rendezvous.
         address = self.master_address or local_address(urlsplit(eps[0].url).hostname or "127.0.0.1")
-        port = free_port("0.0.0.0")
+        port = free_port(address)  # the group's store listens there only (bound_store)
         self._n_groups += 1
         name = f"tandem-{self.run}-{self._n_groups}"
         routes = self._routes(kind)
