@@ -152,6 +152,9 @@ def test_learner_trains_on_fixed_trajectories(
     else:
         assert not any("loss/value" in r for r in rows)  # no critic without gae
     assert all(r["staleness/max"] <= r["learner/version"] for r in rows)
+    # every token is of version 0, so step v trains on tokens v - 1 stale: one bucket, s0 to s3 (3 or more)
+    buckets = [sorted(k for k in r if k.startswith("mismatch/kl_k3/")) for r in rows]
+    assert buckets == [[f"mismatch/kl_k3/s{min(v - 1, 3)}"] for v in range(1, steps + 1)]
     for key in ("loss/kl", "policy/kl", "policy/clipfrac", "policy/entropy", "reward/mean", "time/train"):
         assert all(np.isfinite(r[key]) for r in rows), key
     assert int(redis_client.get(f"{run_id}:version")) == steps
