@@ -262,7 +262,7 @@ def policy_loss(
         cispo  ℓ = −w · sg(clip(r, 1−ε_low, 1+ε_high)) · A · logp   (CISPO, MiniMax-M1, 2025)
 
     ``importance``: ``(w, cut)`` from :func:`learner.importance.importance_weights` (any level and
-    treatment); None is today's token-level truncation ``w = min(exp(prox_logp − behav_logp), is_cap)``.
+    treatment); None is the default token-level truncation ``w = min(exp(prox_logp − behav_logp), is_cap)``.
     ``prox_logp``, ``behav_logp`` and ``advantages`` are detached here: gradient flows only into ``logp``, and
     only at valid tokens. ``num_tokens``: the minibatch's :func:`aggregation_units` (its token count for
     token-mean, its sequence count otherwise) when it is split into micro-batches; see :func:`aggregate`.
