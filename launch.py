@@ -30,7 +30,7 @@ from pathlib import Path
 from launcher import driver, prepare
 from launcher.backends import available, get_backend
 from launcher.feeder import PromptSet
-from tandem.config import ConfigError, dump_config, load_config
+from tandem.config import ConfigError, dump_public_config, load_config
 from tandem.telemetry import setup_logging
 
 __all__ = ["main"]
@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = driver.dry_run_plan(cfg, resume=resume is not None)
         for block in backend.describe(plan):
             print(block)
-        print("# per-process config (config.yaml)\n" + dump_config(cfg))
+        # Secrets redacted: config.yaml itself (mode 0600) holds them.
+        print("# per-process config (config.yaml)\n" + dump_public_config(cfg))
         return 0
     return driver.run(cfg, prompts, backend, resume=resume, console_enabled=console, fresh=args.fresh)
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from launcher import driver
-from tandem.config import Config, dump_config, write_private
+from tandem.config import Config, dump_config, dump_public_config, write_private
 
 
 def command(config: Path, run_dir: Path, resume: bool) -> list[str]:
@@ -28,7 +28,7 @@ def run(cfg: Config, *, resume: Path | None, fresh: bool, dry_run: bool) -> int:
         print(
             f"# learner ({cfg.recipe}: no rollout servers)\n{shlex.join(command(run_dir / 'config.yaml', run_dir, resume is not None))}"
         )
-        print("# per-process config (config.yaml)\n" + dump_config(cfg))
+        print("# per-process config (config.yaml)\n" + dump_public_config(cfg))  # secrets redacted
         return 0
     run_dir = driver.prepare_run_dir(cfg, resume, fresh=fresh)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -96,15 +97,26 @@ FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "
 
 
 def shared_flags(cfg: Config, settings: ServerConfig) -> list[str]:
-    """The server flags both engines spell alike: the model's dtype, remote code, the API key."""
+    """The server flags both engines spell alike: the model's dtype, remote code. Never the API key: a
+    command line is readable by every local user (``/proc/PID/cmdline``); see :func:`api_key_file`."""
     argv = []
     if cfg.model.dtype != "auto":
         argv += ["--dtype", cfg.model.dtype]
     if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
-    if settings.api_key:
-        argv += ["--api-key", settings.api_key]
     return argv
+
+
+def api_key_file(settings: ServerConfig, path: Path) -> list[str]:
+    """``--config PATH`` naming a YAML file (mode 0600) that holds the engine's API key (SGLang reads flags
+    from one; vLLM takes the key from ``VLLM_API_KEY``); nothing without a key."""
+    if not settings.api_key:
+        return []
+    from tandem.config import write_private
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_private(path, json.dumps({"api-key": settings.api_key}) + "\n")  # JSON is YAML
+    return ["--config", str(path)]
 
 
 def device_env(device: str | None, tp_size: int) -> dict[str, str]:

@@ -40,6 +40,7 @@ from rollout.engines._http import (
     FINISH_REASONS,
     Api,
     HttpEngine,
+    api_key_file,
     device_env,
     expand_version_spans,
     payload_fields,
@@ -305,9 +306,10 @@ class SGLangEngine(HttpEngine):
         self.supports_sleep = releases(cfg)
         env = device_env(device, s.tp_size)
         log = Path(cfg.run.output_dir) / f"sglang-server{server_index}.log"
+        key = api_key_file(s, log.with_name(f".sglang-server{server_index}.key.yaml"))  # not on argv
         url = self._start(
             "sglang.launch_server",
-            lambda port: launch_argv(cfg, model_path, s.host, port),
+            lambda port: launch_argv(cfg, model_path, s.host, port) + key,
             env=env,
             log_path=log,
         )

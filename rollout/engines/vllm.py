@@ -348,6 +348,8 @@ class VLLMEngine(HttpEngine):
         self._pause_mode = v.pause_mode
         self.supports_sleep = sleeps(cfg) and not cpu_build()
         env = {"VLLM_SERVER_DEV_MODE": "1", **device_env(device, v.tensor_parallel_size)}
+        if v.api_key:  # in its environment, not on its command line (readable in /proc by anyone)
+            env["VLLM_API_KEY"] = v.api_key
         # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
         logs = Path(cfg.run.output_dir) / cfg.run.name / "logs"
         log = (logs if logs.is_dir() else Path(cfg.run.output_dir)) / f"vllm-server{server_index}.log"

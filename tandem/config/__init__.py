@@ -27,7 +27,14 @@ from tandem.config.doc import describe_fields
 from tandem.config.learner import LearnerConfig, LoRAConfig, WeightSyncConfig
 from tandem.config.loading import apply_overrides, format_validation_error, load_config
 from tandem.config.placement import RUNNABLE_PLACEMENT, ClusterConfig, PlacementConfig
-from tandem.config.redaction import REDACTED, dump_config, public_dict, redact, write_private
+from tandem.config.redaction import (
+    REDACTED,
+    dump_config,
+    dump_public_config,
+    public_dict,
+    redact,
+    write_private,
+)
 from tandem.config.rollout import (
     AgentConfig,
     EnvConfig,
@@ -92,6 +99,7 @@ __all__ = [
     "apply_overrides",
     "describe_fields",
     "dump_config",
+    "dump_public_config",
     "format_validation_error",
     "load_config",
     "public_dict",

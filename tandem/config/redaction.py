@@ -39,6 +39,11 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def dump_public_config(cfg: Config) -> str:
+    """The config as YAML with every secret redacted: what ``--dry-run`` prints."""
+    return yaml.safe_dump(public_dict(cfg), sort_keys=False)
+
+
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` for its owner only (mode 0600 from creation on: it holds a secret, a
     Redis password), atomically: a reader sees the old file or the whole new one, never half a secret."""
