@@ -100,25 +100,27 @@ def prompt_records(
     path: str | Path, prompt_field: str = "prompt", *, rejected: list[Rejected] | None = None
 ) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, record)`` of a JSONL prompt file, checked. Each record gets an ``id`` (its line
-    number when absent). Given ``rejected``, bad records go there instead of raising."""
+    number when absent). Bad records raise DatasetError naming the first one's line or, given
+    ``rejected``, go there."""
     p = Path(path)
+    bad: list[Rejected] = []
     records = []
-    for lineno, rec in read_jsonl(p, "prompt file", rejected=rejected):
+    for lineno, rec in read_jsonl(p, "prompt file", rejected=bad):
         text = rec.get(prompt_field)
-        reason = None
         if not isinstance(text, str) or not text:
-            reason = f"field {prompt_field!r} must be a non-empty string"
+            bad.append(Rejected(lineno, f"field {prompt_field!r} must be a non-empty string", ""))
         elif problem := unicode_problem(text):
-            reason = f"field {prompt_field!r} is not valid text: {problem}"
-        if reason is not None:
-            if rejected is None:
-                raise DatasetError(f"{p}:{lineno}: {reason}")
-            rejected.append(Rejected(lineno, reason, raw_line(p, lineno)))
-            continue
-        rec.setdefault("id", f"{p.stem}-{lineno}")
-        records.append((lineno, rec))
+            bad.append(Rejected(lineno, f"field {prompt_field!r} is not valid text: {problem}", ""))
+        else:
+            rec.setdefault("id", f"{p.stem}-{lineno}")
+            records.append((lineno, rec))
+    bad.sort(key=lambda r: r.line)
+    if bad and rejected is None:
+        raise DatasetError(f"{p}:{bad[0].line}: {bad[0].reason}")
+    if rejected is not None:
+        rejected += [r if r.raw else Rejected(r.line, r.reason, raw_line(p, r.line)) for r in bad]
     if not records:
-        raise DatasetError(f"prompt file {p}: no usable records ({len(rejected or [])} set aside)")
+        raise DatasetError(f"prompt file {p}: no usable records ({len(bad)} set aside)")
     return records
 
 
