@@ -126,7 +126,7 @@ class WeightSyncConfig(Section):
     )
     shm_dir: str | None = Field(
         None,
-        description="Directory of the shm transport; null is /dev/shm/tandem-<run> (falls back to the run dir).",
+        description="Directory of the shm transport; null makes /dev/shm/tandem-<run>-<random> (mode 0700; falls back to the run dir).",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="dist backend: auto is nccl on GPU, gloo on CPU."
