@@ -58,7 +58,7 @@ def post(url: str, route: str, body: object, **kw: object) -> httpx.Response:
     """POST a body: a dict as JSON, a str as it is (Python's JSON reader takes NaN and Infinity)."""
     content = body if isinstance(body, str) else json.dumps(body)
     headers = {**AUTH, "Content-Type": "application/json", **kw.pop("headers", {})}  # type: ignore[dict-item]
-    return httpx.post(f"{url}{route}", content=content, headers=headers, timeout=60, **kw)  # type: ignore[arg-type]
+    return httpx.post(f"{url}{route}", content=content, headers=headers, **{"timeout": 60, **kw})  # type: ignore[arg-type]
 
 
 def alongside(url: str, bad: Callable[[], httpx.Response]) -> httpx.Response:
