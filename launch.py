@@ -31,6 +31,7 @@ from launcher import driver, prepare
 from launcher.backends import available, get_backend
 from launcher.feeder import PromptSet
 from tandem.config import ConfigError, dump_public_config, load_config
+from tandem.plugins import check_plugins
 from tandem.telemetry import setup_logging
 
 __all__ = ["main"]
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         fixed = driver.fixed_run_dir(cfg)
         if resume is None and driver.started_before(fixed) and not args.fresh:
             resume = fixed  # the same command again: continue the run in run.dir
+        plugins = check_plugins(cfg)  # every module:function the config names, before anything starts
+        if plugins:
+            raise ConfigError("\nerror: ".join(plugins))
         backend = get_backend(args.backend, args.ray)
         if resume is None and args.dry_run:  # what the config's prepare steps would make first
             for line in prepare.describe(cfg.prepare, reads=prepare.config_reads(cfg)):

@@ -17,6 +17,13 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from tandem.plugins import check_plugins  # imports user code: only here, not on every config load
+
+    errors = check_plugins(cfg)
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    if errors:
+        return 2
     print(
         f"{args.config}: ok (run {cfg.run.name}, recipe {cfg.recipe}, engine {cfg.rollout.engine}"
         f"{', advantage ' + cfg.algorithm.advantage if cfg.recipe == 'ppo' else ''})"
