@@ -291,36 +291,49 @@ def policy_loss(
     else:
         raise ValueError(f"policy loss {loss!r}: expected one of {', '.join(POLICY_LOSSES)}")
     loss_value = aggregate(per_token * is_weight.detach(), mask, agg, agg_norm, units=num_tokens)
-
-    with torch.no_grad():
-        # Every per-token quantity in one (6, B, T) stack and one masked sum: on a small model each torch
-        # op costs more in dispatch than in arithmetic, and separate masked means were ~40 ops.
-        valid = mask.bool()
-        dtype = is_weight.dtype
-        per_token_metrics = torch.stack(
-            [
-                clip_active.to(dtype),
-                (torch.zeros_like(is_weight) if dual_active is None else dual_active.to(dtype)),
-                kl_k3(prox_logp, logp.detach()).to(dtype),
-                cut.to(dtype),
-                is_weight,
-                is_weight**2,
-            ]
-        )
-        sums = torch.where(valid, per_token_metrics, 0.0).sum((1, 2))  # (6,)
-        n = valid.sum().to(dtype).clamp_min(1.0)
-        clipfrac, dual_clipfrac, approx_kl, truncfrac = sums[:4] / n
-        w_sum, w_sq_sum = sums[4], sums[5]
-        metrics = {
-            "policy/clipfrac": clipfrac,
-            "policy/dual_clipfrac": dual_clipfrac,
-            "policy/approx_kl": approx_kl,
-            "policy/is_weight_mean": w_sum / n,
-            "policy/is_weight_max": torch.where(valid, is_weight, 0.0).max(),
-            "policy/is_truncfrac": truncfrac,
-            "policy/ess": w_sum**2 / (n * w_sq_sum).clamp_min(torch.finfo(dtype).tiny),
-        }
+    metrics = _policy_metrics(logp, prox_logp, mask, is_weight, cut, clip_active, dual_active)
     return loss_value, metrics
+
+
+@torch.no_grad()
+def _policy_metrics(
+    logp: Tensor,
+    prox_logp: Tensor,
+    mask: Tensor,
+    is_weight: Tensor,
+    cut: Tensor,
+    clip_active: Tensor,
+    dual_active: Tensor | None,
+) -> dict[str, Tensor]:
+    """:func:`policy_loss`'s metrics, as its docstring lists them."""
+    # Every per-token quantity in one (6, B, T) stack and one masked sum: on a small model each torch
+    # op costs more in dispatch than in arithmetic, and separate masked means were ~40 ops.
+    valid = mask.bool()
+    dtype = is_weight.dtype
+    per_token_metrics = torch.stack(
+        [
+            clip_active.to(dtype),
+            (torch.zeros_like(is_weight) if dual_active is None else dual_active.to(dtype)),
+            kl_k3(prox_logp, logp.detach()).to(dtype),
+            cut.to(dtype),
+            is_weight,
+            is_weight**2,
+        ]
+    )
+    sums = torch.where(valid, per_token_metrics, 0.0).sum((1, 2))  # (6,)
+    n = valid.sum().to(dtype).clamp_min(1.0)
+    clipfrac, dual_clipfrac, approx_kl, truncfrac = sums[:4] / n
+    w_sum, w_sq_sum = sums[4], sums[5]
+    metrics = {
+        "policy/clipfrac": clipfrac,
+        "policy/dual_clipfrac": dual_clipfrac,
+        "policy/approx_kl": approx_kl,
+        "policy/is_weight_mean": w_sum / n,
+        "policy/is_weight_max": torch.where(valid, is_weight, 0.0).max(),
+        "policy/is_truncfrac": truncfrac,
+        "policy/ess": w_sum**2 / (n * w_sq_sum).clamp_min(torch.finfo(dtype).tiny),
+    }
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------------
