@@ -34,6 +34,7 @@ def _check_config(args: argparse.Namespace) -> int:
 def _config_doc(args: argparse.Namespace) -> int:
     print("| key | default | description |\n| --- | --- | --- |")
     for path, default, desc in describe_fields():
+        desc = desc.replace("|", "\\|")  # a pipe in a description would end its table cell
         print(f"| `{path}` | `{default}` | {desc} |")
     return 0
 

@@ -124,6 +124,44 @@ def test_every_field_is_described() -> None:
     assert missing == []
 
 
+def _every_field(model: type, prefix: str = "") -> dict[str, str]:
+    """Every field reachable from ``model`` (sections, union members, list items) and its description,
+    walked from the annotations independently of describe_fields."""
+    from typing import get_args
+
+    from tandem.config.base import Section
+
+    def sections(ann: object) -> list[type]:
+        if isinstance(ann, type) and issubclass(ann, Section):
+            return [ann]
+        return [s for a in get_args(ann) for s in sections(a)]
+
+    out: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        inner = sections(field.annotation)
+        list_of = getattr(field.annotation, "__origin__", None) is list
+        if inner and not list_of and type(None) not in get_args(field.annotation):
+            for s in inner:
+                out.update(_every_field(s, path + "."))
+            continue
+        out[path] = field.description or ""
+        for s in inner:
+            out.update(_every_field(s, path + ("[]." if list_of else ".")))
+    return out
+
+
+def test_config_doc_has_a_described_row_for_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli import main
+
+    fields = _every_field(Config)
+    assert "reward.functions[].path" in fields and "prepare[].name" in fields
+    assert [path for path, desc in fields.items() if not desc] == []
+    assert main(["config-doc"]) == 0
+    rows = {line.split("`")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("| `")}
+    assert sorted(set(fields) - rows) == []
+
+
 def test_write_private_is_owner_only_from_creation_and_replaces_the_file_whole(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("old")

@@ -13,7 +13,8 @@ from tandem.config.root import Config
 
 
 def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(path, default, description) for every field; the README's config table is generated from this."""
+    """(path, default, description) for every field; the README's config table is generated from this. A
+    list of sections is a row of its own, then its items' fields as ``path[].field``."""
     rows: list[tuple[str, str, str]] = []
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
@@ -26,6 +27,8 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[t
             continue
         default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
         rows.append((path, default, field.description or ""))
+        if get_origin(ann) is list and _is_section(item := get_args(ann)[0]):
+            rows.extend(describe_fields(_section_of(item), path + "[]."))  # each item's fields
     return rows
 
 
