@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         # Secrets redacted: config.yaml itself (mode 0600) holds them.
         print("# per-process config (config.yaml)\n" + dump_public_config(cfg))
         return 0
+    if resume is None and driver.fixed_run_dir(cfg) is None and (note := driver.resume_note(cfg)):
+        print(note, flush=True)  # a new run beside an interrupted one of the same name
     return driver.run(cfg, prompts, backend, resume=resume, console_enabled=console, fresh=args.fresh)
 
 

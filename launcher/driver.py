@@ -99,6 +99,57 @@ def started_before(run_dir: Path | None) -> bool:
     return run_dir is not None and (run_dir / "config.public.yaml").is_file()
 
 
+def unfinished_runs(cfg: Config) -> list[Path]:
+    """Run directories of this run's name under ``run.output_dir`` (``<name>-<time>``) that were started,
+    are not running now and never reached their own ``learner.total_steps`` in a committed checkpoint
+    (``checkpoints/latest.json``), oldest first: what ``--resume`` would continue."""
+    parent = ROOT / cfg.run.output_dir
+    if not parent.is_dir():
+        return []
+    name = re.compile(rf"{re.escape(cfg.run.name)}-\d{{8}}-\d{{6}}(\.\d+)?")
+    found = []
+    for run_dir in sorted(p for p in parent.iterdir() if name.fullmatch(p.name) and started_before(p)):
+        try:
+            learner = yaml.safe_load((run_dir / "config.public.yaml").read_text())["learner"]
+            total = int(learner.get("total_steps", 100))
+            ckpt_dir = Path(learner.get("checkpoint_dir") or run_dir / "checkpoints")
+        except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+            continue
+        try:
+            version = int(json.loads((ckpt_dir / "latest.json").read_text())["version"])
+        except (OSError, ValueError, KeyError, TypeError):
+            version = -1
+        if version < total and not locked(run_dir):
+            found.append(run_dir)
+    return found
+
+
+def locked(run_dir: Path) -> bool:
+    """Whether a launch.py holds ``run_dir``'s :class:`RunLock` now (the run is going on)."""
+    try:
+        fd = os.open(run_dir / ".launch.lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's own lock
+    return False
+
+
+def resume_note(cfg: Config) -> str | None:
+    """The line launch.py prints when a new run starts beside an interrupted one of the same name."""
+    runs = unfinished_runs(cfg)
+    if not runs:
+        return None
+    run_dir = runs[-1]
+    with contextlib.suppress(ValueError):
+        run_dir = run_dir.relative_to(Path.cwd())
+    return f"note: {run_dir} did not finish; resume it with: python launch.py --resume {run_dir}"
+
+
 def prepare_run_dir(cfg: Config, resume: Path | None, *, fresh: bool = False) -> Path:
     if resume is not None:
         return resume.resolve()
