@@ -235,3 +235,27 @@ def test_no_development_process_words_in_the_repository() -> None:
         "development-process references (say what the code does; date history in docs/changes.md):\n"
         + "\n".join(hits)
     )
+
+
+def design_section(number: str) -> str:
+    """The text of ``docs/design.md`` §``number`` (a ``###`` heading), up to the next heading."""
+    text = (DOCS / "design.md").read_text()
+    match = re.search(rf"^### {re.escape(number)} .*?$(.*?)(?=^#{{2,3}} )", text, re.M | re.S)
+    assert match, f"docs/design.md has no §{number}"
+    return match.group(1)
+
+
+def test_every_shipped_config_is_named_in_design_7_4() -> None:
+    listed = design_section("7.4")
+    missing = [
+        p.name for p in sorted((ROOT / "configs").glob("*.yaml")) if f"`configs/{p.name}`" not in listed
+    ]
+    assert missing == [], "add these to docs/design.md §7.4: " + ", ".join(missing)
+
+
+def test_every_config_section_is_in_design_7_2() -> None:
+    from tandem.config import Config
+
+    rows = set(re.findall(r"^\| `(\w+)` \|", design_section("7.2"), re.M))
+    assert sorted(set(Config.model_fields) - rows) == [], "sections missing from docs/design.md §7.2"
+    assert sorted(rows - set(Config.model_fields)) == [], "docs/design.md §7.2 names sections Config lacks"
