@@ -30,8 +30,8 @@ from pathlib import Path
 from launcher import driver, prepare
 from launcher.backends import available, get_backend
 from launcher.feeder import PromptSet
+from tandem import plugins
 from tandem.config import ConfigError, dump_public_config, load_config
-from tandem.plugins import check_plugins
 from tandem.telemetry import setup_logging
 
 __all__ = ["main"]
@@ -130,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed = driver.fixed_run_dir(cfg)
         if resume is None and driver.started_before(fixed) and not args.fresh:
             resume = fixed  # the same command again: continue the run in run.dir
-        plugins = check_plugins(cfg)  # every module:function the config names, before anything starts
-        if plugins:
-            raise ConfigError("\nerror: ".join(plugins))
+        plugins.require(plugins.check_plugins(cfg))  # every module:function it names, before anything starts
         backend = get_backend(args.backend, args.ray)
         if resume is None and args.dry_run:  # what the config's prepare steps would make first
             for line in prepare.describe(cfg.prepare, reads=prepare.config_reads(cfg)):
@@ -180,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         # Secrets redacted: config.yaml itself (mode 0600) holds them.
         print("# per-process config (config.yaml)\n" + dump_public_config(cfg))
         return 0
-    if resume is None and driver.fixed_run_dir(cfg) is None and (note := driver.resume_note(cfg)):
-        print(note, flush=True)  # a new run beside an interrupted one of the same name
+    driver.print_resume_note(cfg, resume)  # a new run beside an interrupted one of the same name
     return driver.run(cfg, prompts, backend, resume=resume, console_enabled=console, fresh=args.fresh)
 
 

@@ -141,6 +141,8 @@ def locked(run_dir: Path) -> bool:
 
 def resume_note(cfg: Config) -> str | None:
     """The line launch.py prints when a new run starts beside an interrupted one of the same name."""
+    if cfg.run.dir is not None:  # a fixed run directory resumes by itself
+        return None
     runs = unfinished_runs(cfg)
     if not runs:
         return None
@@ -148,6 +150,12 @@ def resume_note(cfg: Config) -> str | None:
     with contextlib.suppress(ValueError):
         run_dir = run_dir.relative_to(Path.cwd())
     return f"note: {run_dir} did not finish; resume it with: python launch.py --resume {run_dir}"
+
+
+def print_resume_note(cfg: Config, resume: Path | None) -> None:
+    """Print :func:`resume_note` when a new run starts (``resume`` None) and there is one."""
+    if resume is None and (note := resume_note(cfg)):
+        print(note, flush=True)
 
 
 def prepare_run_dir(cfg: Config, resume: Path | None, *, fresh: bool = False) -> Path:

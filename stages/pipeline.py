@@ -38,8 +38,8 @@ from stages.overoptimization import PPOWatch
 from stages.pipeline_config import PipelineConfig, load_pipeline, merge
 from stages.report import headline
 from stages.schedule import child_env, run_offline_stages
+from tandem import plugins
 from tandem.config import Config, ConfigError, dump_config, load_config
-from tandem.plugins import check_pipeline_plugins, check_plugins
 from tandem.telemetry import read_history, setup_logging
 
 log = logging.getLogger("pipeline")
@@ -436,11 +436,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m stages.pipeline")
     try:
         pipeline = Pipeline(load_pipeline(args.config, pipeline_overrides(args.overrides)))
         cfgs = pipeline.stage_configs()
-        plugins = check_pipeline_plugins(pipeline.pc)
-        for stage, stage_cfg in cfgs.items():
-            plugins += [f"{stage}: {e}" for e in check_plugins(stage_cfg)]
-        if plugins:
-            raise ConfigError("\nerror: ".join(plugins))
+        stage_plugins = [f"{st}: {e}" for st, c in cfgs.items() for e in plugins.check_plugins(c)]
+        plugins.require(plugins.check_pipeline_plugins(pipeline.pc) + stage_plugins)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

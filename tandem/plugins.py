@@ -15,9 +15,9 @@ import importlib
 import inspect
 from typing import Any
 
-from tandem.config import Config
+from tandem.config import Config, ConfigError
 
-__all__ = ["check_callable", "check_pipeline_plugins", "check_plugins"]
+__all__ = ["check_callable", "check_pipeline_plugins", "check_plugins", "require"]
 
 _REWARD_CALL = "(prompt, completion, record)"
 
@@ -79,3 +79,9 @@ def check_pipeline_plugins(pc: Any) -> list[str]:
     if pc.pairs.judge is not None:
         checks.append(("pairs.judge", pc.pairs.judge))
     return [e for field, path in checks if (e := _reward(field, path)) is not None]
+
+
+def require(errors: list[str]) -> None:
+    """Raise one ConfigError holding every problem, one per line, when there is any."""
+    if errors:
+        raise ConfigError("\nerror: ".join(errors))
