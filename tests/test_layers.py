@@ -229,3 +229,32 @@ def test_the_check_sees_an_import_of_the_simulator(tmp_path: Path) -> None:
         "placement.sim.auto",
         "placement.sim.auto.run_auto",
     ]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """``file:function (N lines)`` for every function longer than MAX_FUNCTION_LINES, docstring included."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}:{node.name} ({lines} lines)")
+    return found
+
+
+def test_no_core_function_is_over_80_lines() -> None:
+    """A driver reads as a list of steps; past 80 lines a function holds more than one (tests and bench
+    are not core)."""
+    core = [ROOT / "launch.py", *(p for pkg in LAYER if pkg != "launch" for p in (ROOT / pkg).rglob("*.py"))]
+    assert long_functions(core) == []
+
+
+def test_the_length_check_sees_a_long_function(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def long():\n{body}\n")
+    found = long_functions([tmp_path / "m.py"], root=tmp_path)
+    assert found == [f"m.py:long ({MAX_FUNCTION_LINES + 1} lines)"]
