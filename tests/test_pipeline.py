@@ -239,10 +239,10 @@ def run_pipeline(tmp_path: Path, *overrides: str, timeout: int = 900) -> dict:
 
 @pytest.mark.stages
 @pytest.mark.timeout(2000)
-@pytest.mark.parametrize("seed", [1, 2])  # the seeds on which near-miss pairs made PPO lower the gold score
-def test_the_shipped_pipeline_raises_the_held_out_rule_score(tmp_path: Path, seed: int) -> None:
-    """configs/pipeline-tiny.yaml as a user runs it (docs/stages.md §4.4 has all five seeds)."""
-    summary = run_pipeline(tmp_path, f"base.run.seed={seed}")
+def test_the_shipped_pipeline_raises_the_held_out_rule_score(tmp_path: Path) -> None:
+    """configs/pipeline-tiny.yaml as a user runs it, at seed 2: the seed on which near-miss pairs once took
+    PPO's gold score from 0.47 to 0.00 (docs/stages.md §4.4 has all five seeds)."""
+    summary = run_pipeline(tmp_path, "base.run.seed=2")
     sft, ppo = summary["sft"], summary["ppo"]
     assert ppo["task_score"] >= sft["task_score"] + 0.1, (sft["task_score"], ppo["task_score"])
     assert Path(ppo["curve_png"]).exists() and len(ppo["curve"]) >= 2
