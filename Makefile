@@ -40,13 +40,20 @@ assets: $(STAMP)
 demo: $(STAMP)
 	$(PY) launch.py configs/tiny.yaml
 
+# Most tests spend much of their time waiting on child processes (start-ups, restarts, readiness): one at
+# a time they kept 1.1 to 1.5 of the 2 cores busy, so two pytest workers (XDIST) share the cores. The
+# learning runs of test-stages kept 1.6 busy alone and run one at a time, as do the Ray and vLLM tiers
+# (one cluster, one vLLM server at a time).
+XDIST ?= -n 2
+
 test: $(STAMP)
-	$(PY) -m pytest -m "not ray and not stages and not presets and not faults"
+	$(PY) -m pytest -m "not ray and not stages and not presets and not faults" $(XDIST)
 
 # The slower tiers, each its own target (.ci/run runs them after `make test`):
-# the kill -9 tests (every role, the driver, Redis) with their exactly-once audits,
+# the kill -9 tests (every role, the driver, Redis) with their exactly-once audits (a test marked stages
+# too, such as ten kills of the driver, runs in that tier alone),
 test-faults: $(STAMP)
-	$(PY) -m pytest -m faults
+	$(PY) -m pytest -m "faults and not stages" $(XDIST)
 
 # multi-node runs and fault tests on a local Ray cluster,
 test-ray: $(STAMP)
@@ -54,7 +61,7 @@ test-ray: $(STAMP)
 
 # every shipped config through launch.py at tiny scale,
 test-presets: $(STAMP)
-	$(PY) -m pytest -m presets
+	$(PY) -m pytest -m presets $(XDIST)
 
 # and the SFT -> RM -> PPO pipeline end to end.
 test-stages: $(STAMP) assets
