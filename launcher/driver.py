@@ -159,6 +159,14 @@ def print_resume_note(cfg: Config, resume: Path | None) -> None:
 
 
 def prepare_run_dir(cfg: Config, resume: Path | None, *, fresh: bool = False) -> Path:
+    """The run directory, made (or found) owner-only: it holds ``config.yaml`` with the run's secrets."""
+    run_dir = _run_dir(cfg, resume, fresh=fresh)
+    if run_dir.is_dir():  # a --resume of a missing directory is refused later, by name
+        run_dir.chmod(0o700)
+    return run_dir
+
+
+def _run_dir(cfg: Config, resume: Path | None, *, fresh: bool) -> Path:
     if resume is not None:
         return resume.resolve()
     run_dir = fixed_run_dir(cfg)

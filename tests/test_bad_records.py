@@ -5,6 +5,9 @@ the model cannot take (dead-lettered by the server that takes it, which keeps se
 from __future__ import annotations
 
 import json
+import os
+import stat
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,8 +22,10 @@ from launcher.driver import check_inputs, count_rejected
 from launcher.feeder import PromptSet
 from rollout.loop import RolloutLoop
 from tandem.config import ConfigError, load_config
-from tandem.data import prompt_screen
+from tandem.data import prompt_screen, write_prompts
 from tandem.timing import Timers
+from tests.test_launch import launch_cmd, run_dir_of
+from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG = "a b c d e f g h " * 20  # far more than 16 tokens
@@ -168,3 +173,22 @@ def test_a_restarted_server_dead_letters_the_bad_prompt_it_held(
     again = server(redis_client, run_id, tiny_ckpt["actor"], credits=0)
     assert [t.prompt.prompt_id for t in RolloutLoop.reclaim_prompts(again)] == ["ok"]
     assert redis_client.xlen(f"{run_id}:prompts:dead") == 1
+
+
+@pytest.mark.slow
+def test_a_run_with_skip_finishes_and_counts_the_records_it_set_aside(tiny_ckpt, tmp_path: Path) -> None:
+    """``data.on_bad_record=skip`` through launch.py: the run trains on the good records, the bad ones are in
+    ``rejected_prompts.jsonl`` with their lines, ``summary.json`` counts them, and the run directory, which
+    holds the run's secrets, is owner-only."""
+    prompts = write_prompts(tmp_path / "echo.jsonl", make_records("echo", 40))
+    with prompts.open("a") as f:  # two bad records after 40 good ones: lines 41 and 42
+        f.write('{"prompt": "x \\ud800 y"}\n{"prompt": 3}\n')
+    out = tmp_path / "runs"
+    cmd = launch_cmd(tiny_ckpt, prompts, out, "learner.total_steps=2", "data.on_bad_record=skip")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = run_dir_of(out)
+    rejected = [json.loads(line) for line in (run_dir / "rejected_prompts.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rejected] == [41, 42]
+    assert json.loads((run_dir / "summary.json").read_text())["data/rejected"] == 2
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
