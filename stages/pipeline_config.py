@@ -1,5 +1,8 @@
 """The pipeline's config (``configs/pipeline-*.yaml``): its toy data, scoring, preference pairs, the PPO
-monitor, the stages' config sections and their schedule (docs/stages.md §4)."""
+monitor, the stages' config sections and their schedule (docs/stages.md §4).
+
+``python -m stages.pipeline_config`` prints its fields as a table, as ``python -m tandem config-doc`` does a
+run's."""
 
 from __future__ import annotations
 
@@ -10,7 +13,15 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from stages.schedule import Split, check_schedule
-from tandem.config import ConfigError, PrepareStep, Section, apply_overrides, format_validation_error
+from tandem.config import (
+    ConfigError,
+    PrepareStep,
+    Section,
+    apply_overrides,
+    describe_fields,
+    format_validation_error,
+    markdown_table,
+)
 
 
 class TaskData(Section):
@@ -151,3 +162,7 @@ def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
         return PipelineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, str(p))) from None
+
+
+if __name__ == "__main__":
+    print(markdown_table(describe_fields(PipelineConfig)))

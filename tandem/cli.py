@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tandem.config import ConfigError, describe_fields, load_config
+from tandem.config import ConfigError, describe_fields, load_config, markdown_table
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -32,10 +32,11 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _config_doc(args: argparse.Namespace) -> int:
-    print("| key | default | description |\n| --- | --- | --- |")
-    for path, default, desc in describe_fields():
-        desc = desc.replace("|", "\\|")  # a pipe in a description would end its table cell
-        print(f"| `{path}` | `{default}` | {desc} |")
+    print(markdown_table(describe_fields()))
+    print(
+        "\nA pipeline of stages (configs/pipeline-*.yaml) has fields of its own: "
+        "python -m stages.pipeline_config prints them."
+    )
     return 0
 
 

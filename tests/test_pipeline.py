@@ -264,3 +264,22 @@ def test_a_reward_model_that_rewards_one_letter_is_stopped_before_gold_halves(tm
     assert "stop_reason" in ppo or ppo.get("warnings"), ppo
     assert all(p["gold"] >= 0.5 * curve[0]["gold"] for p in curve), curve
     assert ppo["task_score"] >= 0.5 * sft["task_score"], (sft["task_score"], ppo["task_score"])
+
+
+def test_the_pipeline_config_doc_has_a_described_row_for_every_field() -> None:
+    """``python -m stages.pipeline_config`` covers the pipeline's schema as config-doc covers a run's."""
+    from stages.pipeline_config import PipelineConfig
+    from tests.test_config import _every_field
+
+    fields = _every_field(PipelineConfig)
+    assert {"pairs.judge", "monitor.patience", "data.task", "prepare[].name", "rm_from"} <= set(fields)
+    assert [path for path, desc in fields.items() if not desc] == []
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.pipeline_config"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = {line.split("`")[1] for line in proc.stdout.splitlines() if line.startswith("| `")}
+    assert sorted(set(fields) - rows) == []

@@ -23,7 +23,7 @@ from tandem.config.algorithm import (
 )
 from tandem.config.algorithm import RECIPES as RECIPE_CONFIGS
 from tandem.config.base import ConfigError, Section, SectionCheckError
-from tandem.config.doc import describe_fields
+from tandem.config.doc import describe_fields, markdown_table
 from tandem.config.learner import LearnerConfig, LoRAConfig, WeightSyncConfig
 from tandem.config.loading import apply_overrides, format_validation_error, load_config
 from tandem.config.placement import RUNNABLE_PLACEMENT, ClusterConfig, PlacementConfig
@@ -102,6 +102,7 @@ __all__ = [
     "dump_public_config",
     "format_validation_error",
     "load_config",
+    "markdown_table",
     "public_dict",
     "redact",
     "write_private",

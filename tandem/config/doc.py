@@ -29,7 +29,27 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[t
         rows.append((path, default, field.description or ""))
         if get_origin(ann) is list and _is_section(item := get_args(ann)[0]):
             rows.extend(describe_fields(_section_of(item), path + "[]."))  # each item's fields
+        elif optional := _optional_section(ann):  # a section that may be null: its row, then its fields
+            rows.extend(describe_fields(optional, path + "."))
     return rows
+
+
+def markdown_table(rows: list[tuple[str, str, str]]) -> str:
+    """``describe_fields`` rows as the Markdown table ``config-doc`` prints."""
+    lines = ["| key | default | description |", "| --- | --- | --- |"]
+    for path, default, desc in rows:
+        desc = desc.replace("|", "\\|")  # a pipe in a description would end its table cell
+        lines.append(f"| `{path}` | `{default}` | {desc} |")
+    return "\n".join(lines)
+
+
+def _optional_section(ann: Any) -> type[BaseModel] | None:
+    """``S`` for an annotation ``S | None`` with ``S`` a section; else None."""
+    args = get_args(ann) if get_origin(ann) is Union or type(ann).__name__ == "UnionType" else ()
+    members = [a for a in args if a is not type(None)]
+    if len(args) == 2 and len(members) == 1 and _is_section(members[0]):
+        return _section_of(members[0])
+    return None
 
 
 def _section_of(ann: Any) -> Any:
