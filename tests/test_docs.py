@@ -259,3 +259,70 @@ def test_every_config_section_is_in_design_7_2() -> None:
     rows = set(re.findall(r"^\| `(\w+)` \|", design_section("7.2"), re.M))
     assert sorted(set(Config.model_fields) - rows) == [], "sections missing from docs/design.md §7.2"
     assert sorted(rows - set(Config.model_fields)) == [], "docs/design.md §7.2 names sections Config lacks"
+
+
+CORE_PACKAGES = (
+    "tandem",
+    "buffer",
+    "weightsync",
+    "placement",
+    "rollout",
+    "learner",
+    "launcher",
+    "stages",
+    "toy",
+)
+MEMBER_REF = re.compile(r"`([A-Z][A-Za-z0-9]*)\.([a-z_][A-Za-z0-9_]*)")
+
+
+def class_members() -> dict[str, set[str]]:
+    """Every class of the code (by name, over all modules) and its members, inherited ones included: methods,
+    class-level names, dataclass and pydantic fields, and ``self.x`` set in its methods (read with ast)."""
+    import ast
+
+    own: dict[str, set[str]] = {}
+    bases: dict[str, set[str]] = {}
+    files = [ROOT / "launch.py", *(p for pkg in CORE_PACKAGES for p in (ROOT / pkg).rglob("*.py"))]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            names = own.setdefault(node.name, set())
+            bases.setdefault(node.name, set()).update(b.id for b in node.bases if isinstance(b, ast.Name))
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+                elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    for t in targets:
+                        if isinstance(t, ast.Name):
+                            names.add(t.id)
+                        elif (
+                            isinstance(t, ast.Attribute)
+                            and isinstance(t.value, ast.Name)
+                            and t.value.id == "self"
+                        ):
+                            names.add(t.attr)
+
+    def members(name: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        out = set(own.get(name, ()))
+        for base in bases.get(name, set()) - seen:
+            out |= members(base, seen | {name})
+        return out
+
+    return {name: members(name) for name in own}
+
+
+def test_every_class_member_the_docs_name_exists() -> None:
+    """``Class.member`` in a doc names a member the code's class of that name has (methods, fields,
+    attributes), so a renamed method leaves no stale name behind."""
+    classes = class_members()
+    stale = []
+    for doc in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            for cls, member in MEMBER_REF.findall(line):
+                if cls in classes and member not in classes[cls]:
+                    stale.append(f"{_rel(doc)}:{n}: {cls}.{member}")
+    assert stale == []
