@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plan"]:  # every candidate placement, ranked by predicted step time (docs/design.md §11)
+    if argv[:1] == ["plan"]:  # candidate placements ranked by predicted step time (docs/placement.md §11)
         from placement.report import main as plan
 
         return plan(argv[1:])

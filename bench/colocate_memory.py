@@ -1,4 +1,4 @@
-"""Colocated peak memory with and without ``placement.release_memory`` (docs/design.md §11.1), measured.
+"""Colocated peak memory with and without ``placement.release_memory`` (docs/placement.md §11.1), measured.
 
 Two runs of ``configs/tiny.yaml`` through ``launch.py --mode sync placement.mode=colocate``, one per setting,
 on a tiny model made larger (``python -m toy make-tiny --hidden --layers --vocab-size``) so that weights,

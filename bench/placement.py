@@ -183,7 +183,7 @@ def drift(devices: int, steps: int, seed: int, profile_steps: int) -> dict:
 
 def real_check(workload: str, steps: int, out: Path, window: int = 8) -> dict:
     """Real compute on this machine's cores: the planner's pick from each run's first steps against the
-    measured winner over the rest (docs/design.md §11.4)."""
+    measured winner over the rest (docs/placement.md §11.4)."""
     import subprocess
 
     sys.path.insert(0, str(ROOT / "bench"))

@@ -2,7 +2,7 @@
 
 Encoding is msgpack; numpy arrays travel as raw little-endian bytes plus dtype and shape (never per-element
 lists, never pickle). Every record carries its schema version ``v``: version 2 added the trajectory's
-``loss_mask`` (multi-turn episodes, docs/design.md §10.1); a version-1 trajectory still decodes, as the
+``loss_mask`` (multi-turn episodes, docs/environments.md §10.1); a version-1 trajectory still decodes, as the
 single-turn episode it was (every response token generated). Any other version is refused naming ``v``.
 A trajectory's ``ref_logp`` is an optional key: present only when a rollout server scored the reference
 (``placement.reference: server``), so records without it, older ones included, decode as before.
@@ -47,7 +47,7 @@ class Trajectory:
     Shapes: ``prompt_tokens`` (P,), ``response_tokens`` / ``behav_logp`` / ``token_versions`` /
     ``loss_mask`` (R,). A single-turn trajectory's response is one model turn. A multi-turn one is the
     segments after the prompt in order, model turn, environment turn, model turn, ..., as one token sequence
-    (docs/design.md §10.1); ``loss_mask[i]`` is 1 where the model generated ``response_tokens[i]`` and 0 where
+    (docs/environments.md §10.1); ``loss_mask[i]`` is 1 where the model generated ``response_tokens[i]`` and 0 where
     the environment wrote it (context, never trained on). On generated tokens ``behav_logp[i]`` is the
     engine's log-probability of the token under the distribution it actually sampled from and
     ``token_versions[i]`` the policy version that produced it; on environment tokens they are 0 and −1.
@@ -117,7 +117,7 @@ class Trajectory:
 @dataclass(kw_only=True)
 class Turns:
     """A response built turn by turn, aligned per token the way :class:`Trajectory` carries it: model turns
-    with their log-probabilities and versions, environment turns with 0 and -1 (docs/design.md §10.1)."""
+    with their log-probabilities and versions, environment turns with 0 and -1 (docs/environments.md §10.1)."""
 
     tokens: list[int] = field(default_factory=list)
     logp: list[float] = field(default_factory=list)  # 0 on environment tokens

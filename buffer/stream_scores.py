@@ -1,5 +1,5 @@
 """Scores computed beside the stream by workers of their own (``placement.reference: own``,
-``placement.reward_model: own``; docs/design.md §11.1).
+``placement.reward_model: own``; docs/placement.md §11.1).
 
 A scoring worker reads ``{run}:traj`` through a consumer group of its own, named after its scorer
 (``"reference"``, ``"reward_model"``): Redis gives every group every entry, so it scores each trajectory as

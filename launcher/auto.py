@@ -1,4 +1,4 @@
-"""``placement.mode: auto``: profile, fit, pick a placement, run it, and re-plan (docs/design.md §11.3).
+"""``placement.mode: auto``: profile, fit, pick a placement, run it, and re-plan (docs/placement.md §11.3).
 
 1. **Profile window.** Two short probe runs of ``placement.profile_steps`` learner steps each, under
    ``<output_dir>/<name>-auto-probes/``: colocated (``run.mode: sync``, every core to each phase in turn)
@@ -53,7 +53,7 @@ class ProbeFailed(RuntimeError):
 
 
 def runnable(plan: Plan, cfg: Config) -> bool:
-    """Plans the processes run today for ``cfg`` (the planner predicts more; docs/design.md §11.1). A
+    """Plans the processes run today for ``cfg`` (the planner predicts more; docs/placement.md §11.1). A
     reward model on its own worker cannot feed dynamic sampling, which drops groups on the servers; the
     critic's own threads and split scoring share one CPU learner's threads."""
     if plan.reward_model == "own" and cfg.algorithm.dynamic_sampling:

@@ -353,7 +353,7 @@ def supervise(
 ) -> Outcome:
     """Until the learner finishes (or a role crashes past its limit): keep Redis up and prompts flowing,
     let the backend restart crashed processes, show progress. ``watch`` sees every new learner step and
-    may end the run early, cleanly (a re-plan, docs/design.md §11.3)."""
+    may end the run early, cleanly (a re-plan, docs/placement.md §11.3)."""
     step = seen = 0
     while True:
         outcome = tick(cfg, backend, client, keeper, feeder)

@@ -119,7 +119,7 @@ def token_rewards(
 
     ``kl`` is a per-token estimate from ``KL_ESTIMATORS`` (usually k1). Padding is 0. ``placed`` holds
     rewards already on their tokens: per-turn credit, each turn's reward on that turn's last generated
-    token (docs/design.md §10.1). A row of it that is all zero takes the sequence reward as usual.
+    token (docs/environments.md §10.1). A row of it that is all zero takes the sequence reward as usual.
 
     Shape: seq_reward (B,), mask (B, T), kl (B, T), placed (B, T) -> (B, T).
     """
@@ -143,7 +143,7 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     """``G_t = r_t + γ·G_{t+1}``, with ``G = 0`` after the last valid token (terminal).
 
     Time steps are the valid tokens: a zero inside a row (the environment's tokens of a multi-turn episode,
-    docs/design.md §10.1) is skipped, not an end, so the return flows across it to earlier turns.
+    docs/environments.md §10.1) is skipped, not an end, so the return flows across it to earlier turns.
 
     Shape: token_rewards (B, T), mask (B, T) -> (B, T).
     """
@@ -165,7 +165,7 @@ def gae(
 
     ``δ_t = r_t + γ·V_{t+1} − V_t``, ``A_t = δ_t + γλ·A_{t+1}``, with ``V = 0`` and ``A = 0`` after the
     last valid token (terminal), and ``returns = A + V`` (the critic's target). Time steps are the valid
-    tokens: a zero inside a row (environment tokens, docs/design.md §10.1) is skipped, so ``V_{t+1}`` is the
+    tokens: a zero inside a row (environment tokens, docs/environments.md §10.1) is skipped, so ``V_{t+1}`` is the
     value at the next *generated* token and advantages flow across environment turns.
 
     Shape: token_rewards (B, T), values (B, T), mask (B, T) -> advantages (B, T), returns (B, T).

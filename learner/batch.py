@@ -113,7 +113,7 @@ def make_batch(
         behav[i, :r] = t.behav_logp
         aborted = t.finish_reason == "abort" or dropped[i]
         # Environment tokens of a multi-turn episode are context: out of the loss, KL, entropy and value
-        # targets, all of which read this mask (docs/design.md §10.1).
+        # targets, all of which read this mask (docs/environments.md §10.1).
         mask[i, :r] = 0.0 if aborted else t.loss_mask
         group_index[i] = -1 - i if aborted else groups.setdefault(t.group_id, len(groups))
     # placement.reference: server: the servers scored the reference (all rows or none are usable).

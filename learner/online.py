@@ -211,7 +211,7 @@ class OnlineRuntime(Runtime):
     def states_offloaded(self) -> Iterator[None]:
         """Colocated (``placement.release_memory``): each trained engine's optimizer state, gradients and
         master weights go to host memory while the servers generate, and come back before training
-        (DeepSpeed ``offload_states`` / ``reload_states``, docs/design.md §11.1). Only where they can go
+        (DeepSpeed ``offload_states`` / ``reload_states``, docs/placement.md §11.1). Only where they can go
         somewhere (:func:`offloads_states`); the published weights went out before."""
         if not offloads_states(self.cfg, self.device):
             yield

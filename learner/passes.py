@@ -1,5 +1,5 @@
 """The learner's passes of a batch, one after another or at once (``placement.scoring``, ``placement.critic``;
-docs/design.md §11.1).
+docs/placement.md §11.1).
 
 Before it trains, the learner makes the proximal actor's log-probabilities, the reference's and the
 critic's values for every response token. These passes read the same batch and none needs another's

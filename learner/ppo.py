@@ -60,7 +60,7 @@ def reward_part_means(trajs: list[Trajectory]) -> dict[str, float]:
 
 def episode_metric_means(trajs: list[Trajectory]) -> dict[str, float]:
     """``env/<name>``: the batch mean of each environment metric (e.g. the calculator's ``tool_used``, a
-    tool-call rate) and of ``env/turns``, over the multi-turn episodes of the batch (docs/design.md §10.3)."""
+    tool-call rate) and of ``env/turns``, over the multi-turn episodes of the batch (docs/environments.md §10.3)."""
     sums: dict[str, list[float]] = {}
     for t in trajs:
         metrics = {k: v for k, v in t.meta.items() if k.startswith("env/")}

@@ -8,5 +8,5 @@
   (``auto.py``); used by bench/ and tests only, never by a run;
 - ``placement/configured.py``: what a plan means for a run on this backend (threads on CPU, devices on CUDA).
 
-docs/design.md §11 describes the whole.
+docs/placement.md §11 describes the whole.
 """

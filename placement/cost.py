@@ -12,7 +12,7 @@ longest response per generated token over every measured batch (:attr:`CostModel
 leave out (communication that grows with ``g``, contention between colocated roles, jitter) is what the
 predicted-against-measured figures show.
 
-:func:`predict` composes the laws for one plan (docs/design.md §11.2):
+:func:`predict` composes the laws for one plan (docs/placement.md §11.2):
 
 - **colocated phases add**: generate, switch, score, train, sync, switch back, all on every device;
 - **separated sides overlap**: the servers' side (generation and what is scored there) against the

@@ -1,6 +1,6 @@
 """A placement plan: which devices generate, which train, and where each frozen or auxiliary model runs.
 
-Vocabulary (docs/design.md §11):
+Vocabulary (docs/placement.md §11):
 
 - **mode.** ``separate``: generation and learning own disjoint devices and overlap asynchronously, so
   the slower side sets the pace. ``colocate``: both use every device and take turns (the hybrid engine),

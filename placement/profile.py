@@ -77,7 +77,7 @@ def read_run(run_dir: Path, cores: int, *, skip: int = 2, window: int = 10) -> R
 
 def read_recent(cfg: Config, learner: list[dict], servers: list[dict], cores: int, steps: int) -> RunProfile:
     """A run in progress, profiled over its last ``steps`` learner steps and the server batches that ended
-    within them (rows of its histories, one per step and per batch): what re-planning reads (docs/design.md
+    within them (rows of its histories, one per step and per batch): what re-planning reads (docs/placement.md
     §11.3). ``cfg`` is the run's config."""
     if len(learner) < steps + 1:
         raise ValueError(f"{len(learner)} learner steps logged; need {steps + 1}")

@@ -29,7 +29,7 @@ One iteration (:meth:`RolloutLoop.step`) reads top to bottom:
 
 With an environment (``env.path``), steps 4 and 5 are one: :meth:`RolloutLoop.run_episodes` plays ``n``
 multi-turn episodes per prompt, all batched in the engine turn by turn, and the episode's return (the sum of
-its turn rewards) is the reward (docs/design.md §10.3). Weight updates are applied between turns too.
+its turn rewards) is the reward (docs/environments.md §10.3). Weight updates are applied between turns too.
 With an agent (``agent.path``), :meth:`RolloutLoop.run_agents` runs the agent function ``n`` times per
 prompt, each episode a session on the server's own API, and the sessions are the group (§10.9).
 
@@ -124,7 +124,7 @@ def inflight_window(cfg: Config) -> int:
     or by default 1 for ``hf`` (in-process: a second batch competes for the same CPU) and
     ``OWN_PROCESS_INFLIGHT`` for vllm/sglang. Always 1 in sync mode (``max_staleness`` 0, exactly the
     synchronous algorithm), with environment episodes played in rounds (a round is one engine call for its
-    batch, docs/design.md §10.3), without ``inflight_updates`` (a weight update between batches would land
+    batch, docs/environments.md §10.3), without ``inflight_updates`` (a weight update between batches would land
     inside the others) and with a pause mode that aborts requests in flight. Episodes that progress
     independently (agents, ``env.progression`` independent) send every turn as its own call, so the next
     batch's first turns fill the engine while this batch's slowest episodes are still running."""
@@ -486,7 +486,7 @@ class RolloutLoop:
             )
 
     def run_episodes(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
-        """``n`` episodes per prompt, every one a fresh environment, all run together (docs/design.md §10.3)."""
+        """``n`` episodes per prompt, every one a fresh environment, all run together (docs/environments.md §10.3)."""
         assert self.episodes is not None and self.env_factory is not None
         n = self.sampling.n
         with self.timers("time/generate"):
@@ -517,7 +517,7 @@ class RolloutLoop:
         return groups
 
     def run_agents(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:
-        """``n`` agent episodes per prompt, all at once, each a session on this server (docs/design.md §10.9)."""
+        """``n`` agent episodes per prompt, all at once, each a session on this server (docs/environments.md §10.9)."""
         from rollout.agents.runner import AgentEpisode
 
         assert self.agents is not None

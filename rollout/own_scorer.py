@@ -1,5 +1,5 @@
 """``python -m rollout.own_scorer``: a frozen model on a worker of its own, scoring the stream
-(``placement.reference: own``, ``placement.reward_model: own``; docs/design.md §11.1).
+(``placement.reference: own``, ``placement.reward_model: own``; docs/placement.md §11.1).
 
     python -m rollout.own_scorer --role reference|reward_model --config FILE [key.sub=value ...] --run-dir DIR
 

@@ -4,7 +4,7 @@ With a KL penalty (``algorithm.kl_coef > 0``) the learner needs log π_ref of ev
 here, next to generation as the reward model is (OpenRLHF's and verl's reference on the rollout side),
 each trajectory carries its ``ref_logp`` and the learner loads no reference: its devices are spared the
 reference's weights and its forward pass, and the server holds a second copy of a model instead
-(docs/design.md §11.1).
+(docs/placement.md §11.1).
 
 The numbers are the learner's own: the same checkpoint (``model.reference``, else the actor's initial
 weights), the same dtype (``model.dtype``), logits tempered by the sampling temperature and turned into
@@ -71,7 +71,7 @@ class ReferenceModel:
 
     def release(self) -> None:
         """Free the reference's device memory while the learner trains (colocated with
-        ``placement.release_memory``, docs/design.md §11.1): on GPU it is parked in host memory; on CPU,
+        ``placement.release_memory``, docs/placement.md §11.1): on GPU it is parked in host memory; on CPU,
         where host memory is what would be freed, it is dropped and read again from its checkpoint. The
         next scoring call brings it back."""
         with self._lock:

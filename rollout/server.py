@@ -86,7 +86,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     rewards = RewardFunctions(cfg.reward)
     # placement.reward_model: own: the reward model worker scores instead (rollout/own_scorer.py)
     reward_model = None if "reward_model" in cfg.own_scorers else reward_model_of(cfg)
-    reference = load_reference(cfg)  # placement.reference: server (docs/design.md §11.1)
+    reference = load_reference(cfg)  # placement.reference: server (docs/placement.md §11.1)
     metrics = ServerMetrics(engine)
     http = start_run_http(cfg, engine, tokenizer, metrics, sid, buffer, reference)
     telemetry = Telemetry(cfg, name, client, run_dir=args.run_dir)
@@ -172,7 +172,7 @@ def start_run_http(
     if not cfg.rollout.http.enabled:
         return None
     port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
-    # A black-box agent's finished session is a trajectory of its own group (docs/design.md §10.6).
+    # A black-box agent's finished session is a trajectory of its own group (docs/environments.md §10.6).
     return start_http(
         engine,
         tokenizer,

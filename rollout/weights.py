@@ -1,4 +1,4 @@
-"""The weights a rollout server's engine holds, and every change to them (docs/design.md §1.3, §5, §11.1).
+"""The weights a rollout server's engine holds, and every change to them (docs/design.md §1.3, §5, docs/placement.md §11.1).
 
 Several threads want new weights: the loop before a batch, the engine's decode steps (in-flight
 updates), an episode between turns, the admission wait. One :class:`EngineWeights` serves them all, one

@@ -3,7 +3,7 @@ servers share, so both score a token with the same numbers.
 
 The learner scores the actor and the reference with it (``learner/models.py``, ``learner/ppo.py``); the
 rollout servers score the reference next to generation with it when ``placement.reference: server``
-(``rollout/reference.py``, docs/design.md §11.1).
+(``rollout/reference.py``, docs/placement.md §11.1).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``with timers("time/generate"): ...``, add the span to that phase's total.
 
 Every process reports where its time goes as ``time/<phase>`` seconds (the rollout loop per logged
-batch, the learner per step); the placement planner fits its laws to these (docs/design.md §11.2).
+batch, the learner per step); the placement planner fits its laws to these (docs/placement.md §11.2).
 :class:`BusyClock` measures the union of overlapping spans (a rollout server's engine busy time), and
 :class:`Waits` how long each of many items waited between two moments (a group between its last sample and
 its append).

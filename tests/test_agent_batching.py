@@ -1,4 +1,4 @@
-"""The agents' engine front (``rollout/agents/batching.py``, docs/design.md §10.9): concurrent calls share
+"""The agents' engine front (``rollout/agents/batching.py``, docs/environments.md §10.9): concurrent calls share
 one engine call, and a caller that is gone stops waiting even when the engine takes no step."""
 
 from __future__ import annotations

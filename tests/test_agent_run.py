@@ -1,4 +1,4 @@
-"""Black-box agents trained in a run (docs/design.md §10.9): agent functions on the official openai client,
+"""Black-box agents trained in a run (docs/environments.md §10.9): agent functions on the official openai client,
 run n per prompt by the runner through its own API on the real hf engine, the tiny model and, for the
 loop, a real Redis. Agents that raise, hang, block, leave their session open or return garbage end only
 their own episode."""

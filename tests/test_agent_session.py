@@ -1,5 +1,5 @@
 """A black-box agent on the OpenAI client: its session becomes a token-exact trajectory that trains
-(docs/design.md §10.6). Real openai client, real HTTP server, real hf engine, the learner's forward pass."""
+(docs/environments.md §10.6). Real openai client, real HTTP server, real hf engine, the learner's forward pass."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Colocated runs release memory (docs/design.md §11.1): engine sleep and wake, the learner's offload.
+"""Colocated runs release memory (docs/placement.md §11.1): engine sleep and wake, the learner's offload.
 
 What runs here for real: the hf engine's sleep/wake on a tiny model saved with ``save_pretrained``, the
 rollout loop's sleep and wake against a real Redis and the real shm transport, and DeepSpeed's gradients

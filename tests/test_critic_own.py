@@ -1,5 +1,5 @@
 """``placement.critic: own``: the critic scores and trains at once with the actor, on CPU threads of its own
-in the learner's process (learner/ppo.py, learner/passes.py: ``beside``; docs/design.md §11.1).
+in the learner's process (learner/ppo.py, learner/passes.py: ``beside``; docs/placement.md §11.1).
 
 Real tiny checkpoints and real DeepSpeed learner engines (one gloo rank).
 """

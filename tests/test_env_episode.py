@@ -1,4 +1,4 @@
-"""Multi-turn episodes on the real hf engine and tiny checkpoints (docs/design.md §10.3).
+"""Multi-turn episodes on the real hf engine and tiny checkpoints (docs/environments.md §10.3).
 
 The reference for behaviour logprobs is the learner's own forward pass (``learner.batch`` micro-batches,
 ``learner.models.policy_logits``) over the whole token sequence, read at generated positions only.

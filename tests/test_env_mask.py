@@ -1,5 +1,5 @@
 """Environment tokens of a multi-turn episode are context: never in the loss, the KL, the entropy or the
-value targets (docs/design.md §10.1). Checked against a naive per-token reference and, end to end, by the
+value targets (docs/environments.md §10.1). Checked against a naive per-token reference and, end to end, by the
 gradient the real learner sends into every position."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An OpenEnv environment (the real ``openenv-core`` API) through the episode runner (docs/design.md §10.7).
+"""An OpenEnv environment (the real ``openenv-core`` API) through the episode runner (docs/environments.md §10.7).
 
 OpenEnv's shipped environments live in their own packages and containers fetched from a hub, so the one
 here is written against its API: a ``openenv.core.env_server.Environment`` subclass with its own pydantic

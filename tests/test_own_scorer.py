@@ -1,5 +1,5 @@
 """``placement.reference: own``: a reference worker scores every trajectory as it is appended, on threads of its
-own, and the learner reads the numbers (docs/design.md §11.1).
+own, and the learner reads the numbers (docs/placement.md §11.1).
 
 Real Redis, real tiny checkpoints, a real DeepSpeed learner engine (one gloo rank) for the reference numbers
 the learner would compute itself, and ``launch.py`` runs for the process wiring and a kill -9 of the worker.

@@ -148,7 +148,7 @@ def test_placement_auto_profiles_both_modes_and_runs_its_pick_on_the_cluster(
     cluster, tiny_ckpt, prompts: Path, tmp_path: Path
 ) -> None:
     """``placement.mode: auto`` on Ray: two probe runs (colocated, separated) on the cluster's nodes, a
-    pick among the plans they predict, and the run under that pick (docs/design.md §11.3)."""
+    pick among the plans they predict, and the run under that pick (docs/placement.md §11.3)."""
     steps, probe = 16, 6
     extra = (
         *SMALL,
@@ -187,7 +187,7 @@ def test_the_scoring_workers_run_on_a_node_of_their_own(
 ) -> None:
     """``placement.reference=own`` and ``placement.reward_model=own`` on Ray: each worker is an actor on a
     node with the resources it asks for, apart from the learner and the server, and the learner trains on
-    their numbers (docs/design.md §11.1)."""
+    their numbers (docs/placement.md §11.1)."""
     steps = 6
     extra = (*SMALL, f"learner.total_steps={steps}", "algorithm.kl_coef=0.05", "placement.reference=own",
              f"model.reward_model={tiny_ckpt['critic']}", "placement.reward_model=own",

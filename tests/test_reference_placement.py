@@ -1,5 +1,5 @@
 """``placement.reference: server``: the rollout servers score the frozen reference next to generation and the
-learner reads each trajectory's ``ref_logp`` instead of running its own reference (docs/design.md §11.1).
+learner reads each trajectory's ``ref_logp`` instead of running its own reference (docs/placement.md §11.1).
 
 Real tiny checkpoints, real DeepSpeed learner engines (one gloo rank), real Redis for the rollout loop.
 """

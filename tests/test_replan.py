@@ -1,4 +1,4 @@
-"""Re-planning a running ``placement.mode: auto`` run from its own steps (launcher/auto.py, docs/design.md
+"""Re-planning a running ``placement.mode: auto`` run from its own steps (launcher/auto.py, docs/placement.md
 §11.3).
 
 The decision tests write a run's histories into a real Redis in the format the processes log them

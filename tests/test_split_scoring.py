@@ -1,5 +1,5 @@
 """``placement.scoring: split``: the learner's scoring passes (proximal actor, reference, critic) run at once,
-each on its own share of the learner's CPU threads (learner/passes.py, docs/design.md §11.1).
+each on its own share of the learner's CPU threads (learner/passes.py, docs/placement.md §11.1).
 
 Real tiny checkpoints and real DeepSpeed learner engines (one gloo rank).
 """

@@ -1,4 +1,4 @@
-"""Function calling on the chat API (docs/design.md §10.8): the Hermes parser as pure functions, then the
+"""Function calling on the chat API (docs/environments.md §10.8): the Hermes parser as pure functions, then the
 official ``openai`` client against the real app and HTTP server.
 
 The end-to-end tests run the engine as a test double, :class:`ScriptedEngine`, and nothing else: a random

@@ -1,4 +1,4 @@
-"""A tool-use environment: two-digit additions and a calculator the model may call (docs/design.md §10.4).
+"""A tool-use environment: two-digit additions and a calculator the model may call (docs/environments.md §10.4).
 
 Within the tiny tokenizer's alphabet. The prompt is ``"37+48="``. A model turn is either a tool call,
 ``c:<a>+<b>`` (the turn ends at the stop string ``"\\n"``), answered by the observation ``"=<sum>\\n"``; or

@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 
 
-# The byte-level variant's template renders tools and tool calls itself (docs/design.md §10.8), compactly:
+# The byte-level variant's template renders tools and tool calls itself (docs/environments.md §10.8), compactly:
 # the tools as one line of names, a call as the Hermes block the model writes, a tool result as a turn.
 TOOLS_CHAT_TEMPLATE = (  # newlines as {{ '\\n' }}: a template's newline right after a tag is trimmed
     "{% if tools %}system: tools: {% for t in tools %}{{ t['function']['name'] }}"

@@ -80,7 +80,7 @@ def make_publisher(
             ws.shm_dir or default_root(run, run_dir),
             config_dir=cfg.model.actor,
             shard_bytes=ws.bucket_mb << 20,
-            # A run that releases memory keeps only what its servers hold (docs/design.md §11.1).
+            # A run that releases memory keeps only what its servers hold (docs/placement.md §11.1).
             keep_versions=ws.keep_versions or (1 if cfg.releases_memory else 2),
             recycle=not cfg.releases_memory,
             live_s=ws.timeout_s,

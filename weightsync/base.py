@@ -145,7 +145,7 @@ class Publisher:
         """Free now what no live subscriber holds and the transport need not keep; with ``held_too``, the
         versions the subscribers hold as well. A run that releases memory calls it while it waits for a
         batch, and with ``held_too`` once it has one: its servers then sleep with their weights released
-        until the next version, which the learner is about to make (docs/design.md §11.1). Only ``shm``
+        until the next version, which the learner is about to make (docs/placement.md §11.1). Only ``shm``
         keeps anything to free."""
 
     def joiners_waiting(self) -> bool:

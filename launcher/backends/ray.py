@@ -13,7 +13,7 @@
   prompts the dead one held are re-delivered (docs/design.md §6.1).
 - **The scoring workers** (``placement.reference`` or ``reward_model: own``): one actor each
   (``cluster.aux_cpus``, a GPU on GPUs, ``cluster.aux_resources``), restarted the same way; each reads the
-  trajectories under one consumer name, so what the dead one read is scored by the next (docs/design.md
+  trajectories under one consumer name, so what the dead one read is scored by the next (docs/placement.md
   §11.1).
 - **Nothing shared on disk**: every actor writes its own copy of the per-process config (0600) and its
   log under the run directory's path on its node.

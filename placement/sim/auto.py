@@ -1,4 +1,4 @@
-"""SIMULATION: ``placement.mode: auto`` on a :class:`~placement.sim.engine.SimRun` (docs/design.md §11.4).
+"""SIMULATION: ``placement.mode: auto`` on a :class:`~placement.sim.engine.SimRun` (docs/placement.md §11.4).
 
 :func:`run_auto` runs a profile window of probe plans, fits the cost model to what they measured, applies
 the best plan, then re-plans with hysteresis as the workload drifts. The re-planner runs in its own

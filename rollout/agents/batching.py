@@ -1,4 +1,4 @@
-"""The engine front of agents' calls and independent episodes' turns (docs/design.md §10.9).
+"""The engine front of agents' calls and independent episodes' turns (docs/environments.md §10.9).
 
 Every agent episode calls the API on its own, one request at a time, and every independent episode sends
 its own turns. :class:`BatchingEngine` stands between them and the engine and applies the run's rules to

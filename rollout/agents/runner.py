@@ -1,5 +1,5 @@
 """Black-box agents trained in a run: ``n`` episodes per prompt, each one agent function's session
-(docs/design.md §10.9).
+(docs/environments.md §10.9).
 
 The agent is a plain function written against the OpenAI SDK, named by ``agent.path``::
 
@@ -20,7 +20,7 @@ its reward: a number, or a dict of reward parts (numbers, summed).
    loop holds up only itself;
 3. **end**: an agent that raises, runs past ``agent.timeout_s``, returns a malformed reward, makes no model
    call, or returns while one of its calls is still running (leaves its session open) ends its episode
-   as ``abort``, with the reason in ``meta["end_reason"]`` (the learner masks it out, docs/design.md
+   as ``abort``, with the reason in ``meta["end_reason"]`` (the learner masks it out, docs/environments.md
    §10.1); never the server;
 4. **close** every session into a trajectory: the session's exact tokens (the agent's added text with
    ``loss_mask`` 0), and the agent's reward, clipped. A call still running on a closed session is refused
@@ -113,7 +113,7 @@ class AgentEpisode:
                 "calls": s.calls if s else 0,
                 "end_reason": self.end_reason,
                 "seconds": self.seconds,
-                # the learner averages episode metrics over each batch it trains on (docs/design.md §10.3)
+                # the learner averages episode metrics over each batch it trains on (docs/environments.md §10.3)
                 **{
                     f"env/{k.removeprefix('agent/')}": v
                     for k, v in self.metrics().items()

@@ -110,7 +110,7 @@ class Engine(Protocol):
 
     def resume(self) -> None: ...
 
-    # Colocated runs free the engine's memory while the learner trains (docs/design.md §11.1): ``sleep``
+    # Colocated runs free the engine's memory while the learner trains (docs/placement.md §11.1): ``sleep``
     # releases the weights and the KV cache; ``wake_up(["weights"])``, a full ``update_weights``, then
     # ``wake_up(["kv_cache"])`` bring them back (vLLM's tags and order, so the cache is never allocated
     # beside a stale copy of the weights). An engine that cannot release says ``supports_sleep = False``

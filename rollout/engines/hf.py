@@ -508,7 +508,7 @@ class HFEngine:
     # ------------------------------------------------------------------------------ sleep (colocated runs)
 
     def sleep(self) -> None:
-        """Free the parameters' storage while the learner trains (docs/design.md §11.1).
+        """Free the parameters' storage while the learner trains (docs/placement.md §11.1).
 
         Only the parameters go: non-persistent buffers (rotary ``inv_freq``) stay, and a tied weight is
         one Parameter under two names, so it stays tied. The decode KV cache lives only inside a

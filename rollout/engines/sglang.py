@@ -155,7 +155,7 @@ SGLANG_API: tuple[Api, ...] = (
     Api("route", HTTP, "POST /update_weight_version"),
     Api("fields", IO, "UpdateWeightVersionReqInput", payload_fields(WeightVersionBody)),
     Api("route", HTTP, "POST /flush_cache"),
-    # Memory release (colocated runs, docs/design.md §11.1); tags from sglang.srt.constants.
+    # Memory release (colocated runs, docs/placement.md §11.1); tags from sglang.srt.constants.
     Api("route", HTTP, "POST /release_memory_occupation"),
     Api("fields", IO, "ReleaseMemoryOccupationReqInput", payload_fields(MemoryTagsBody)),
     Api("route", HTTP, "POST /resume_memory_occupation"),

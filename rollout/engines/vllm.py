@@ -151,7 +151,7 @@ VLLM_API: tuple[Api, ...] = (
     Api("route", "vllm.entrypoints.rl.online.api_router", "GET /weight_info"),
     Api("route", "vllm.entrypoints.rl.online.api_router", "GET /get_world_size", ("include_dp",)),
     Api("route", "vllm.entrypoints.serve.dev.rpc.api_router", "POST /collective_rpc"),
-    # Sleep mode (colocated runs, docs/design.md §11.1); /wake_up reads its repeated `tags` from the query.
+    # Sleep mode (colocated runs, docs/placement.md §11.1); /wake_up reads its repeated `tags` from the query.
     Api("route", "vllm.entrypoints.serve.dev.sleep.api_router", "POST /sleep", ("level", "mode")),
     Api("route", "vllm.entrypoints.serve.dev.sleep.api_router", "POST /wake_up"),
     Api("name", "vllm.entrypoints.serve.dev.sleep.api_router", "tags"),

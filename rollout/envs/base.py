@@ -1,4 +1,4 @@
-"""The environment API: Gymnasium's ``Env`` shape, in token space, for multi-turn episodes (docs/design.md §10.2).
+"""The environment API: Gymnasium's ``Env`` shape, in token space, for multi-turn episodes (docs/environments.md §10.2).
 
 An environment is one episode's state. The rollout server makes one per episode (``n`` per prompt), calls
 ``reset(task)`` once, then alternates a model turn with ``step(action)`` until ``done``:

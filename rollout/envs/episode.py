@@ -1,4 +1,4 @@
-"""Many multi-turn episodes at once: the engine batches each round of model turns (docs/design.md §10.3).
+"""Many multi-turn episodes at once: the engine batches each round of model turns (docs/environments.md §10.3).
 
 :meth:`EpisodeRunner.run` reads top to bottom:
 
@@ -23,7 +23,7 @@ into one call for an engine that does not batch concurrent calls).
 
 An episode ends when its environment says ``done`` (finish ``stop``), at ``env.max_turns`` model turns or
 ``env.max_total_tokens`` tokens (``length``), or when its environment fails: raises, times out, or returns
-a malformed result (``abort``: the learner masks it out, docs/design.md §10.1). ``meta["end_reason"]``
+a malformed result (``abort``: the learner masks it out, docs/environments.md §10.1). ``meta["end_reason"]``
 records which. Every environment is closed once, whatever happened.
 """
 

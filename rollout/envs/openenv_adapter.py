@@ -1,4 +1,4 @@
-"""OpenEnv environments (``openenv-core``) run through the episode runner, used as they are (docs/design.md §10.7).
+"""OpenEnv environments (``openenv-core``) run through the episode runner, used as they are (docs/environments.md §10.7).
 
 An OpenEnv environment is a ``openenv.core.env_server.Environment``: ``reset(seed=, episode_id=, **kw) ->
 Observation`` and ``step(action) -> Observation``, where the observation is a pydantic model carrying

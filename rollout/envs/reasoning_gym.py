@@ -1,4 +1,4 @@
-"""reasoning-gym as a task source and a multi-turn environment (docs/design.md §10.5).
+"""reasoning-gym as a task source and a multi-turn environment (docs/environments.md §10.5).
 
 Any of reasoning-gym's procedural datasets by name (``reasoning_gym.create_dataset(name, seed=, size=,
 **config)``), generated offline; the reward is the dataset's own ``score_answer``. The episode is a few

@@ -2,8 +2,8 @@
 
 :mod:`rollout.http.app` (the app and its routes), :mod:`rollout.http.schemas` (request schemas, text
 validation, the error shape), :mod:`rollout.http.middleware` (body limit, bearer token, request count),
-:mod:`rollout.http.sessions` (black-box agent sessions, docs/design.md §10.6),
+:mod:`rollout.http.sessions` (black-box agent sessions, docs/environments.md §10.6),
 :mod:`rollout.http.chat_prompt` (chat messages and tools through the chat template),
-:mod:`rollout.http.tools` (tool-call parsing and the Hermes-style fallback, docs/design.md §10.8) and
+:mod:`rollout.http.tools` (tool-call parsing and the Hermes-style fallback, docs/environments.md §10.8) and
 :mod:`rollout.http.serve` (the uvicorn thread).
 """

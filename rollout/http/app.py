@@ -2,9 +2,9 @@
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming and SSE streaming,
 ``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``; on chat,
-function calling with ``tools``, ``tool_choice`` and ``parallel_tool_calls``, docs/design.md §10.8),
+function calling with ``tools``, ``tool_choice`` and ``parallel_tool_calls``, docs/environments.md §10.8),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry),
-and ``POST /v1/sessions/{id}/finish`` (a black-box agent's session as a trajectory, docs/design.md §10.6:
+and ``POST /v1/sessions/{id}/finish`` (a black-box agent's session as a trajectory, docs/environments.md §10.6:
 calls carrying an ``X-Session-Id`` header or a ``session_id`` field are generated from the session's exact
 tokens, :mod:`rollout.http.sessions`).
 The same engine serves the rollout loop; the engine serialises the two (the hf engine per decode step).

@@ -1,4 +1,4 @@
-"""Chat requests rendered to prompts through the tokenizer's chat template, tools included (docs/design.md §10.8).
+"""Chat requests rendered to prompts through the tokenizer's chat template, tools included (docs/environments.md §10.8).
 
 A request without tools or tool calls renders its messages as ``{"role", "content"}`` only. With them, the
 template gets OpenAI's tools (``apply_chat_template(messages, tools=...)``), assistant messages with their
@@ -6,7 +6,7 @@ template gets OpenAI's tools (``apply_chat_template(messages, tools=...)``), ass
 when the template renders tools and tool calls; one that ignores them (told apart by rendering a probe
 once) gets the Hermes-style messages of :func:`rollout.http.tools.hermes_messages` instead.
 
-In an agent session (docs/design.md §10.6) an assistant message whose calls the session returned is
+In an agent session (docs/environments.md §10.6) an assistant message whose calls the session returned is
 rendered as the text the model sampled (``replay``), so the prompt extends the session's transcript
 exactly rather than re-serialising the calls.
 """

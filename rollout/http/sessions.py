@@ -1,4 +1,4 @@
-"""Black-box agent sessions: OpenAI-API calls captured as one training trajectory, token-exact (docs/design.md §10.6).
+"""Black-box agent sessions: OpenAI-API calls captured as one training trajectory, token-exact (docs/environments.md §10.6).
 
 An agent written against the OpenAI client marks its calls with a session id (the ``X-Session-Id`` header,
 or ``session_id`` in the body via the client's ``extra_body``). For such a call the server does not
@@ -14,7 +14,7 @@ completion, either as returned (cut before a stop string) or in full. A prompt t
 transcript is refused (400) rather than silently re-tokenised. ``finish(session, reward)`` closes the
 session into a :class:`buffer.schema.Trajectory`.
 
-A completion returned as tool calls (docs/design.md §10.8) is remembered by its call ids: when the agent
+A completion returned as tool calls (docs/environments.md §10.8) is remembered by its call ids: when the agent
 sends that assistant message back, it is rendered as the text the model sampled, so the next prompt still
 extends the transcript.
 
@@ -22,7 +22,7 @@ A call changes the session only once its completion is recorded: a call that fai
 no trace, so the agent may retry it. Session ids are the server's: ``POST /v1/sessions`` opens one and
 returns its id (unguessable), and a call or finish naming an id the server did not issue, or has closed,
 is refused; a client cannot choose an id, nor reach another client's session by guessing one. An agent run
-in the rollout loop (docs/design.md §10.9) uses a ``strict`` store: sessions are opened and closed by the
+in the rollout loop (docs/environments.md §10.9) uses a ``strict`` store: sessions are opened and closed by the
 runner only, and a completion that arrives after its session was closed is dropped.
 """
 
@@ -51,7 +51,7 @@ class Session(Turns):
     prompt: list[int] = field(default_factory=list)
     transcripts: tuple[str, ...] = ()  # what the agent's next prompt may start with, longest first
     calls: int = 0
-    tool_call_turns: int = 0  # completions returned as tool calls (docs/design.md §10.8)
+    tool_call_turns: int = 0  # completions returned as tool calls (docs/environments.md §10.8)
     tool_turns: dict[str, str] = field(default_factory=dict)  # tool call id -> the completion's text
     touched: float = field(default_factory=time.monotonic)
 

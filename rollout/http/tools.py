@@ -1,5 +1,5 @@
 """Function calling on the chat API: tool calls parsed out of the model's text, and the Hermes-style prompt
-for chat templates that cannot render tools (docs/design.md §10.8).
+for chat templates that cannot render tools (docs/environments.md §10.8).
 
 Pure functions: no tokenizer, no engine. The parser (``rollout.http.tool_parser``) turns a completion's text
 into ``(content, calls)``; the HTTP response carries the calls, while the tokens the engine sampled (and an

@@ -21,7 +21,7 @@ RUNNABLE_PLACEMENT: dict[str, tuple[str, ...]] = {
 
 
 class PlacementConfig(Section):
-    """Where the run's models go (docs/design.md §11); ``python launch.py plan CONFIG`` ranks the choices."""
+    """Where the run's models go (docs/placement.md §11); ``python launch.py plan CONFIG`` ranks the choices."""
 
     mode: Literal["separate", "colocate", "auto"] | None = Field(
         None,
@@ -65,7 +65,7 @@ class PlacementConfig(Section):
     )
     release_memory: bool = Field(
         True,
-        description="colocate: each side frees its memory while the other runs (docs/design.md §11.1). The rollout servers' engines sleep while the learner trains (weights and KV cache freed; woken as weights, then the next version's weights, then KV cache) and the learner offloads optimizer state, gradients and master weights while the servers generate (DeepSpeed offload_states: GPU, zero_stage >= 1). Needs full weights over the shm transport (a server that wakes without a new version reloads its own from there); ignored when separate.",
+        description="colocate: each side frees its memory while the other runs (docs/placement.md §11.1). The rollout servers' engines sleep while the learner trains (weights and KV cache freed; woken as weights, then the next version's weights, then KV cache) and the learner offloads optimizer state, gradients and master weights while the servers generate (DeepSpeed offload_states: GPU, zero_stage >= 1). Needs full weights over the shm transport (a server that wakes without a new version reloads its own from there); ignored when separate.",
     )
 
     @model_validator(mode="after")

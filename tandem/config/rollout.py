@@ -196,7 +196,7 @@ class RolloutConfig(Section):
 
 
 class EnvConfig(Section):
-    """Multi-turn episodes against an environment (docs/design.md §10). Off when ``path`` is null."""
+    """Multi-turn episodes against an environment (docs/environments.md §10). Off when ``path`` is null."""
 
     path: str | None = Field(
         None,
@@ -226,7 +226,7 @@ class EnvConfig(Section):
 
 
 class AgentConfig(Section):
-    """A black-box agent function trained in the run (docs/design.md §10.9). Off when ``path`` is null."""
+    """A black-box agent function trained in the run (docs/environments.md §10.9). Off when ``path`` is null."""
 
     path: str | None = Field(
         None,

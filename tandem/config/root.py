@@ -80,7 +80,7 @@ class Config(Section):
 
     @property
     def reference_scorer(self) -> Literal["learner", "server", "own"] | None:
-        """Who computes the reference log-probabilities (docs/design.md §11.1): None without one (no KL
+        """Who computes the reference log-probabilities (docs/placement.md §11.1): None without one (no KL
         penalty, or not PPO); else the learner (``placement.reference`` learner or learner_cpu), the rollout
         servers, or the reference worker (``own``)."""
         if self.algorithm.recipe != "ppo" or self.algorithm.kl_coef <= 0:
@@ -125,7 +125,7 @@ class Config(Section):
 
     @property
     def releases_memory(self) -> bool:
-        """Whether each colocated side frees its memory while the other runs (docs/design.md §11.1):
+        """Whether each colocated side frees its memory while the other runs (docs/placement.md §11.1):
         ``placement.release_memory``, colocated, with full weights over shm, which refill a woken engine and
         which it can read again. Adapter-only updates (``learner.lora.sync: adapter``) refill only the
         adapted layers, so their servers keep their weights."""

@@ -1,4 +1,4 @@
-"""A function-calling calculator agent on the plain ``openai`` SDK (configs/tiny-agent.yaml, docs/design.md §10.9).
+"""A function-calling calculator agent on the plain ``openai`` SDK (configs/tiny-agent.yaml, docs/environments.md §10.9).
 
 It knows nothing of the server it runs against: any OpenAI-compatible endpoint that does function calling
 serves it. Asked ``"37+48="``, it offers one tool, ``add(a, b)``; each tool call the model makes is run here

@@ -1,5 +1,5 @@
 """The calculator agent of configs/tiny-agent.yaml, written on the OpenAI Agents SDK (``openai-agents``),
-unchanged: configs/tiny-agent-sdk.yaml trains it (docs/design.md §10.9).
+unchanged: configs/tiny-agent-sdk.yaml trains it (docs/environments.md §10.9).
 
 The task is :mod:`toy.tasks.calc_agent`'s: one ``add(a, b)`` tool and a reward of 1 for the right sum. The
 loop is the SDK's own ``Runner``: it sends the chat request, runs each tool call the model makes and feeds

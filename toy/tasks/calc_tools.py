@@ -1,4 +1,4 @@
-"""The calculator task for a function-calling agent (configs/tiny-agent.yaml, docs/design.md §10.9).
+"""The calculator task for a function-calling agent (configs/tiny-agent.yaml, docs/environments.md §10.9).
 
 Prompts are two-digit additions, ``"37+48="``, answered by :mod:`toy.tasks.calc_agent` with its ``add``
 tool. The records carry the sum (``result``). The warm-start's demonstrations are whole sessions as the
