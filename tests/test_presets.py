@@ -80,7 +80,8 @@ def online_overrides(raw: dict, out: Path) -> list[str]:
         "run.ready_timeout_s=300",
         f"run.output_dir={out}",
         "redis.url=null",
-        f"data.max_prompt_tokens={max(64, raw['data'].get('max_prompt_tokens', 0))}",
+        # within the tiny stand-in's 512 positions, as launch.py checks (prompt + rollout.max_new_tokens)
+        f"data.max_prompt_tokens={min(max(64, raw['data'].get('max_prompt_tokens', 0)), 256)}",
         f"rollout.num_servers={min(rollout.get('num_servers', 1), 2)}",
         "rollout.n_samples=4",
         "rollout.prompts_per_batch=2",
