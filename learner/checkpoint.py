@@ -85,8 +85,11 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
+            try:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    os.fsync(f.fileno())
+            except FileNotFoundError:  # another rank's _write_json renamed its temporary file away; that
+                continue  # write fsyncs its own file and folder, so nothing is left to make durable here
         _fsync_dir(Path(dirpath))
 
 
