@@ -11,6 +11,7 @@ the reward model: it is the held-out judge of whether RLHF helped (docs/stages.m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,18 +105,26 @@ def task_score(
 ) -> float:
     """Mean of ``rule(prompt, completion, record)`` (dict results summed) over ``samples`` completions of
     each of the first ``n_prompts`` prompts, sampled at ``temperature`` (0: greedy)."""
-    fn = load_callable(rule)
-    model, tok = load_policy(model_dir)
     records = load_prompts(prompts_file)[:n_prompts]
-    groups = sample(
-        model,
-        tok,
+    _, scores = scored_samples(
+        model_dir,
         records,
+        load_callable(rule),
         samples=samples,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         chat_template=chat_template,
         seed=seed,
     )
-    values = [rule_value(fn(s.record["prompt"], s.text, s.record)) for g in groups for s in g]
+    values = [v for group in scores for v in group]
     return sum(values) / len(values)
+
+
+def scored_samples(
+    model_dir: str | Path, records: list[dict[str, Any]], rule: Callable[..., Any], **sampling: Any
+) -> tuple[list[list[Sample]], list[list[float]]]:
+    """``samples`` completions of each record by the policy in ``model_dir`` (:func:`sample`'s keywords),
+    and each one's ``rule(prompt, completion, record)`` value (dict results summed), group by group."""
+    model, tok = load_policy(model_dir)
+    groups = sample(model, tok, records, **sampling)
+    return groups, [[rule_value(rule(s.record["prompt"], s.text, s.record)) for s in g] for g in groups]

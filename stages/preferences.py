@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from stages.evaluate import Sample, rule_value
+from stages.evaluate import Sample
 
 Candidate = tuple[dict[str, Any], str, str, float]  # record, chosen text, rejected text, judge gap
 
@@ -108,22 +108,19 @@ def policy_preferences(
 ) -> tuple[list[dict[str, str]], dict[str, float]]:
     """Pairs of the policy's own samples, judged and selected (module docstring), and what they were made
     of: prompts, samples, candidate pairs, mean judge score of the samples, mean judge gap of the pairs."""
-    from stages.evaluate import load_policy, sample
+    from stages.evaluate import scored_samples
     from tandem.rewards import load_callable
 
-    fn = load_callable(judge, "judge")
-    model, tok = load_policy(policy)
-    groups = sample(
-        model,
-        tok,
+    groups, scores = scored_samples(
+        policy,
         records,
+        load_callable(judge, "judge"),
         samples=samples,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         chat_template=chat_template,
         seed=seed,
     )
-    scores = [[rule_value(fn(s.record["prompt"], s.text, s.record)) for s in g] for g in groups]
     cands = candidate_pairs(groups, scores)
     chosen = select_pairs(
         cands, budget, selection, seed=seed, margin_fn=rm_margin_fn(rm) if rm is not None else None
