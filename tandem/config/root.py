@@ -91,7 +91,7 @@ class Config(Section):
     @property
     def critic_own(self) -> bool:
         """The critic scores and trains beside the actor on threads of its own (``placement.critic: own``)."""
-        return self.placement.critic == "own" and getattr(self.algorithm, "advantage", None) == "gae"
+        return self.placement.critic == "own" and self.recipe == "ppo" and self.algorithm.advantage == "gae"
 
     @property
     def own_scorers(self) -> list[str]:
