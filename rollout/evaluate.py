@@ -106,7 +106,8 @@ class Evaluator:
             rewards, passes = [], []
             for rec, group in zip(self.records, out, strict=True):
                 prompt = rec[self.cfg.data.prompt_field]
-                scores = [self.rewards.score(prompt, self.text(c.token_ids), rec)[0] for c in group]
+                texts = [self.text(c.token_ids) for c in group]
+                scores = [total for total, _ in self.rewards.score_group(prompt, texts, rec)]
                 rewards.extend(scores)
                 passes.append(sum(s >= self.cfg.eval.pass_threshold for s in scores))
         n = self.sampling.n

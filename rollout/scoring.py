@@ -4,7 +4,8 @@ Each completion's reward is the sum of its parts (``tandem.rewards.total_reward`
 them):
 
 - the reward functions on the completion's text (special tokens skipped, cut before a stop string, as the
-  API returns it);
+  API returns it), and the group functions on the group's texts: every call of a batch at once, each
+  under ``reward.timeout_s`` (``tandem/rewards.py``);
 - the reward model's score, weighted by ``reward.model_weight``, when the server holds the reward model;
 - the over-long penalty (DAPO's soft overlong punishment, ``algorithm.overlong_buffer``).
 
@@ -59,13 +60,16 @@ class GroupScorer:
         with self.timers("time/score"):
             a = self.cfg.algorithm
             texts = [[self.completion_text(c) for c in group] for group in completions]
+            with self.timers("time/reward"):  # every reward call of the batch at once, each bounded
+                scored = self.rewards.score_groups(
+                    [(p.text, t, p.record) for p, t in zip(prompts, texts, strict=True)]
+                )
             rm_scores = iter(self.score_reward_model(prompts, texts))
             groups = []
-            for p, group, group_texts in zip(prompts, completions, texts, strict=True):
+            for p, group, group_texts, group_scores in zip(prompts, completions, texts, scored, strict=True):
                 group_id = uuid.uuid4().hex
                 trajs = []
-                for c, text in zip(group, group_texts, strict=True):
-                    rules, parts = self.rewards.score(p.text, text, p.record)
+                for c, text, (rules, parts) in zip(group, group_texts, group_scores, strict=True):
                     model = overlong = None
                     if self.reward_model is not None:
                         model = parts["reward_model"] = next(rm_scores)

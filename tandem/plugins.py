@@ -20,6 +20,7 @@ from tandem.config import Config, ConfigError
 __all__ = ["check_callable", "check_pipeline_plugins", "check_plugins", "require"]
 
 _REWARD_CALL = "(prompt, completion, record)"
+_GROUP_CALL = "(prompt, completions, record)"
 
 
 def check_callable(
@@ -48,17 +49,21 @@ def check_callable(
     return None
 
 
-def _reward(field: str, path: str) -> str | None:
-    return check_callable(field, path, (None, None, None), {}, _REWARD_CALL)
+def _reward(field: str, path: str, kwargs: dict[str, Any] | None = None) -> str | None:
+    return check_callable(field, path, (None, None, None), kwargs or {}, _REWARD_CALL)
 
 
 def check_plugins(cfg: Config) -> list[str]:
     """One line per plug-in of ``cfg`` that cannot be imported or called as tandem calls it (empty: all
-    good). Reward functions are called ``fn(prompt, completion, record)``; ``env.path`` as
+    good). Reward functions are called ``fn(prompt, completion, record, **kwargs)``, group reward functions
+    ``fn(prompt, completions, record, **kwargs)``; ``env.path`` as
     ``factory(**env.kwargs)``; ``agent.path`` as ``agent(client, record, model=..., **agent.kwargs)``."""
     errors: list[str] = []
     for i, f in enumerate(cfg.reward.functions):
-        errors.append(_reward(f"reward.functions[{i}].path", f.path))
+        errors.append(_reward(f"reward.functions[{i}].path", f.path, f.kwargs))
+    for i, f in enumerate(cfg.reward.group_functions):
+        field = f"reward.group_functions[{i}].path"
+        errors.append(check_callable(field, f.path, (None, None, None), f.kwargs, _GROUP_CALL))
     if cfg.env.path is not None:
         kw = dict(cfg.env.kwargs)
         call = "(" + ", ".join(f"{k}=..." for k in kw) + ")"
