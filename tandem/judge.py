@@ -1,0 +1,162 @@
+"""An LLM judge as a reward function: any OpenAI-compatible chat endpoint grades each completion by a rubric.
+
+Named in a config like any reward function, with its settings as ``kwargs``::
+
+    reward:
+      timeout_s: 30
+      functions:
+        - path: tandem.judge:judge
+          kwargs: {base_url: "http://127.0.0.1:8000/v1", model: judge, rubric: "...{prompt}...{completion}..."}
+
+Each call renders the rubric (``str.format`` with ``prompt``, ``completion`` and the record's fields), asks
+the endpoint through the official ``openai`` async client, and reads the first number of the reply as the
+score, divided by ``score_max`` and clipped to [0, 1]. A reply without a number raises, which the reward
+machinery scores 0 and counts in ``reward/errors`` (tandem/rewards.py). Requests to one judge are limited
+to ``max_concurrency`` at a time (a semaphore), and a judge prompt already asked (the same rubric, prompt
+and completion: GRPO's groups repeat completions often) is answered from a cache without a second call;
+the same prompt asked twice at once is one call.
+
+The endpoint and model may come from the environment instead (``TANDEM_JUDGE_BASE_URL``,
+``TANDEM_JUDGE_MODEL``). The API key only ever comes from the environment variable named by
+``api_key_env`` (``TANDEM_JUDGE_API_KEY`` by default), never from the config, the command line or a log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections import OrderedDict
+from typing import Any
+
+import openai
+
+DEFAULT_RUBRIC = (
+    "Grade the response to the prompt below from 0 (useless) to 10 (perfect).\n\n"
+    "Prompt:\n{prompt}\n\nResponse:\n{completion}\n\nReply with the score alone."
+)
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def parse_score(reply: str, score_max: float) -> float:
+    """The first number in ``reply``, divided by ``score_max`` and clipped to [0, 1]."""
+    found = NUMBER.search(reply or "")
+    if found is None:
+        raise ValueError(f"judge reply has no score: {reply[:80]!r}")
+    return min(1.0, max(0.0, float(found.group()) / score_max))
+
+
+class Judge:
+    """One endpoint, model and rubric: its client, its cache and its concurrency limit (on one event loop)."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str,
+        rubric: str = DEFAULT_RUBRIC,
+        api_key_env: str = "TANDEM_JUDGE_API_KEY",
+        max_concurrency: int = 8,
+        score_max: float = 10.0,
+        temperature: float = 0.0,
+        max_tokens: int = 8,
+        cache_size: int = 100_000,
+        request_timeout_s: float = 60.0,
+    ) -> None:
+        if max_concurrency < 1 or score_max <= 0 or cache_size < 0:
+            raise ValueError("judge: max_concurrency must be >= 1, score_max > 0 and cache_size >= 0")
+        # A local server needs no key, but the client insists on one.
+        key = os.environ.get(api_key_env) or "no-key"
+        self.client = openai.AsyncOpenAI(
+            base_url=base_url, api_key=key, timeout=request_timeout_s, max_retries=1
+        )
+        self.model, self.rubric, self.score_max = model, rubric, score_max
+        self.temperature, self.max_tokens, self.cache_size = temperature, max_tokens, cache_size
+        self.limit = asyncio.Semaphore(max_concurrency)
+        self.cache: OrderedDict[str, asyncio.Task[float]] = OrderedDict()  # judge prompt -> its score
+        self.calls = self.cache_hits = 0  # requests sent; answers taken from the cache (or a shared call)
+
+    def render(self, prompt: str, completion: str, record: dict[str, Any]) -> str:
+        fields = {**(record or {}), "prompt": prompt, "completion": completion}
+        try:
+            return self.rubric.format_map(fields)
+        except KeyError as e:
+            raise ValueError(f"judge rubric names {{{e.args[0]}}}, which the record does not hold") from None
+
+    async def score(self, prompt: str, completion: str, record: dict[str, Any]) -> float:
+        text = self.render(prompt, completion, record)
+        task = self.cache.get(text)
+        if task is not None:
+            self.cache_hits += 1
+        else:
+            task = asyncio.ensure_future(self.ask(text))
+            task.add_done_callback(lambda t, k=text: self.forget_failed(k, t))
+            self.cache[text] = task
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        # Shielded: a caller timed out still leaves the answer to the cache for the next one.
+        return await asyncio.shield(task)
+
+    def forget_failed(self, text: str, task: asyncio.Task[float]) -> None:
+        if (task.cancelled() or task.exception() is not None) and self.cache.get(text) is task:
+            del self.cache[text]  # asked again next time
+
+    async def ask(self, text: str) -> float:
+        async with self.limit:
+            self.calls += 1
+            reply = await self.client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": text}],
+                temperature=self.temperature,
+                max_tokens=self.max_tokens,
+            )
+        return parse_score(reply.choices[0].message.content or "", self.score_max)
+
+
+JUDGES: dict[tuple[Any, ...], Judge] = {}  # one per event loop and settings
+
+
+def judge_for(**settings: Any) -> Judge:
+    """The judge of these settings on the running loop (its client and semaphore belong to that loop)."""
+    key = (id(asyncio.get_running_loop()), *sorted(settings.items()))
+    if key not in JUDGES:
+        JUDGES[key] = Judge(**settings)
+    return JUDGES[key]
+
+
+async def judge(
+    prompt: str,
+    completion: str,
+    record: dict[str, Any],
+    *,
+    base_url: str | None = None,
+    model: str | None = None,
+    rubric: str = DEFAULT_RUBRIC,
+    api_key_env: str = "TANDEM_JUDGE_API_KEY",
+    max_concurrency: int = 8,
+    score_max: float = 10.0,
+    temperature: float = 0.0,
+    max_tokens: int = 8,
+    cache_size: int = 100_000,
+    request_timeout_s: float = 60.0,
+) -> float:
+    """The reward function: the judge's score of ``completion``, in [0, 1]."""
+    base_url = base_url or os.environ.get("TANDEM_JUDGE_BASE_URL")
+    model = model or os.environ.get("TANDEM_JUDGE_MODEL")
+    if not base_url or not model:
+        raise ValueError(
+            "judge: give kwargs base_url and model (or $TANDEM_JUDGE_BASE_URL, $TANDEM_JUDGE_MODEL)"
+        )
+    j = judge_for(
+        base_url=base_url,
+        model=model,
+        rubric=rubric,
+        api_key_env=api_key_env,
+        max_concurrency=max_concurrency,
+        score_max=score_max,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        cache_size=cache_size,
+        request_timeout_s=request_timeout_s,
+    )
+    return await j.score(prompt, completion, record)
