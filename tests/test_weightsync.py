@@ -505,6 +505,23 @@ def test_shm_subscriber_skips_to_newest(redis_client, run_id, tmp_path):
     assert wait_for(sub, 2, 1.0, run=run_id) is None  # already holds >= 2
 
 
+def test_shm_version_whose_folder_was_removed_is_taken_when_published_again(redis_client, run_id, tmp_path):
+    """A clean stop removes the run's /dev/shm folder, but Redis still announces its last version. A server
+    started for the resume must wait for the resumed learner to publish that version again in its new
+    folder, not refuse the version number (it then waited for a newer one that sync runs never make)."""
+    import shutil
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    ShmPublisher(redis_client, run_id, old).publish(weights(2).items(), 2)
+    shutil.rmtree(old)
+    sub = ShmSubscriber(redis_client, run_id, "s0")
+    assert sub.poll() is None and sub.rejected == 0
+    ShmPublisher(redis_client, run_id, new).publish(weights(2).items(), 2)
+    upd = sub.poll()
+    assert upd is not None and upd.version == 2 and upd.path.startswith(str(new))
+    assert_bit_identical(received(upd), weights(2))
+
+
 # ---------------------------------------------------------------------------------------------- dist
 
 

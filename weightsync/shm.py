@@ -493,6 +493,10 @@ class ShmSubscriber(RegisteredSubscriber):
             return None
         manifest = msgpack.unpackb(raw)
         root = Path(manifest["dir"])
+        if not os.path.lexists(root.parent):
+            # Removed when the run stopped cleanly: the announcement outlived the folder. A resumed learner
+            # publishes this version again in a new folder, so wait for that rather than refuse the number.
+            return None
         try:
             if root.parent not in self._checked:  # another user's folder, or a link, is never read
                 check_private(root.parent)
