@@ -58,6 +58,7 @@ from learner import acked_ranges, checkpoint, lora
 from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
 from learner.models import Models
 from learner.runtime import Runtime
+from learner.samples import CompletionSamples
 from tandem import fleet
 from tandem.config import Config
 from tandem.rewards import total_reward
@@ -111,6 +112,7 @@ class OnlineRuntime(Runtime):
         self.admission: Admission | None = None  # the policy version, admission and its recount
         self.publisher: weightsync.Publisher = weightsync.DrainPublisher()
         self.trained_log: TextIO | None = None
+        self.samples: CompletionSamples | None = None  # logging.samples_interval, on rank 0
         self.sync_bytes = 0  # bytes of the last published version (weightsync/bytes)
         self.admission_due = False  # a published version whose admission opens at the next take_batch
         self.switch: dict[str, float] = {}  # time/offload, time/reload of the last wait (colocated, GPU)
@@ -141,6 +143,8 @@ class OnlineRuntime(Runtime):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.trained_log = open(self.run_dir / "trained.jsonl", "a")  # noqa: SIM115 (closed in close())
         self.models = self.load_models()
+        if self.lead and self.cfg.logging.samples_interval:
+            self.samples = CompletionSamples(self.cfg, self.models.tokenizer, self.telemetry, self.run_dir)
         self.smoke_test()
         state = checkpoint.load(self.ckpt_dir, self.engines()) if self.resume else None
         if state is not None:

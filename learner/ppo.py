@@ -211,6 +211,8 @@ class PPOLearner(OnlineRuntime):
             stats["batch/over_budget"] = float(batch.dropped.sum())
         if self.version % self.cfg.logging.log_interval == 0:
             self.telemetry.log({**stats, **self.buffer_metrics()}, step=self.version)
+        if self.samples is not None:  # logging.samples_interval: a few of this batch as text
+            self.samples.log(self.version, batch.trajs)
         return True
 
     def train(self, batch: Batch) -> dict[str, float]:

@@ -156,6 +156,13 @@ class Telemetry:
             except redis.RedisError as e:  # the console view is best-effort; training goes on
                 log.warning("could not mirror metrics to redis: %s", e)
 
+    def log_table(self, key: str, columns: list[str], rows: list[list[Any]], step: int | None = None) -> None:
+        """A table of text rows (sampled completions) to wandb; Redis holds numbers only, so not mirrored."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+
     def stop_requested(self) -> bool:
         return bool(self.client is not None and self.client.exists(stop_key(self.run)))
 

@@ -129,6 +129,12 @@ class LoggingConfig(Section):
     )
     wandb_project: str = Field("tandem", min_length=1, description="wandb project.")
     log_interval: int = Field(1, ge=1, description="Log learner metrics every this many steps.")
+    samples_interval: int = Field(
+        0,
+        ge=0,
+        description="Every this many learner steps, samples_count trained prompts, completions and rewards go to <run dir>/samples.jsonl and a wandb table (samples); 0 disables.",
+    )
+    samples_count: int = Field(4, ge=1, description="Trajectories drawn from the batch each samples_interval.")
     console: bool = Field(True, description="Show the live progress view in launch.py.")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Python log level of every process."
