@@ -9,7 +9,9 @@ Named in a config like any reward function, with its settings as ``kwargs``::
           kwargs: {base_url: "http://127.0.0.1:8000/v1", model: judge, rubric: "...{prompt}...{completion}..."}
 
 Each call renders the rubric (``str.format`` with ``prompt``, ``completion`` and the record's fields), asks
-the endpoint through the official ``openai`` async client, and reads the first number of the reply as the
+the endpoint through the official ``openai`` async client (as one user message of ``/v1/chat/completions``,
+or with ``api: completions`` as the raw prompt of ``/v1/completions``, for a judge trained without a chat
+template), and reads the first number of the reply as the
 score, divided by ``score_max`` and clipped to [0, 1]. A reply without a number raises, which the reward
 machinery scores 0 and counts in ``reward/errors`` (tandem/rewards.py). Requests to one judge are limited
 to ``max_concurrency`` at a time (a semaphore), and a judge prompt already asked (the same rubric, prompt
@@ -62,15 +64,18 @@ class Judge:
         max_tokens: int = 8,
         cache_size: int = 100_000,
         request_timeout_s: float = 60.0,
+        api: str = "chat",
     ) -> None:
         if max_concurrency < 1 or score_max <= 0 or cache_size < 0:
             raise ValueError("judge: max_concurrency must be >= 1, score_max > 0 and cache_size >= 0")
+        if api not in ("chat", "completions"):
+            raise ValueError(f"judge: api must be chat or completions, not {api!r}")
         # A local server needs no key, but the client insists on one.
         key = os.environ.get(api_key_env) or "no-key"
         self.client = openai.AsyncOpenAI(
             base_url=base_url, api_key=key, timeout=request_timeout_s, max_retries=1
         )
-        self.model, self.rubric, self.score_max = model, rubric, score_max
+        self.model, self.rubric, self.score_max, self.api = model, rubric, score_max, api
         self.temperature, self.max_tokens, self.cache_size = temperature, max_tokens, cache_size
         self.limit = asyncio.Semaphore(max_concurrency)
         self.cache: OrderedDict[str, asyncio.Task[float]] = OrderedDict()  # judge prompt -> its score
@@ -102,15 +107,16 @@ class Judge:
             del self.cache[text]  # asked again next time
 
     async def ask(self, text: str) -> float:
+        sampling = {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens}
         async with self.limit:
             self.calls += 1
-            reply = await self.client.chat.completions.create(
-                model=self.model,
-                messages=[{"role": "user", "content": text}],
-                temperature=self.temperature,
-                max_tokens=self.max_tokens,
+            if self.api == "completions":  # the rubric as raw text: a judge trained without a chat template
+                raw = await self.client.completions.create(prompt=text, **sampling)
+                return parse_score(raw.choices[0].text, self.score_max)
+            chat = await self.client.chat.completions.create(
+                messages=[{"role": "user", "content": text}], **sampling
             )
-        return parse_score(reply.choices[0].message.content or "", self.score_max)
+        return parse_score(chat.choices[0].message.content or "", self.score_max)
 
 
 JUDGES: dict[tuple[Any, ...], Judge] = {}  # one per event loop and settings
@@ -139,6 +145,7 @@ async def judge(
     max_tokens: int = 8,
     cache_size: int = 100_000,
     request_timeout_s: float = 60.0,
+    api: str = "chat",
 ) -> float:
     """The reward function: the judge's score of ``completion``, in [0, 1]."""
     base_url = base_url or os.environ.get("TANDEM_JUDGE_BASE_URL")
@@ -158,5 +165,6 @@ async def judge(
         max_tokens=max_tokens,
         cache_size=cache_size,
         request_timeout_s=request_timeout_s,
+        api=api,
     )
     return await j.score(prompt, completion, record)

@@ -55,6 +55,19 @@ def rule_judge(seen: Seen) -> FastAPI:
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
         }
 
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        body = await request.json()
+        seen.bodies.append(body)
+        text = body["prompt"].split("Response: ", 1)[1].count("a")
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [{"index": 0, "text": f" {text}", "finish_reason": "stop", "logprobs": None}],
+        }
+
     return app
 
 
@@ -120,6 +133,18 @@ def test_a_rubric_field_the_record_lacks_is_an_error_naming_it(endpoint: tuple[s
     assert rf.errors == 1 and len(seen.bodies) == 1
     with pytest.raises(ValueError, match=r"names \{answer\}"):
         only_judge().render("p", "aa", {})
+    rf.close()
+
+
+def test_the_completions_api_sends_the_rubric_as_raw_text(endpoint: tuple[str, Seen]) -> None:
+    base_url, seen = endpoint
+    judge_module.JUDGES.clear()
+    rf = judge_rewards(base_url, api="completions")
+    assert [t for t, _ in rf.score_group("p", ["aaab", "b"], {})] == [3 / 8, 0.0]
+    assert sorted(b["prompt"] for b in seen.bodies) == [
+        "Count the letter a.\nResponse: aaab",
+        "Count the letter a.\nResponse: b",
+    ]
     rf.close()
 
 
