@@ -128,34 +128,64 @@ def save(ckpt_dir: Path, engines: dict[str, Any], state: LearnerState, *, keep: 
     needed (docs/ray.md §4): every rank writes its own files on its node (DeepSpeed's
     ``checkpoint.use_node_local_storage`` makes each node's first rank write the model states too);
     rank 0's ``latest.json`` is the commit point, and each other node's first rank then writes its copy.
+    ``learner/checkpoint_async.py`` splits the same two phases around a writer thread.
     """
-    tag, rank = _tag(state.version), dist.get_rank()
-    node_lead = rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0
+    tag = _tag(state.version)
     for name, engine in engines.items():
         engine.save_checkpoint(str(ckpt_dir / name), tag=tag)
-    state_dir = ckpt_dir / "state" / tag
-    state_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(state_dir / f"rng_rank{rank}.json", rng_state())
+    write_state(ckpt_dir, state_files(state))
+    make_durable(ckpt_dir, [*engines], tag)
+    commit(ckpt_dir, [*engines], state.version, keep=keep)
+
+
+def state_files(state: LearnerState) -> dict[str, Any]:
+    """This rank's own JSON files of the checkpoint by name: its RNG states, and on rank 0 the learner state
+    (a copy: the caller's lists may change once this returns)."""
+    rank = dist.get_rank()
+    files: dict[str, Any] = {f"rng_rank{rank}.json": rng_state()}
     if rank == 0:
-        learner = {
+        files["learner.json"] = {
             "version": state.version,
-            "trained_ids": state.trained_ids,
+            "trained_ids": list(state.trained_ids),
             "acked": to_json(state.acked),
-            "extra": state.extra,
+            "extra": json.loads(json.dumps(state.extra)),
         }
-        _write_json(state_dir / "learner.json", learner)
-    if node_lead:
-        for sub in [*engines, "state"]:
+    return {"tag": _tag(state.version), "files": files}
+
+
+def write_state(ckpt_dir: Path, written: dict[str, Any]) -> None:
+    """Write :func:`state_files`' files under ``state/<tag>``, each durable before it becomes visible."""
+    state_dir = ckpt_dir / "state" / written["tag"]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    for name, obj in written["files"].items():
+        _write_json(state_dir / name, obj)
+
+
+def _node_lead() -> bool:
+    return dist.get_rank() == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def make_durable(ckpt_dir: Path, engine_names: list[str], tag: str) -> None:
+    """Fsync every file of checkpoint ``tag`` on this node (its node-leading rank walks the folders). Not a
+    collective: the asynchronous writer calls it from its thread."""
+    if _node_lead():
+        for sub in [*engine_names, "state"]:
             if (ckpt_dir / sub / tag).exists():
                 _fsync_tree(ckpt_dir / sub / tag)
+
+
+def commit(ckpt_dir: Path, engine_names: list[str], version: int, *, keep: int = 2) -> None:
+    """Collective, once every rank's files of ``version`` are durable: rank 0 replaces ``latest.json`` (the
+    commit point), then each other node's first rank writes its copy and old checkpoints are pruned."""
+    tag, rank = _tag(version), dist.get_rank()
     dist.barrier()
     if rank == 0:
-        _write_json(ckpt_dir / LATEST, {"tag": tag, "version": state.version})
+        _write_json(ckpt_dir / LATEST, {"tag": tag, "version": version})
     dist.barrier()
-    if node_lead:
+    if _node_lead():
         if rank != 0:
-            _write_json(ckpt_dir / LATEST, {"tag": tag, "version": state.version})
-        _prune(ckpt_dir, [*engines, "state"], keep)
+            _write_json(ckpt_dir / LATEST, {"tag": tag, "version": version})
+        _prune(ckpt_dir, [*engine_names, "state"], keep)
     dist.barrier()
 
 

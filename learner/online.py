@@ -56,6 +56,7 @@ from buffer.stream_scores import RULES_REWARD, StreamScores
 from buffer.streams import ReplayBuffer, Taken
 from learner import acked_ranges, checkpoint, lora
 from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
+from learner.checkpoint_async import AsyncCheckpointer
 from learner.models import Models
 from learner.runtime import Runtime
 from learner.samples import CompletionSamples
@@ -119,6 +120,11 @@ class OnlineRuntime(Runtime):
         # Scores of the roles on workers of their own (placement.reference / reward_model: own), by role.
         self.stream_scores: dict[str, StreamScores] = {}
         self.score_waits: dict[str, float] = {}  # time/<role>_wait: the last batch's wait for each worker
+        # learner.checkpoint_async: the write in flight, and checkpoint/stall_s, checkpoint/wait_s of a step
+        self.writer = (
+            AsyncCheckpointer(self.ckpt_dir, group=self.ctrl) if cfg.learner.checkpoint_async else None
+        )
+        self.ckpt_stats: dict[str, float] = {}
 
     def load_models(self) -> Models:
         raise NotImplementedError
@@ -370,7 +376,13 @@ class OnlineRuntime(Runtime):
 
     def commit(self, ids: list[str], prompts: list[str] | None = None) -> None:
         """Record the step's ids (and the prompt ids they answer, for audits); checkpoint when due and only
-        then ack (exactly-once, learner/checkpoint.py)."""
+        then ack (exactly-once, learner/checkpoint.py). An asynchronous write in flight commits here once
+        every rank has written it."""
+        self.ckpt_stats = {}
+        if self.writer is not None:
+            with timed() as polled:
+                self.committed(self.writer.poll())
+            self.count_stall(polled.seconds)
         if self.lead:
             self.pending.extend(ids)
             line = {"version": self.version, "ids": ids} | ({"prompts": prompts} if prompts else {})
@@ -399,29 +411,57 @@ class OnlineRuntime(Runtime):
         return touched
 
     def save_checkpoint(self) -> None:
+        """Checkpoint the current version. Synchronous: written, committed, then acked before this returns.
+        Asynchronous: wait for (and commit) the write in flight, snapshot to host memory, start the writer;
+        its ids are acked at the commit (:meth:`committed`). ``checkpoint/stall_s`` is the time this held
+        the learner, ``checkpoint/wait_s`` the part of it spent waiting for the previous write."""
+        start = time.monotonic()
+        if self.writer is not None:
+            state, waited = self.writer.wait()
+            self.committed(state)
+            self.count_stall(0.0, waited)
+        acked = self.acked
         if self.lead and self.pending:
             # Ranges may join across any gap except an entry still waiting to be trained (a barrier).
             ids = [acked_ranges.parse(i) for i in self.pending]
             top = max([*ids, *(hi for _, hi in self.acked)])
             waiting = self.buffer.trajectory_ids(acked_ranges.fmt(top))
-            self.acked = acked_ranges.merge(self.acked, ids, map(acked_ranges.parse, waiting))
-        checkpoint.save(
-            self.ckpt_dir,
-            self.engines(),
-            checkpoint.LearnerState(self.version, list(self.pending), acked=self.acked),
-        )
+            acked = acked_ranges.merge(self.acked, ids, map(acked_ranges.parse, waiting))
+        state = checkpoint.LearnerState(self.version, list(self.pending), acked=acked)
+        if self.writer is None:
+            checkpoint.save(self.ckpt_dir, self.engines(), state)
+            self.committed(state)
+        else:
+            self.writer.snapshot(self.engines(), state)
+        self.count_stall(time.monotonic() - start)
+
+    def count_stall(self, stall_s: float, wait_s: float = 0.0) -> None:
+        """Add to this step's ``checkpoint/stall_s`` (the learner held by checkpointing: a synchronous save, or
+        a snapshot, a commit and any wait) and ``checkpoint/wait_s`` (waiting for the previous write)."""
+        for key, seconds in (("checkpoint/stall_s", stall_s), ("checkpoint/wait_s", wait_s)):
+            self.ckpt_stats[key] = self.ckpt_stats.get(key, 0.0) + seconds
+
+    def committed(self, state: checkpoint.LearnerState | None) -> None:
+        """Checkpoint ``state`` is committed: ack the ids it holds (the ones trained since stay pending)."""
+        if state is None:
+            return
         if self.lead:
-            self.buffer.ack(self.pending)
-            self.pending.clear()
+            self.buffer.ack(state.trained_ids)
+            del self.pending[: len(state.trained_ids)]  # pending grows at its end only
             for scores in self.stream_scores.values():  # the scores of every entry gone from the stream
                 scores.drop_gone()
-        self.checkpointed_version = self.version
-        self.acked_through = self.version * self.cfg.algorithm.batch_size
+        self.acked = state.acked
+        self.checkpointed_version = state.version
+        self.acked_through = state.version * self.cfg.algorithm.batch_size
 
     def finish(self) -> None:
         """Final checkpoint and, when configured, the final actor as a Hugging Face directory."""
+        if self.writer is not None:  # a write in flight commits first: it may be of this very version
+            self.committed(self.writer.wait()[0])
         if self.checkpointed_version != self.version or self.pending:
             self.save_checkpoint()
+        if self.writer is not None:  # and the last one before the run ends
+            self.committed(self.writer.wait()[0])
         if self.cfg.learner.save_hf_final:
             self.save_hf(self.models.actor, self.run_dir / "final", self.models.tokenizer)
 
