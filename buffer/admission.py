@@ -11,6 +11,8 @@ One home for the whole concept, AReaL's staleness manager moved into Redis so K 
   records them as the server's unspent credits in ``{run}:credits`` in the same step: a server killed
   before it takes prompts for them leaves them there, and its next life adopts them;
 - **per-server credits**: adopt, spend on prompts, give back on a clean stop;
+- **the charge**: an agent episode's later segments (§10.6 of docs/environments.md) take admission as
+  they are appended, beyond the group's ``n_samples``;
 - **the refund**: a trajectory dead-lettered or refused as stale gives its slot back (queued by
   ``buffer/streams.py`` in the transaction that moves it), as does a group dropped by dynamic sampling;
 - **the recount**: a restarted learner (or Redis) rebuilds ``{run}:admitted`` from what truly holds
@@ -60,6 +62,13 @@ def largest_group(*, batch_size: int, max_staleness: int) -> int:
     """A larger group could only start once the learner had trained on data this very group is part of:
     it would wait forever."""
     return (max_staleness + 1) * batch_size
+
+
+def extra_segments(group: Sequence[Trajectory]) -> int:
+    """Trajectories of a group beyond its ``n_samples`` episodes: the later segments of agent episodes whose
+    prompts rewrote their history (docs/environments.md §10.6). They are charged when the group is appended
+    (:meth:`Admission.charge`), since admission counts trajectories."""
+    return sum(1 for t in group if t.meta.get("segment", 0) > 0)
 
 
 def recounted(
@@ -281,6 +290,12 @@ class Admission:
             pipe.hincrby(self.credits_key, self.consumer, -self.credits)
             pipe.execute()
             self.credits = 0
+
+    def charge(self, trajectories: int) -> None:
+        """Take admission for trajectories appended beyond their groups' admitted ``n_samples`` (an agent
+        episode's later segments, :func:`extra_segments`): the counter keeps counting what the stream holds,
+        and the learner's steps of ``batch_size`` trajectories keep it bounded."""
+        self.client.incrby(self.admitted_key, trajectories)
 
     def refund(self, trajectories: int) -> None:
         """Give back admission for trajectories that will never be appended (a group dropped as uniform)."""

@@ -106,7 +106,7 @@ def test_agents_run_n_per_prompt_batched_and_token_exact(engine, tiny_ckpt, tmp_
     assert [e.end_reason for e in eps] == ["done"] * 2 * N
     assert calls == 2 * 2 * N  # two chat calls per episode, each one row
     assert max(rows) > 1, f"{calls} calls, every forward of one row: the engine did not batch them"
-    trajs = [decode_trajectory(encode_trajectory(e.trajectory("p", "g", "server-0"))) for e in eps]
+    trajs = [decode_trajectory(encode_trajectory(e.trajectories("p", "g", "server-0")[0])) for e in eps]
     tok = engine.tokenizer
     model = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"]).eval()
     ref = learner_logp(model, trajs)
@@ -157,7 +157,7 @@ def test_a_longer_max_tokens_is_cut_to_the_runs(engine, tiny_ckpt, tmp_path) -> 
     finally:
         runner.close()
     assert e.end_reason == "done"
-    t = e.trajectory("p", "g", "s")
+    (t,) = e.trajectories("p", "g", "s")
     lengths = [end - s for k, s, end in t.segments() if k == "model"]
     assert len(lengths) == 2 and max(lengths) <= 3, lengths  # the random model rarely ends a line by then
 
@@ -187,9 +187,9 @@ def test_a_misbehaving_agent_ends_only_its_episode(engine, tiny_ckpt, tmp_path, 
         assert [e.end_reason for e in eps[:N]] == ["done"] * N
         for e in eps[N:]:
             assert e.end_reason.startswith(reason), e.end_reason
-            t = decode_trajectory(encode_trajectory(e.trajectory("p", "g", "server-0")))
+            t = decode_trajectory(encode_trajectory(e.trajectories("p", "g", "server-0")[0]))
             assert t.finish_reason == "abort" and t.reward == 0.0  # masked out by the learner
-        assert all(e.trajectory("p", "g", "s").reward == 1.0 for e in eps[:N])
+        assert all(e.trajectories("p", "g", "s")[0].reward == 1.0 for e in eps[:N])
         assert runner.sessions.sessions == {}  # every session closed, the runaway call's included
         again = runner.run(episodes(engine, [{"id": "next", "prompt": "5+6="}]))  # the server still serves
         assert [e.end_reason for e in again] == ["done"] * N
@@ -332,7 +332,7 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path, 
     assert [e.reward for e in eps] == [1.0] * N + [0.0] * N  # the second prompt's call adds 11+21
     tok, sums = engine.tokenizer, {"37+48=": 85, "11+20=": 32}
     for e in eps:
-        t = e.trajectory("p", "g", "s")
+        (t,) = e.trajectories("p", "g", "s")
         assert e.metrics()["agent/tool_used"] == 1.0 and t.meta["calls"] == 2
         assert t.meta["env/tool_used"] == 1.0 and t.meta["env/aborted"] == 0.0  # the learner logs them
         assert tok.decode(t.prompt_tokens.tolist()) == chat_prompt(
@@ -384,7 +384,7 @@ def test_a_weight_update_between_batches_reaches_the_next_calls(engine, tiny_ckp
         del engine.generate
         engine.update_weights(Update(0, [], lambda: iter(v0.items())))
     assert [e.end_reason for e in eps] == ["done"] * 2 * N
-    trajs = [e.trajectory("p", "g", "s") for e in eps]
+    trajs = [t for e in eps for t in e.trajectories("p", "g", "s")]
     firsts, seconds = [], []
     for t in trajs:
         (_, a, b), _, (_, c, d) = t.segments()

@@ -87,17 +87,21 @@ def test_agent_session_is_a_token_exact_trajectory(served, tiny_ckpt) -> None:
     assert (make_batch([t], 0).mask[0, : len(t.loss_mask)].numpy() == t.loss_mask).all()
 
 
-def test_a_prompt_that_rewrites_history_is_refused(served) -> None:
-    _, url, _ = served
+def test_a_prompt_that_rewrites_history_starts_a_segment(served) -> None:
+    """rollout.http.session.on_rewrite: split (the default); tests/test_agent_segments.py has refuse."""
+    _, url, sunk = served
+    sunk.clear()
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=60, max_retries=0)
     sid = open_session(url)
-    client.completions.create(
-        model="tiny", prompt="12+30=", max_tokens=3, extra_headers={"X-Session-Id": sid}
-    )
-    with pytest.raises(openai.BadRequestError, match="does not extend"):
+    for prompt in ["12+30=", "99+1="]:
         client.completions.create(
-            model="tiny", prompt="99+1=", max_tokens=3, extra_headers={"X-Session-Id": sid}
+            model="tiny", prompt=prompt, max_tokens=3, extra_headers={"X-Session-Id": sid}
         )
+    r = httpx.post(f"{url}/v1/sessions/{sid}/finish", json={"reward": 0.5}, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and len(r.json()["segments"]) == 2
+    tok = served[0].tokenizer
+    assert [tok.decode(t.prompt_tokens.tolist()) for t in sunk] == ["12+30=", "99+1="]
+    assert [t.reward for t in sunk] == [0.5, 0.5]
     r = httpx.post(f"{url}/v1/sessions/nope/finish", json={"reward": 1.0}, headers=AUTH, timeout=30)
     assert r.status_code == 404
 

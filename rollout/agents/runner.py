@@ -22,7 +22,8 @@ its reward: a number, or a dict of reward parts (numbers, summed).
    call, or returns while one of its calls is still running (leaves its session open) ends its episode
    as ``abort``, with the reason in ``meta["end_reason"]`` (the learner masks it out, docs/environments.md
    §10.1); never the server;
-4. **close** every session into a trajectory: the session's exact tokens (the agent's added text with
+4. **close** every session into trajectories, one per segment (one unless a prompt rewrote the history,
+   ``rollout.http.session.on_rewrite``): the session's exact tokens (the agent's added text with
    ``loss_mask`` 0), and the agent's reward, clipped. A call still running on a closed session is refused
    or dropped (:class:`~rollout.http.sessions.SessionStore`, strict).
 """
@@ -49,7 +50,7 @@ from rollout.agents.batching import BatchingEngine
 from rollout.engines.base import BetweenSteps, Engine
 from rollout.http.app import create_app
 from rollout.http.serve import HTTPServer
-from rollout.http.sessions import Session, SessionStore
+from rollout.http.sessions import Segment, Session, SessionStore, segment_meta
 from rollout.metrics import ServerMetrics
 from tandem.config import Config, HTTPConfig
 from tandem.rewards import load_callable
@@ -89,46 +90,60 @@ class AgentEpisode:
         if reason != "done":
             log.warning("agent episode of %s ended: %s", self.record.get("id", "?"), reason)
 
-    def trajectory(
+    def trajectories(
         self, prompt_id: str, group_id: str, server_id: str, clip: Callable[[float], float] = float
-    ) -> Trajectory:
+    ) -> list[Trajectory]:
+        """One trajectory per segment of the episode's session (one unless a prompt rewrote the history,
+        docs/environments.md §10.6), each with the episode's reward. The episode's metrics ride on the last
+        one only, so the learner's means count an episode once. An episode without a completion is one
+        empty trajectory on the feeder's prompt."""
         s = self.session if self.session is not None and self.session.calls else None
-        turns = s if s is not None else Turns()
-        # Text after the last completion (no completion answered it) is cut.
-        last = max((i for i, m in enumerate(turns.mask) if m), default=-1) + 1
-        generated = turns.generated_versions()
+        segments = s.segments() if s is not None else [Segment(self.prompt_tokens, Turns(), 0)]
         reward = clip(self.reward)
-        return turns.as_trajectory(
-            s.prompt if s else self.prompt_tokens,
-            prompt_id=prompt_id,
-            group_id=group_id,
-            upto=last,
-            reward=reward,
-            reward_parts={"agent": reward, **{f"agent/{k}": v for k, v in self.parts.items()}},
-            finish_reason="abort" if self.aborted else "stop",
-            server_id=server_id,
-            meta={
-                "version": min(generated) if generated else 0,
-                "session_id": self.session_id,
-                "calls": s.calls if s else 0,
-                "end_reason": self.end_reason,
-                "seconds": self.seconds,
-                # the learner averages episode metrics over each batch it trains on (docs/environments.md §10.3)
-                **{
-                    f"env/{k.removeprefix('agent/')}": v
-                    for k, v in self.metrics().items()
-                    if k != "agent/seconds"
-                },
-            },
-        )
+        # the learner averages episode metrics over each batch it trains on (docs/environments.md §10.3)
+        metrics = {
+            f"env/{k.removeprefix('agent/')}": v for k, v in self.metrics().items() if k != "agent/seconds"
+        }
+        out = []
+        for i, x in enumerate(segments):
+            # Text after the segment's last completion (no completion answered it) is cut.
+            last = max((i for i, m in enumerate(x.turns.mask) if m), default=-1) + 1
+            generated = x.turns.generated_versions()
+            out.append(
+                x.turns.as_trajectory(
+                    x.prompt,
+                    prompt_id=prompt_id,
+                    group_id=group_id,
+                    upto=last,
+                    reward=reward,
+                    reward_parts={"agent": reward, **{f"agent/{k}": v for k, v in self.parts.items()}},
+                    finish_reason="abort" if self.aborted else "stop",
+                    server_id=server_id,
+                    meta={
+                        "version": min(generated) if generated else 0,
+                        "session_id": self.session_id,
+                        "calls": x.calls,
+                        "end_reason": self.end_reason,
+                        "seconds": self.seconds,
+                        **segment_meta(i, len(segments)),
+                        **(metrics | {"env/reward": reward} if i == len(segments) - 1 else {}),
+                    },
+                )
+            )
+        return out
 
     def metrics(self) -> dict[str, float]:
+        """The episode's figures; ``agent/segments`` and ``agent/rewrites`` count its session's segments
+        and the calls that started one (docs/environments.md §10.6)."""
         s = self.session
         calls, tool = (s.calls, s.tool_call_turns) if s is not None else (0, 0)
+        segments = len(s.segments()) if s is not None else 0
         return {
             "agent/calls": float(calls),
             "agent/tool_calls": float(tool),
             "agent/tool_used": float(tool > 0),
+            "agent/segments": float(segments),
+            "agent/rewrites": float(s.rewrites if s is not None else 0),
             "agent/aborted": float(self.aborted),
             "agent/seconds": self.seconds,
         }
@@ -208,6 +223,7 @@ class AgentRunner:
             max_tokens_limit=1 << 30,
             max_total_tokens_per_request=1 << 30,
             max_concurrent_requests=max(16, 2 * episodes),
+            session=cfg.rollout.http.session,
         )
         max_context = AutoConfig.from_pretrained(
             cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code
@@ -221,7 +237,9 @@ class AgentRunner:
             max_context=max_context,
             aliases=(str(cfg.model.actor),),
         )
-        self.sessions = app.state.api.sessions = SessionStore(tokenizer, strict=True)
+        self.sessions = app.state.api.sessions = SessionStore(
+            tokenizer, strict=True, on_rewrite=cfg.rollout.http.session.on_rewrite
+        )
         self.server = HTTPServer(app, "127.0.0.1", 0).start()
         self.url = f"http://127.0.0.1:{self.server.port}/v1"
 

@@ -153,7 +153,7 @@ class API:
     ) -> None:
         self.engine, self.tokenizer, self.http, self.metrics = engine, tokenizer, http, metrics
         self.reward_clip = reward_clip
-        self.sessions, self.sink = SessionStore(tokenizer), sink
+        self.sessions, self.sink = SessionStore(tokenizer, on_rewrite=http.session.on_rewrite), sink
         self.prompts = ChatPrompts(tokenizer)
         self.tool_parser = PARSERS[http.tool_parser] if http.tool_parser else None
         self.model_name, self.names = model_name, {model_name, *aliases}
@@ -479,7 +479,7 @@ class API:
         with self.slot():
             ((c,),) = await self.generate([context], sampling, request)
         returned, finish = self.text_and_finish(c, sampling.stop)
-        self.sessions.record(session, text, c, returned)
+        self.sessions.record(session, text, c, returned, context=context)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()),
@@ -503,7 +503,8 @@ class API:
             raise APIError(403, str(e), type="permission_error", param="session_id") from None
 
     async def finish_session(self, session_id: str, req: FinishRequest) -> dict[str, Any]:
-        """Close a session into a trajectory with the agent's reward; the server's sink takes it."""
+        """Close a session into its segments' trajectories (one unless a prompt rewrote history, §10.6) with
+        the agent's reward; the server's sink takes each."""
         if problem := text_problem(session_id):  # the path's id; the body's strings were checked already
             raise APIError(400, f"session_id: {problem}", param="session_id")
         if self.sink is not None and self.http.api_key is None:
@@ -515,18 +516,26 @@ class API:
                 code="api_key_required",
             )
         try:
-            t = self.sessions.finish(session_id, clip_reward(req.reward, self.reward_clip), req.group_id)
+            segments = self.sessions.finish(
+                session_id, clip_reward(req.reward, self.reward_clip), req.group_id
+            )
         except SessionError as e:
             raise APIError(404, str(e), param="session_id") from None
         if self.sink is not None:
-            await run_in_threadpool(self.sink, t)
-        return {
-            "traj_id": t.traj_id,
-            "prompt_tokens": len(t.prompt_tokens),
-            "response_tokens": len(t.response_tokens),
-            "generated_tokens": int(t.loss_mask.sum()),
-            "calls": t.meta["calls"],
-        }
+            for t in segments:
+                await run_in_threadpool(self.sink, t)
+        # The first segment's figures at the top, as for a session of one segment; calls in all.
+        rows = [
+            {
+                "traj_id": t.traj_id,
+                "prompt_tokens": len(t.prompt_tokens),
+                "response_tokens": len(t.response_tokens),
+                "generated_tokens": int(t.loss_mask.sum()),
+                "calls": t.meta["calls"],
+            }
+            for t in segments
+        ]
+        return {**rows[0], "calls": sum(r["calls"] for r in rows), "segments": rows}
 
     @staticmethod
     def usage(prompts: list[list[int]], out: list[list[Completion]], n: int) -> dict[str, int]:

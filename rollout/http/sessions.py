@@ -10,9 +10,15 @@ and the learner trains on, the very tokens that were sampled, with their behavio
 template to text first, and then handled the same way.
 
 The added text is found as the suffix after the session's transcript: the last prompt text plus the
-completion, either as returned (cut before a stop string) or in full. A prompt that does not extend the
-transcript is refused (400) rather than silently re-tokenised. ``finish(session, reward)`` closes the
-session into a :class:`buffer.schema.Trajectory`.
+completion, either as returned (cut before a stop string) or in full (:func:`continuation`). A prompt that
+does not extend the transcript *rewrites history*: a thinking model's chat template drops earlier turns'
+``<think>...</think>`` when it renders them again (Qwen3), so the agent's next prompt no longer starts with
+what the model sampled. ``on_rewrite`` says what then happens (``rollout.http.session.on_rewrite``):
+``split`` (the default) starts a new *segment* of the same session, from that prompt tokenised as it is;
+``refuse`` answers 400, as an edit of history is refused rather than silently re-tokenised. A session is
+thus a list of segments, each a token-exact trajectory of its own (its prompt, then the added text with
+``loss_mask`` 0 and the sampled tokens with ``loss_mask`` 1). ``finish(session, reward)`` closes the
+session into one :class:`buffer.schema.Trajectory` per segment, each with the session's reward.
 
 A completion returned as tool calls (docs/environments.md §10.8) is remembered by its call ids: when the agent
 sends that assistant message back, it is rendered as the text the model sampled, so the next prompt still
@@ -31,7 +37,9 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
@@ -45,12 +53,52 @@ class SessionError(ValueError):
     """A session call that cannot be served; the message says why."""
 
 
+def segment_meta(index: int, segments: int) -> dict[str, int]:
+    """A segment trajectory's place in its episode (``meta``): the learner counts an episode once in its
+    group's statistics however many segments it has (docs/environments.md §10.6)."""
+    return {"segment": index, "segments": segments}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A call's place in its session: the segment's prompt, the tokens the call adds after the segment's
+    tokens, and the context generated from."""
+
+    prompt: list[int]
+    added: list[int]
+    context: list[int]
+    new_segment: bool
+
+
+OnRewrite = Literal["split", "refuse"]
+
+
+def continuation(transcripts: Sequence[str], prompt_text: str) -> str | None:
+    """The text a call's prompt adds to its session's transcript (any of ``transcripts``, longest first),
+    or None when the prompt does not extend it: the history was rewritten, and the call starts a new
+    segment (or is refused)."""
+    return next((prompt_text[len(t) :] for t in transcripts if prompt_text.startswith(t)), None)
+
+
+@dataclass
+class Segment:
+    """One token-exact trajectory of a session: its prompt, then its turns (added text and completions)."""
+
+    prompt: list[int]
+    turns: Turns
+    calls: int
+
+
 @dataclass
 class Session(Turns):
+    """An open session; its own fields are the current segment's, ``earlier`` holds the ones before."""
+
     session_id: str
     prompt: list[int] = field(default_factory=list)
     transcripts: tuple[str, ...] = ()  # what the agent's next prompt may start with, longest first
-    calls: int = 0
+    calls: int = 0  # in all segments
+    segment_calls: int = 0  # in the current one
+    earlier: list[Segment] = field(default_factory=list)  # segments closed by a rewrite of history
     tool_call_turns: int = 0  # completions returned as tool calls (docs/environments.md §10.8)
     tool_turns: dict[str, str] = field(default_factory=dict)  # tool call id -> the completion's text
     touched: float = field(default_factory=time.monotonic)
@@ -59,14 +107,35 @@ class Session(Turns):
     def context(self) -> list[int]:
         return self.prompt + self.tokens
 
+    @property
+    def rewrites(self) -> int:
+        """Calls whose prompt did not extend the transcript, each of which started a segment."""
+        return len(self.earlier)
+
+    def segments(self) -> list[Segment]:
+        """Every segment with a completion, in order."""
+        return [*self.earlier, self._current()] if self.segment_calls else list(self.earlier)
+
+    def start_segment(self, prompt: list[int]) -> None:
+        """Close the current segment (it has a completion) and start one from ``prompt``."""
+        self.earlier.append(self._current())
+        self.prompt, self.segment_calls = prompt, 0
+        self.tokens, self.logp, self.versions, self.mask = [], [], [], []
+
+    def _current(self) -> Segment:
+        turns = Turns(tokens=self.tokens, logp=self.logp, versions=self.versions, mask=self.mask)
+        return Segment(self.prompt, turns, self.segment_calls)
+
 
 class SessionStore:
     """Open sessions of one server, safe across the API's worker threads. Only sessions opened with
     :meth:`issue` (the API's ``POST /v1/sessions``) or :meth:`open` take calls. ``strict``: the owner
     (an agent runner) opens them all, and :meth:`issue` is refused."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, strict: bool = False) -> None:
-        self.tokenizer, self.strict = tokenizer, strict
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, *, strict: bool = False, on_rewrite: OnRewrite = "split"
+    ) -> None:
+        self.tokenizer, self.strict, self.on_rewrite = tokenizer, strict, on_rewrite
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -100,41 +169,60 @@ class SessionStore:
                     "returns its id"
                 )
             s.touched = time.monotonic()
-            prompt, added = self._extension(s, prompt_text)
-            return prompt + s.tokens + added
+            return self._plan(s, prompt_text).context
 
-    def record(self, session_id: str, prompt_text: str, c: Completion, returned_text: str) -> None:
-        """Append the call's new text (loss_mask 0) and its completion's sampled tokens (loss_mask 1)."""
+    def record(
+        self,
+        session_id: str,
+        prompt_text: str,
+        c: Completion,
+        returned_text: str,
+        *,
+        context: list[int] | None = None,
+    ) -> None:
+        """Append the call's new text (loss_mask 0) and its completion's sampled tokens (loss_mask 1), in a
+        new segment when the prompt rewrote the history. ``context``: the tokens the completion was
+        generated from (:meth:`context`); when another call was recorded meanwhile and the session would
+        now give other tokens, this completion is dropped (the other one is kept)."""
         with self._lock:
             s = self.sessions.get(session_id)
             if s is None:  # closed while the call ran: the episode is over without it
                 return
             try:
-                s.prompt, added = self._extension(s, prompt_text)
+                plan = self._plan(s, prompt_text)
             except SessionError:  # another call on the session was recorded meanwhile: keep that one
                 return
-            s.add(added, [], [], generated=False)
+            if context is not None and plan.context != context:
+                return
+            if plan.new_segment:
+                s.start_segment(plan.prompt)
+            s.prompt = plan.prompt
+            s.add(plan.added, [], [], generated=False)
             s.add(c.token_ids, c.logprobs, c.versions, generated=True)
             full = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             s.transcripts = tuple(
                 sorted({prompt_text + full, prompt_text + returned_text}, key=len, reverse=True)
             )
             s.calls += 1
+            s.segment_calls += 1
 
-    def _extension(self, s: Session, prompt_text: str) -> tuple[list[int], list[int]]:
-        """``(prompt, added)``: the session's first prompt and the tokens of the text this call adds."""
-        if not s.calls:
-            prompt = self.encode(prompt_text)
-            if not prompt:
-                raise SessionError("the session's first prompt is empty")
-            return prompt, []
-        added = next((prompt_text[len(t) :] for t in s.transcripts if prompt_text.startswith(t)), None)
-        if added is None:
+    def _plan(self, s: Session, prompt_text: str) -> _Plan:
+        """Where a call's prompt goes: after the session's tokens, or (a first call, or a rewrite under
+        ``split``) at the start of a segment of its own."""
+        added = continuation(s.transcripts, prompt_text) if s.calls else None
+        if added is not None:
+            tokens = self.encode(added)
+            return _Plan(s.prompt, tokens, s.prompt + s.tokens + tokens, new_segment=False)
+        if s.calls and self.on_rewrite == "refuse":
             raise SessionError(
                 f"session {s.session_id!r}: the prompt does not extend the session's transcript (the last "
-                "prompt and its completion); start a new session instead of editing history"
+                "prompt and its completion); start a new session instead of editing history, or set "
+                "rollout.http.session.on_rewrite=split to train it as a new segment"
             )
-        return s.prompt, self.encode(added)
+        prompt = self.encode(prompt_text)
+        if not prompt:
+            raise SessionError("the session's prompt is empty")
+        return _Plan(prompt, [], prompt, new_segment=bool(s.calls))
 
     def remember_tool_turn(self, session_id: str, call_ids: list[str], text: str) -> None:
         """The completion's text (as returned) stands for its tool calls ``call_ids`` from now on."""
@@ -149,23 +237,29 @@ class SessionStore:
             s = self.sessions.get(session_id)
             return dict(s.tool_turns) if s is not None else {}
 
-    def finish(self, session_id: str, reward: float, group_id: str | None = None) -> Trajectory:
+    def finish(self, session_id: str, reward: float, group_id: str | None = None) -> list[Trajectory]:
+        """Close a session into its segments' trajectories, each with ``reward``, in one group."""
         with self._lock:
             s = self.sessions.pop(session_id, None)
         if s is None or not s.calls:
             raise SessionError(f"session {session_id!r}: no such open session with a completion")
-        return s.as_trajectory(
-            s.prompt,
-            prompt_id=session_id,
-            group_id=group_id or session_id,
-            reward=reward,
-            reward_parts={"agent": reward},
-            meta={
-                "session_id": session_id,
-                "calls": s.calls,
-                "version": min(v for v in s.versions if v >= 0),
-            },
-        )
+        segments = s.segments()
+        return [
+            x.turns.as_trajectory(
+                x.prompt,
+                prompt_id=session_id,
+                group_id=group_id or session_id,
+                reward=reward,
+                reward_parts={"agent": reward},
+                meta={
+                    "session_id": session_id,
+                    "calls": x.calls,
+                    "version": min(x.turns.generated_versions()),
+                    **segment_meta(k, len(segments)),
+                },
+            )
+            for k, x in enumerate(segments)
+        ]
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]

@@ -20,11 +20,17 @@ from typing import Any
 
 from tandem.data import write_prompts
 from toy import calculator
-from toy.tasks import calc_tools, echo, reverse
+from toy.tasks import calc_think, calc_tools, echo, reverse
 
 # calc is multi-turn: its reward is the environment's (toy/calculator.py), not a function here;
-# calc-agent's is the agent's (toy/tasks/calc_agent.py).
-TASKS: dict[str, Any] = {"echo": echo, "reverse": reverse, "calc": calculator, "calc-agent": calc_tools}
+# calc-agent's and calc-agent-think's are the agent's (toy/tasks/calc_agent.py).
+TASKS: dict[str, Any] = {
+    "echo": echo,
+    "reverse": reverse,
+    "calc": calculator,
+    "calc-agent": calc_tools,
+    "calc-agent-think": calc_think,
+}
 
 
 def make_records(task: str, n: int, seed: int = 0) -> list[dict[str, Any]]:

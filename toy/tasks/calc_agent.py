@@ -60,7 +60,8 @@ async def agent(
         )
         message = response.choices[0].message
         if not message.tool_calls:
-            answer = (message.content or "").strip()
+            # a thinking model's reasoning before the answer is not the answer (tiny-agent-think.yaml)
+            answer = (message.content or "").split("</think>")[-1].strip()
             return {"correct": float(answer == str(record["result"]))}
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:

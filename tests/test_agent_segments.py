@@ -1,0 +1,186 @@
+"""Agent sessions on a chat template that rewrites history (docs/environments.md §10.6, segments): a thinking
+model's template drops earlier turns' ``<think>...</think>``, so the next prompt does not extend what the model
+sampled. Under ``rollout.http.session.on_rewrite: split`` the call starts a new segment of the same episode,
+each a token-exact trajectory carrying the episode's reward; under ``refuse`` it is answered 400.
+
+The segmenting is tested as the pure function it is, then through the real app, HTTP server, openai client,
+byte-level tokenizer and the thinking template (toy/think_chat_template.jinja). The engine is the test double
+of tests/test_tool_calls.py (:class:`ScriptedEngine`): a random tiny model cannot be made to think or call a
+tool, so it "samples" what a warm-started one would.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from buffer.admission import extra_segments
+from buffer.schema import Trajectory, decode_trajectory, encode_trajectory
+from rollout.engines.base import Completion
+from rollout.http.sessions import SessionError, SessionStore, continuation
+from tests.test_tool_calls import ScriptedEngine, serve
+from toy.tasks.calc_agent import TOOLS
+from toy.tasks.calc_think import TEMPLATE
+from toy.tiny import build_byte_tokenizer
+
+KEY = "segment-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 37, "b": 48}}</tool_call>'
+FIRST, SECOND = f"<think>tool</think>{CALL}", "<think>copy</think>85"
+
+
+def think_tokenizer():
+    tok = build_byte_tokenizer()
+    tok.chat_template = TEMPLATE.read_text()
+    return tok
+
+
+# ---------------------------------------------------------------------------------------- the pure function
+
+
+def test_continuation_is_the_added_text_or_none_on_a_rewrite() -> None:
+    transcripts = ("q: a<think>x</think>b\n", "q: a<think>x</think>b")  # in full, and as returned
+    assert continuation(transcripts, "q: a<think>x</think>b\ntool: 1\n") == "tool: 1\n"
+    assert continuation(transcripts, "q: a<think>x</think>b, more") == ", more"
+    assert continuation(transcripts, "q: a<think>x</think>b") == ""
+    assert continuation(transcripts, "q: ab\ntool: 1\n") is None  # the reasoning was dropped
+    assert continuation((), "anything") is None
+
+
+def completion(tok, text: str, version: int = 3) -> Completion:
+    ids = tok(text, add_special_tokens=False).input_ids
+    return Completion(ids, [-0.5] * len(ids), "stop", [version] * len(ids))
+
+
+def test_a_rewrite_starts_a_segment_from_the_prompt_as_it_is() -> None:
+    tok = build_byte_tokenizer()
+    store = SessionStore(tok)
+    store.open("s")
+    enc = store.encode
+    c1, c2, c3 = completion(tok, "<think>a</think>x"), completion(tok, "y"), completion(tok, "z")
+    assert store.context("s", "q: ") == enc("q: ")
+    store.record("s", "q: ", c1, "<think>a</think>x")
+    extended = "q: <think>a</think>x\nt: 1\n"
+    assert store.context("s", extended) == enc("q: ") + c1.token_ids + enc("\nt: 1\n")
+    store.record("s", extended, c2, "y")
+    rewritten = "q: x\nt: 1\ny\nt: 2\n"  # the template dropped the reasoning
+    assert store.context("s", rewritten) == enc(rewritten)
+    store.record("s", rewritten, c3, "z")
+    s = store.sessions["s"]
+    assert (s.calls, s.rewrites) == (3, 1)
+    first, second = s.segments()
+    assert first.prompt == enc("q: ") and first.calls == 2
+    assert first.turns.tokens == c1.token_ids + enc("\nt: 1\n") + c2.token_ids
+    assert first.turns.mask == [1] * len(c1.token_ids) + [0] * 6 + [1]
+    assert second.prompt == enc(rewritten) and second.calls == 1
+    assert (second.turns.tokens, second.turns.mask) == (c3.token_ids, [1])
+    # the next call extends the new segment's transcript
+    assert store.context("s", rewritten + "z!") == enc(rewritten) + c3.token_ids + enc("!")
+
+
+def test_under_refuse_a_rewrite_is_an_error_and_changes_nothing() -> None:
+    tok = build_byte_tokenizer()
+    store = SessionStore(tok, on_rewrite="refuse")
+    store.open("s")
+    store.record("s", "q: ", completion(tok, "<think>a</think>x"), "<think>a</think>x")
+    with pytest.raises(SessionError, match=r"does not extend.*on_rewrite=split"):
+        store.context("s", "q: x\n")
+    store.record("s", "q: x\n", completion(tok, "y"), "y")  # a late completion of such a call is dropped
+    s = store.sessions["s"]
+    assert (s.calls, s.rewrites, len(s.segments())) == (1, 0, 1)
+
+
+def test_a_completion_generated_from_a_stale_context_is_dropped() -> None:
+    """Two calls at once: the second was generated from the session as it was; once the first is recorded
+    the same prompt would start a segment, tokenised anew, without the EOS the engine was given."""
+    tok = build_byte_tokenizer()
+    store = SessionStore(tok)
+    store.open("s")
+    x = completion(tok, "x")
+    x.token_ids.append(tok.eos_token_id)
+    x.logprobs.append(-0.1)
+    x.versions.append(3)
+    store.record("s", "q: ", x, "x")
+    stale = store.context("s", "q: x!")
+    store.record("s", "q: x!", completion(tok, "y"), "y", context=stale)
+    store.record("s", "q: x!", completion(tok, "z"), "z", context=stale)  # now a rewrite: dropped
+    s = store.sessions["s"]
+    assert (s.calls, s.rewrites) == (2, 0)
+
+
+# ------------------------------------------------------------------------------------------ through the API
+
+
+def think_reply(prompt: str) -> str:
+    """The 'model': a brief plan and the tool call, then, once the prompt holds the result, the answer."""
+    return SECOND if prompt.endswith("tool: 85\nassistant: ") else FIRST
+
+
+@pytest.fixture
+def engine() -> ScriptedEngine:
+    engine = ScriptedEngine(think_tokenizer())
+    engine.reply = think_reply
+    return engine
+
+
+def play(url: str) -> list[str]:
+    """The calculator agent's loop on the chat API, in one session; returns the replies' contents."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=30, max_retries=0)
+    sid = httpx.post(f"{url}/v1/sessions", headers=AUTH, timeout=30).json()["id"]
+    head = {"X-Session-Id": sid}
+    messages = [{"role": "user", "content": "37+48="}]
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=200, extra_headers=head
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"a": 37, "b": 48}
+    messages += [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "85"},
+    ]
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=200, extra_headers=head
+    )
+    return [sid, r.choices[0].message.content]
+
+
+def test_a_template_that_drops_reasoning_makes_two_segments_with_the_reward(engine) -> None:
+    sunk: list[Trajectory] = []
+    server = serve(engine, sink=sunk.append, api_key=KEY)
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        sid, answer = play(url)
+        r = httpx.post(f"{url}/v1/sessions/{sid}/finish", json={"reward": 1.0, "group_id": "g"}, headers=AUTH)
+    finally:
+        server.stop()
+    assert answer == SECOND and r.status_code == 200, r.text
+    body = r.json()
+    assert body["calls"] == 2 and [s["calls"] for s in body["segments"]] == [1, 1]
+    # the second prompt as the template rendered it: the call without its plan
+    assert "<think>" not in engine.prompts[1] and engine.prompts[1].endswith(f"{CALL}\ntool: 85\nassistant: ")
+    tok = engine.tokenizer
+    first, second = [decode_trajectory(encode_trajectory(t)) for t in sunk]
+    for t, prompt, c in zip((first, second), engine.prompts, engine.completions, strict=True):
+        assert tok.decode(t.prompt_tokens.tolist()) == prompt  # each segment's own prompt, token-exact
+        assert t.response_tokens.tolist() == c.token_ids  # exactly what the engine sampled, all trained
+        assert t.loss_mask.tolist() == [1] * len(c.token_ids)
+        np.testing.assert_allclose(t.behav_logp, c.logprobs)
+        assert t.reward == 1.0 and t.group_id == "g" and t.prompt_id == sid
+    assert tok.decode(first.response_tokens.tolist()).startswith(FIRST)
+    assert tok.decode(second.response_tokens.tolist()).startswith(SECOND)
+    assert [(t.meta["segment"], t.meta["segments"]) for t in (first, second)] == [(0, 2), (1, 2)]
+    assert extra_segments([first, second]) == 1  # charged to admission beyond the group's one episode
+
+
+def test_the_same_under_refuse_is_answered_400(engine) -> None:
+    server = serve(engine, api_key=KEY, session={"on_rewrite": "refuse"})
+    try:
+        with pytest.raises(openai.BadRequestError, match="does not extend"):
+            play(f"http://127.0.0.1:{server.port}")
+    finally:
+        server.stop()
+    assert len(engine.prompts) == 1  # the refused call never reached the engine
