@@ -19,7 +19,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +27,6 @@ import torch
 from torch import Tensor, nn
 
 from buffer.schema import Trajectory
-from learner import moe
 from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
 from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
 from learner.importance import importance_weights, mismatch_metrics
@@ -37,9 +35,6 @@ from learner.lm_head import use_chunked_head
 from learner.losses import (
     KL_ESTIMATORS,
     aggregation_units,
-    distill_loss,
-    distill_reverse_kl,
-    distill_rewards,
     entropy_from_logits,
     logprobs_from_logits,
     policy_loss,
@@ -142,12 +137,9 @@ class PPOLearner(OnlineRuntime):
                 f"learner runs on {self.device}: use placement.critic=learner"
             )
         self.models: Models | None = None
-        self.router_tap: moe.RouterTap | None = None  # a mixture-of-experts actor's routers
 
     def load_models(self) -> Models:
-        models = load_models(self.cfg, self.device)
-        self.router_tap = moe.RouterTap.of(models.actor.module)
-        return models
+        return load_models(self.cfg, self.device)
 
     def smoke_test(self) -> None:
         """One tiny forward of every model (on every rank: a collective under ZeRO-3)."""
@@ -164,15 +156,8 @@ class PPOLearner(OnlineRuntime):
             reward=0.0,
             ref_logp=[0.0] if self.served_reference else None,
         )
-        smoke = make_batch([dummy] * self.world, 0).to(self.device)
-        prox_logp, ref_logp, old_values = self.score(smoke)
-        teacher_logp = self.score_teacher(smoke)
-        for name, t in (
-            ("actor", prox_logp),
-            ("reference", ref_logp),
-            ("critic", old_values),
-            ("teacher", teacher_logp),
-        ):
+        prox_logp, ref_logp, old_values = self.score(make_batch([dummy] * self.world, 0).to(self.device))
+        for name, t in (("actor", prox_logp), ("reference", ref_logp), ("critic", old_values)):
             if t is not None and not torch.isfinite(t).all():
                 raise RuntimeError(f"start-up forward of the {name} gave non-finite outputs")
 
@@ -243,10 +228,6 @@ class PPOLearner(OnlineRuntime):
         rewards = token_rewards(
             batch.rewards, batch.mask, kl_reward, self.kl_ctl.value, placed=batch.turn_rewards
         )  # (B, R)
-        teacher_logp = self.score_teacher(batch)  # (B, R); None without algorithm.distill
-        if teacher_logp is not None and a.distill.as_ == "reward":
-            # The sampler's own log-probabilities: the reverse KL of the policy that drew the tokens.
-            rewards = rewards + distill_rewards(batch.behav_logp, teacher_logp, batch.mask, a.distill.coef)
         adv, returns = self.estimate(
             AdvantageInputs(
                 rewards,
@@ -260,9 +241,7 @@ class PPOLearner(OnlineRuntime):
             )
         )
         staleness = token_staleness(batch.trajs, self.version, batch.mask.shape[1]).to(self.device)
-        return self.ppo_update(
-            batch, prox_logp, ref_logp, adv, returns, old_values, staleness, teacher_logp=teacher_logp
-        )
+        return self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values, staleness)
 
     def warn_over_budget(self, batch: Batch) -> None:
         """A trajectory longer than the token budget is dropped, not trained on alone (docs/design.md §4.8):
@@ -346,24 +325,6 @@ class PPOLearner(OnlineRuntime):
         )
         return prox_logp, (ref_logp if served is None else served), old_values
 
-    @torch.no_grad()
-    def score_teacher(self, batch: Batch) -> Tensor | None:
-        """log π_teacher of every response token (``algorithm.distill``), scored as the learner scores the
-        reference: the same tempered log-probabilities, its placement's device visits, one all-reduce.
-        None without a teacher. Shape: (B, R), 0 off the mask."""
-        teacher = self.models.teacher
-        if teacher is None:
-            return None
-        teacher_logp = torch.zeros_like(batch.behav_logp)
-
-        def teacher_pass(mb: MicroBatch) -> None:
-            with visiting(teacher, self.device, self.models.teacher_on_cpu) as model:
-                teacher_logp[mb.rows] = self.logprobs(model, mb, batch.mask[mb.rows])[0]
-
-        mbs = list(self.micro(batch, torch.arange(len(batch))))
-        run_passes([("time/teacher", teacher_pass)], mbs, split=False, timers=self.timers)
-        return self.all_sum(teacher_logp * batch.mask)
-
     def logprobs(
         self,
         model: nn.Module,
@@ -409,8 +370,6 @@ class PPOLearner(OnlineRuntime):
         returns: Tensor | None,
         old_values: Tensor | None,
         staleness: Tensor | None = None,
-        *,
-        teacher_logp: Tensor | None = None,
     ) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches; one optimizer step per minibatch per model.
 
@@ -436,16 +395,7 @@ class PPOLearner(OnlineRuntime):
                 with self.timers("time/actor_train"):
                     for mb in self.micro(batch, rows):
                         self.actor_backward(
-                            mb,
-                            batch,
-                            prox_logp,
-                            ref_logp,
-                            adv,
-                            num_tokens,
-                            actor_stats,
-                            staleness,
-                            units,
-                            teacher_logp=teacher_logp,
+                            mb, batch, prox_logp, ref_logp, adv, num_tokens, actor_stats, staleness, units
                         )
                     m.actor.step()
 
@@ -483,18 +433,14 @@ class PPOLearner(OnlineRuntime):
         stats: Stats,
         staleness: Tensor | None = None,
         units: Tensor | None = None,
-        *,
-        teacher_logp: Tensor | None = None,
     ) -> None:
         a, rows = self.cfg.algorithm, mb.rows
         units = num_tokens if units is None else units  # the minibatch's aggregation_units
         mask = batch.mask[rows]  # (b, R)
-        tap = self.router_tap  # a MoE actor's router logits of this forward pass, for moe_terms
-        with tap.recording() if tap else contextlib.nullcontext():
-            # (b, R) each; the entropy carries gradient only when it is in the loss
-            logp, entropy = self.logprobs(
-                self.models.actor, mb, mask, entropy=True, entropy_grad=a.entropy_coef > 0
-            )
+        # (b, R) each; the entropy carries gradient only when it is in the loss
+        logp, entropy = self.logprobs(
+            self.models.actor, mb, mask, entropy=True, entropy_grad=a.entropy_coef > 0
+        )
         # The batch's only optimizer step starts from the proximal policy: logp *is* prox_logp here.
         prox = logp.detach() if prox_logp is None else prox_logp[rows]
         behav, imp = batch.behav_logp[rows], a.importance
@@ -542,60 +488,15 @@ class PPOLearner(OnlineRuntime):
         entropy = masked_mean(entropy, mask, num_tokens)
         stats.add("policy/entropy", entropy * num_tokens, n)
         loss = loss - a.entropy_coef * entropy if a.entropy_coef > 0 else loss
-        ref, teacher = (None if t is None else t[rows] for t in (ref_logp, teacher_logp))
-        loss = loss + self.kl_terms(logp, prox, ref, teacher, mask, num_tokens, stats)
-        if tap:
-            loss = loss + self.moe_terms(tap, mb, batch, n / num_tokens, stats)
-        # DeepSpeed averages gradients over ranks; the loss is already a mean over the whole minibatch.
-        self.models.actor.backward(loss * self.world)
-
-    def moe_terms(
-        self, tap: moe.RouterTap, mb: MicroBatch, batch: Batch, share: Tensor, stats: Stats
-    ) -> Tensor | float:
-        """Router metrics of the micro-batch's forward pass (``moe/...``, over its tokens) into ``stats``; the
-        load-balancing loss with ``learner.moe_aux_loss_coef`` > 0 (else 0), weighted by the micro-batch's
-        ``share`` of the minibatch's response tokens so the accumulated term is the minibatch's mean."""
-        padded = mb.position_ids is None
-        valid = moe.token_mask(mb.input_ids, batch.seq_lens[mb.rows] if padded else None)
-        tokens = mb.input_ids.new_tensor(mb.input_ids.numel()) if valid is None else valid.sum()
-        stats.add_means(moe.router_metrics(tap.layers, tap.k, valid), tokens)
-        coef = self.cfg.learner.moe_aux_loss_coef
-        if coef == 0:
-            return 0.0
-        aux = moe.aux_loss(self.models.actor.module, tap.layers, valid)
-        stats.add("loss/moe_aux", aux * tokens, tokens)
-        return coef * aux * share
-
-    def kl_terms(
-        self,
-        logp: Tensor,
-        prox: Tensor,
-        ref_logp: Tensor | None,
-        teacher_logp: Tensor | None,
-        mask: Tensor,
-        num_tokens: Tensor,
-        stats: Stats,
-    ) -> Tensor | float:
-        """The micro-batch's KL metrics into ``stats`` and its KL loss terms: to the reference
-        (``policy/kl``; ``loss/kl`` unless the KL is in the reward) and to the distillation teacher
-        (``distill/kl``, the proximal student's mean reverse KL; ``loss/distill`` with ``as: loss``).
-        Shape: (b, R) each -> () or 0.0."""
-        a, n, term = self.cfg.algorithm, mask.sum(), 0.0
         if ref_logp is not None:
-            kl = masked_mean(self.kl_estimator(prox, ref_logp), mask, num_tokens)
+            kl = masked_mean(self.kl_estimator(prox, ref_logp[rows]), mask, num_tokens)
             stats.add("policy/kl", kl * num_tokens, n)
         if ref_logp is not None and not a.kl_in_reward:
-            kl_loss = masked_mean(self.kl_estimator(logp, ref_logp), mask, num_tokens)
+            kl_loss = masked_mean(self.kl_estimator(logp, ref_logp[rows]), mask, num_tokens)
             stats.add("loss/kl", kl_loss * num_tokens, n)
-            term = term + self.kl_ctl.value * kl_loss
-        if teacher_logp is not None:
-            kl = masked_mean(distill_reverse_kl(prox, teacher_logp, mask), mask, num_tokens)
-            stats.add("distill/kl", kl * num_tokens, n)
-        if teacher_logp is not None and a.distill.as_ == "loss":
-            distill = distill_loss(logp, teacher_logp, mask, a.distill.coef, num_tokens)
-            stats.add("loss/distill", distill * num_tokens, n)
-            term = term + distill
-        return term
+            loss = loss + self.kl_ctl.value * kl_loss
+        # DeepSpeed averages gradients over ranks; the loss is already a mean over the whole minibatch.
+        self.models.actor.backward(loss * self.world)
 
     def critic_backward(
         self,
