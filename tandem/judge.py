@@ -18,7 +18,9 @@ to ``max_concurrency`` at a time (a semaphore), and a judge prompt already asked
 and completion: GRPO's groups repeat completions often) is answered from a cache without a second call;
 the same prompt asked twice at once is one call.
 
-The endpoint and model may come from the environment instead (``TANDEM_JUDGE_BASE_URL``,
+With ``serve: <checkpoint dir>`` instead of ``base_url``, each rollout server starts its own judge, ``python
+-m rollout.server --standalone`` on that checkpoint (a free local port), on the first call, and stops it
+when it exits: the run needs no other process. The endpoint and model may come from the environment instead (``TANDEM_JUDGE_BASE_URL``,
 ``TANDEM_JUDGE_MODEL``). The API key only ever comes from the environment variable named by
 ``api_key_env`` (``TANDEM_JUDGE_API_KEY`` by default), never from the config, the command line or a log.
 """
@@ -26,12 +28,19 @@ The endpoint and model may come from the environment instead (``TANDEM_JUDGE_BAS
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import re
+import subprocess
+import sys
+import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import openai
+
+from tandem.procs import popen
 
 DEFAULT_RUBRIC = (
     "Grade the response to the prompt below from 0 (useless) to 10 (perfect).\n\n"
@@ -120,6 +129,28 @@ class Judge:
 
 
 JUDGES: dict[tuple[Any, ...], Judge] = {}  # one per event loop and settings
+SERVED: dict[str, str] = {}  # checkpoint directory -> base URL of the judge server this process started
+_serve_lock = threading.Lock()
+SERVING = re.compile(r"serving .* on (http://\S+)")
+
+
+def serve_locally(model_dir: str) -> str:
+    """The base URL of ``python -m rollout.server --standalone`` serving ``model_dir``, started by this process
+    on first use (a free port, one CPU thread) and stopped when it exits (or dies: ``tandem.procs.popen``)."""
+    with _serve_lock:
+        if model_dir in SERVED:
+            return SERVED[model_dir]
+        if not Path(model_dir, "config.json").is_file():
+            raise ValueError(f"judge: serve={model_dir!r} is not a checkpoint directory (no config.json)")
+        cmd = [sys.executable, "-m", "rollout.server", "--standalone", "--model", model_dir]
+        proc = popen([*cmd, "--port", "0", "--threads", "1", "--device", "cpu"], stdout=subprocess.PIPE)
+        atexit.register(proc.terminate)
+        assert proc.stdout is not None
+        for line in proc.stdout:  # its one stdout line says where it listens
+            if found := SERVING.search(line.decode(errors="replace")):
+                SERVED[model_dir] = f"{found.group(1)}/v1"
+                return SERVED[model_dir]
+        raise RuntimeError(f"judge: the server of {model_dir} exited with {proc.wait()} before serving")
 
 
 def judge_for(**settings: Any) -> Judge:
@@ -146,8 +177,13 @@ async def judge(
     cache_size: int = 100_000,
     request_timeout_s: float = 60.0,
     api: str = "chat",
+    serve: str | None = None,
 ) -> float:
-    """The reward function: the judge's score of ``completion``, in [0, 1]."""
+    """The reward function: the judge's score of ``completion``, in [0, 1]. With ``serve`` (a checkpoint
+    directory) the judge is that model, served by this process's own standalone server."""
+    if serve is not None:
+        base_url = await asyncio.to_thread(serve_locally, serve)
+        model = model or Path(serve).name
     base_url = base_url or os.environ.get("TANDEM_JUDGE_BASE_URL")
     model = model or os.environ.get("TANDEM_JUDGE_MODEL")
     if not base_url or not model:
