@@ -155,3 +155,21 @@ def test_parse_score_reads_the_first_number_and_clips() -> None:
     assert parse_score("2.5", 5) == 0.5
     with pytest.raises(ValueError, match="no score"):
         parse_score("excellent", 10)
+
+
+def test_a_served_judge_checkpoint_resolves_like_a_model_path(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    judge = {"path": "tandem.judge:judge", "kwargs": {"serve": "assets/judge", "rubric": "assets/x"}}
+    raw = {
+        "run": {"name": "j"},
+        "model": {"actor": "assets/tiny"},
+        "data": {"prompts": "p.jsonl"},
+        "reward": {"functions": [judge], "group_functions": [judge]},
+    }
+    cfg = load_config(None, raw=raw)
+    for f in (*cfg.reward.functions, *cfg.reward.group_functions):
+        assert f.kwargs == {"serve": str(tmp_path / "assets/judge"), "rubric": "assets/x"}  # only serve

@@ -262,7 +262,7 @@ class RewardFunction(Section):
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword arguments added to every call (a judge's base_url, model, rubric, ...).",
+        description="Keyword arguments added to every call (a judge's base_url, model, rubric, ...); a relative serve path resolves like model paths.",
     )
 
 

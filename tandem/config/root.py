@@ -6,6 +6,7 @@ force), and path resolution. Its cross-section checks are the functions of ``che
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -16,7 +17,14 @@ from tandem.config.base import Section
 from tandem.config.checks import checks_for
 from tandem.config.learner import LearnerConfig, WeightSyncConfig
 from tandem.config.placement import ClusterConfig, PlacementConfig
-from tandem.config.rollout import AgentConfig, EnvConfig, EvalConfig, RewardConfig, RolloutConfig
+from tandem.config.rollout import (
+    AgentConfig,
+    EnvConfig,
+    EvalConfig,
+    RewardConfig,
+    RewardFunction,
+    RolloutConfig,
+)
 from tandem.config.run import (
     DataConfig,
     LoggingConfig,
@@ -26,6 +34,20 @@ from tandem.config.run import (
     RunConfig,
     SupervisionConfig,
 )
+
+
+def served_paths(reward: RewardConfig, fix: Callable[[str | None], str | None]) -> RewardConfig:
+    """A reward function's ``serve`` kwarg (the judge's checkpoint, tandem/judge.py) is a path like a model's."""
+
+    def fixed(fns: list[RewardFunction]) -> list[RewardFunction]:
+        return [
+            f.model_copy(update={"kwargs": {k: fix(v) if k == "serve" else v for k, v in f.kwargs.items()}})
+            for f in fns
+        ]
+
+    return reward.model_copy(
+        update={"functions": fixed(reward.functions), "group_functions": fixed(reward.group_functions)}
+    )
 
 
 class Config(Section):
@@ -161,6 +183,7 @@ class Config(Section):
             ),
             "data": self.data.model_copy(update={"prompts": fix(self.data.prompts)}),
             "eval": self.eval.model_copy(update={"prompts": fix(self.eval.prompts)}),
+            "reward": served_paths(self.reward, fix),
         }
         a = self.algorithm
         if a.recipe in OFFLINE_RECIPES:
