@@ -195,50 +195,63 @@ def _group_sum(x: Tensor, inverse: Tensor) -> Tensor:
     return x.new_zeros(int(inverse.max()) + 1).index_add_(0, inverse, x)[inverse]
 
 
-def _group_centre(seq_score: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _group_centre(
+    seq_score: Tensor, group_index: Tensor, weight: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(s − mean_g, n_g, inverse)`` per element; ``inverse`` maps labels to 0..G−1.
 
     The mean is taken of ``s − max_g``, so a group of equal scores centres to exactly 0 rather than to
     the rounding error of its mean, which a division by a std of the same size would blow up to O(1).
+    ``weight``: each row's share of a sample (1 by default); an agent episode split into k segments is
+    k rows of weight 1/k, so ``n_g`` and the mean count episodes (docs/environments.md §10.6).
 
-    Shape: seq_score (B,), group_index (B,) -> (B,), (B,), (B,).
+    Shape: seq_score (B,), group_index (B,), weight (B,) -> (B,), (B,), (B,).
     """
     _, inverse = torch.unique(group_index, return_inverse=True)
     anchor = seq_score.new_zeros(int(inverse.max()) + 1)
     anchor = anchor.scatter_reduce(0, inverse, seq_score, "amax", include_self=False)[inverse]
     shifted = seq_score - anchor
-    count = _group_sum(torch.ones_like(seq_score), inverse)
-    return shifted - _group_sum(shifted, inverse) / count, count, inverse
+    w = torch.ones_like(seq_score) if weight is None else weight.to(seq_score)
+    count = _group_sum(w, inverse)
+    return shifted - _group_sum(w * shifted, inverse) / count, count, inverse
 
 
 @torch.no_grad()
 def grpo_advantages(
-    seq_score: Tensor, group_index: Tensor, *, normalize_std: bool = True, eps: float = 1e-6
+    seq_score: Tensor,
+    group_index: Tensor,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    weight: Tensor | None = None,
 ) -> Tensor:
     """GRPO: ``(s − mean_g) / (std_g + eps)``, or ``s − mean_g`` without ``normalize_std`` (Dr. GRPO).
 
     ``std_g`` is the unbiased (n−1) sample std, as in the DeepSeekMath reference implementations.
     A group of one or of equal scores (std 0) is centred only, which makes it exactly 0; it is never
-    divided. Groups may differ in size; ``group_index`` may hold any integer labels.
+    divided. Groups may differ in size; ``group_index`` may hold any integer labels. ``weight``: rows'
+    shares of a sample (:func:`_group_centre`); mean, std and n count weighted rows.
 
-    Shape: seq_score (B,), group_index (B,) -> (B,).
+    Shape: seq_score (B,), group_index (B,), weight (B,) -> (B,).
     """
-    centred, count, inverse = _group_centre(seq_score, group_index)
+    centred, count, inverse = _group_centre(seq_score, group_index, weight)
     if not normalize_std:
         return centred
-    std = (_group_sum(centred**2, inverse) / (count - 1).clamp_min(1.0)).sqrt()
+    w = torch.ones_like(centred) if weight is None else weight.to(centred)
+    std = (_group_sum(w * centred**2, inverse) / (count - 1).clamp_min(1.0)).sqrt()
     return torch.where(std > 0, centred / (std + eps), centred)
 
 
 @torch.no_grad()
-def rloo_advantages(seq_score: Tensor, group_index: Tensor) -> Tensor:
+def rloo_advantages(seq_score: Tensor, group_index: Tensor, weight: Tensor | None = None) -> Tensor:
     """RLOO: ``s_i − mean_{j≠i} s_j`` within the group; 0 for a group of one (no baseline exists).
 
-    Computed as ``n/(n−1)·(s_i − mean_g)``, the same quantity.
+    Computed as ``n/(n−1)·(s_i − mean_g)``, the same quantity. ``weight``: rows' shares of a sample
+    (:func:`_group_centre`); the rows of one sample (its segments, of one score) are left out together.
 
-    Shape: seq_score (B,), group_index (B,) -> (B,).
+    Shape: seq_score (B,), group_index (B,), weight (B,) -> (B,).
     """
-    centred, count, _ = _group_centre(seq_score, group_index)
+    centred, count, _ = _group_centre(seq_score, group_index, weight)
     return torch.where(count > 1, centred * count / (count - 1).clamp_min(1.0), 0.0)
 
 
@@ -264,6 +277,7 @@ class AdvantageInputs:
     mask: (B, T) prefix mask of valid response tokens.
     group_index: (B,) integer group label (samples of one prompt share it); grpo and rloo need it.
     values: (B, T) critic values of the rollout (``old_values``); gae needs it.
+    weight: (B,) each row's share of a sample for grpo and rloo's group statistics (None: 1 each).
     """
 
     token_rewards: Tensor
@@ -275,6 +289,7 @@ class AdvantageInputs:
     normalize_std: bool = True
     whiten: bool = False
     eps: float = 1e-6
+    weight: Tensor | None = None
 
 
 AdvantageEstimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
@@ -306,13 +321,15 @@ def _gae_estimator(inp: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
 
 def _grpo_estimator(inp: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     group_index = _require(inp.group_index, "grpo", "group_index")
-    adv = grpo_advantages(_seq_score(inp), group_index, normalize_std=inp.normalize_std, eps=inp.eps)
+    adv = grpo_advantages(
+        _seq_score(inp), group_index, normalize_std=inp.normalize_std, eps=inp.eps, weight=inp.weight
+    )
     return _broadcast(adv, inp.mask), None
 
 
 def _rloo_estimator(inp: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     group_index = _require(inp.group_index, "rloo", "group_index")
-    return _broadcast(rloo_advantages(_seq_score(inp), group_index), inp.mask), None
+    return _broadcast(rloo_advantages(_seq_score(inp), group_index, inp.weight), inp.mask), None
 
 
 def _reinforce_pp_estimator(inp: AdvantageInputs) -> tuple[Tensor, Tensor | None]:

@@ -53,6 +53,8 @@ class Batch:
     turn_rewards: Tensor | None = None  # (B, R) float32: each turn's reward on its last generated token
     dropped: Tensor | None = None  # (B,) bool: over the token budget, masked out (make_batch's max_tokens)
     ref_logp: Tensor | None = None  # (B, R) float32: the servers' reference scores, when every row has them
+    # (B,) float32: 1/k on each of an agent episode's k segments, so group statistics count episodes (§10.6)
+    episode_weight: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.trajs)
@@ -65,6 +67,7 @@ class Batch:
             mask=self.mask.to(device),
             rewards=self.rewards.to(device),
             group_index=self.group_index.to(device),
+            episode_weight=None if self.episode_weight is None else self.episode_weight.to(device),
             turn_rewards=None if self.turn_rewards is None else self.turn_rewards.to(device),
             ref_logp=None if self.ref_logp is None else self.ref_logp.to(device),
         )
@@ -130,6 +133,7 @@ def make_batch(
         mask=torch.from_numpy(mask),
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         group_index=torch.from_numpy(group_index),
+        episode_weight=torch.tensor([1.0 / t.meta.get("segments", 1) for t in trajs], dtype=torch.float32),
         staleness=torch.tensor([t.staleness(version) for t in trajs], dtype=torch.long),
         seq_lens=torch.from_numpy(np.where(dropped, 1, lens)),  # what a forward pass reads
         turn_rewards=None if turns is None else torch.from_numpy(turns),

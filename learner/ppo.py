@@ -258,6 +258,7 @@ class PPOLearner(OnlineRuntime):
                 t.traj_id,
                 len(t.prompt_tokens) + len(t.response_tokens),
                 budget,
+                weight=batch.episode_weight,
             )
 
     # --------------------------------------------------------------------------------------------- math

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from buffer.admission import extra_segments
 from buffer.schema import Trajectory, decode_trajectory, encode_trajectory
@@ -184,3 +185,26 @@ def test_the_same_under_refuse_is_answered_400(engine) -> None:
     finally:
         server.stop()
     assert len(engine.prompts) == 1  # the refused call never reached the engine
+
+
+# ------------------------------------------------------------------------------------------ what the learner sees
+
+
+def test_group_statistics_count_an_episode_once_however_many_segments() -> None:
+    """Three episodes of scores 1, 0 and 0.5, the first in two segments: worked by hand over the episodes,
+    GRPO's mean is 0.5 and its (n-1) std 0.5, so 1, -1, 0; RLOO's leave-one-out baselines are 0.25, 0.75
+    and 0.5, so 0.75, -0.75, 0. Each segment gets its episode's advantage."""
+    from learner.advantages import grpo_advantages, rloo_advantages
+    from learner.batch import make_batch
+
+    def row(reward: float, segment: int, segments: int) -> Trajectory:
+        return Trajectory(traj_id=f"t{reward}{segment}", group_id="g", prompt_id="p", prompt_tokens=[5],
+                          response_tokens=[6], behav_logp=[-1.0], token_versions=[0], loss_mask=[1],
+                          reward=reward, meta={"segment": segment, "segments": segments})  # fmt: skip
+
+    batch = make_batch([row(1.0, 0, 2), row(1.0, 1, 2), row(0.0, 0, 1), row(0.5, 0, 1)], 0)
+    assert batch.episode_weight.tolist() == [0.5, 0.5, 1.0, 1.0]
+    grpo = grpo_advantages(batch.rewards, batch.group_index, eps=0.0, weight=batch.episode_weight)
+    torch.testing.assert_close(grpo, torch.tensor([1.0, 1.0, -1.0, 0.0]))
+    rloo = rloo_advantages(batch.rewards, batch.group_index, batch.episode_weight)
+    torch.testing.assert_close(rloo, torch.tensor([0.75, 0.75, -0.75, 0.0]))
