@@ -238,6 +238,7 @@ class PPOLearner(OnlineRuntime):
                 a.lam,
                 a.normalize_std,
                 a.whiten_advantages,
+                weight=batch.episode_weight,
             )
         )
         staleness = token_staleness(batch.trajs, self.version, batch.mask.shape[1]).to(self.device)
@@ -258,7 +259,6 @@ class PPOLearner(OnlineRuntime):
                 t.traj_id,
                 len(t.prompt_tokens) + len(t.response_tokens),
                 budget,
-                weight=batch.episode_weight,
             )
 
     # --------------------------------------------------------------------------------------------- math
