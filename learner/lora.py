@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from learner import moe
 from tandem.config import LoRAConfig
 from weightsync.adapters import SCALING
 
@@ -47,7 +48,20 @@ def wrap(model: nn.Module, lora: LoRAConfig) -> nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    blocks = tuple(moe.moe_block_classes(model))
+    experts = [name for name, m in model.named_modules() if blocks and isinstance(m, blocks)]
+    model = get_peft_model(model, config)
+    # peft maps gate/up/down_proj onto a MoE block's fused 3-d expert tensors; the adapter sync and the
+    # merge here handle Linear layers only, so a MoE model takes adapters on its attention.
+    adapted = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" in n]
+    inside = [n for n in adapted if any(f".{e}." in n for e in experts)]
+    if inside:
+        raise ValueError(
+            f"learner.lora.target_modules {list(lora.target_modules)} adapt the experts of a "
+            f"mixture-of-experts model ({inside[0]}), which is not supported: set target_modules to the "
+            "attention projections, [q_proj, k_proj, v_proj, o_proj]"
+        )
+    return model
 
 
 def is_lora(module: nn.Module) -> bool:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from learner import moe
 from learner.batch import MicroBatch, response_view
 from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
 from tandem.config import Config
@@ -143,6 +144,9 @@ def make_engine(model: nn.Module, cfg: Config, dtype: torch.dtype, lr: float) ->
     # optimizer step of the tiny demo model on one CPU thread goes from 1.6 to 0.3 ms, a 3.6M model's 13 to 3.8.
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.learner.weight_decay, fused=fused or None)
+    if cfg.learner.zero_stage == 3:
+        # Ranks route tokens to different experts: a MoE block is gathered whole, as one leaf (learner/moe.py).
+        moe.set_leaf_modules(model)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=deepspeed_config(cfg, dtype), model_parameters=params
     )

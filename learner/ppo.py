@@ -19,6 +19,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from buffer.schema import Trajectory
+from learner import moe
 from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
 from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
 from learner.importance import importance_weights, mismatch_metrics
@@ -137,9 +139,12 @@ class PPOLearner(OnlineRuntime):
                 f"learner runs on {self.device}: use placement.critic=learner"
             )
         self.models: Models | None = None
+        self.router_tap: moe.RouterTap | None = None  # a mixture-of-experts actor's routers
 
     def load_models(self) -> Models:
-        return load_models(self.cfg, self.device)
+        models = load_models(self.cfg, self.device)
+        self.router_tap = moe.RouterTap.of(models.actor.module)
+        return models
 
     def smoke_test(self) -> None:
         """One tiny forward of every model (on every rank: a collective under ZeRO-3)."""
@@ -438,10 +443,12 @@ class PPOLearner(OnlineRuntime):
         a, rows = self.cfg.algorithm, mb.rows
         units = num_tokens if units is None else units  # the minibatch's aggregation_units
         mask = batch.mask[rows]  # (b, R)
-        # (b, R) each; the entropy carries gradient only when it is in the loss
-        logp, entropy = self.logprobs(
-            self.models.actor, mb, mask, entropy=True, entropy_grad=a.entropy_coef > 0
-        )
+        tap = self.router_tap  # a MoE actor's router logits of this forward pass, for moe_terms
+        with tap.recording() if tap else contextlib.nullcontext():
+            # (b, R) each; the entropy carries gradient only when it is in the loss
+            logp, entropy = self.logprobs(
+                self.models.actor, mb, mask, entropy=True, entropy_grad=a.entropy_coef > 0
+            )
         # The batch's only optimizer step starts from the proximal policy: logp *is* prox_logp here.
         prox = logp.detach() if prox_logp is None else prox_logp[rows]
         behav, imp = batch.behav_logp[rows], a.importance
@@ -496,8 +503,27 @@ class PPOLearner(OnlineRuntime):
             kl_loss = masked_mean(self.kl_estimator(logp, ref_logp[rows]), mask, num_tokens)
             stats.add("loss/kl", kl_loss * num_tokens, n)
             loss = loss + self.kl_ctl.value * kl_loss
+        if tap:
+            loss = loss + self.moe_terms(tap, mb, batch, n / num_tokens, stats)
         # DeepSpeed averages gradients over ranks; the loss is already a mean over the whole minibatch.
         self.models.actor.backward(loss * self.world)
+
+    def moe_terms(
+        self, tap: moe.RouterTap, mb: MicroBatch, batch: Batch, share: Tensor, stats: Stats
+    ) -> Tensor | float:
+        """Router metrics of the micro-batch's forward pass (``moe/...``, over its tokens) into ``stats``; the
+        load-balancing loss with ``learner.moe_aux_loss_coef`` > 0 (else 0), weighted by the micro-batch's
+        ``share`` of the minibatch's response tokens so the accumulated term is the minibatch's mean."""
+        padded = mb.position_ids is None
+        valid = moe.token_mask(mb.input_ids, batch.seq_lens[mb.rows] if padded else None)
+        tokens = mb.input_ids.new_tensor(mb.input_ids.numel()) if valid is None else valid.sum()
+        stats.add_means(moe.router_metrics(tap.layers, tap.k, valid), tokens)
+        coef = self.cfg.learner.moe_aux_loss_coef
+        if coef == 0:
+            return 0.0
+        aux = moe.aux_loss(self.models.actor.module, tap.layers, valid)
+        stats.add("loss/moe_aux", aux * tokens, tokens)
+        return coef * aux * share
 
     def critic_backward(
         self,

@@ -20,6 +20,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
         head_dim=args.head_dim,
         vocab_size=args.vocab_size,
         tokenizer=args.tokenizer,
+        arch=args.arch,
     )
     for name, p in paths.items():
         print(f"{name}: {p}")
@@ -49,7 +50,8 @@ def _warmstart(args: argparse.Namespace) -> int:
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "make-tiny", help="build a tiny Qwen2 actor + scalar-head critic/reward model with a tokenizer"
+        "make-tiny",
+        help="build a tiny Qwen2 (or Qwen3-MoE) actor + scalar-head critic/reward model with a tokenizer",
     )
     p.add_argument("out")
     p.add_argument("--seed", type=int, default=0)
@@ -72,6 +74,12 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
         choices=["chars", "bytes"],
         default="chars",
         help="chars: the toy tasks' alphabet; bytes: every byte, with a chat template that renders tools",
+    )
+    p.add_argument(
+        "--arch",
+        choices=["qwen2", "qwen3-moe"],
+        default="qwen2",
+        help="qwen2: dense; qwen3-moe: mixture of experts, 8 experts, top-2 (head_dim 32 unless given)",
     )
     p.set_defaults(fn=_make_tiny)
 

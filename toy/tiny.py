@@ -1,4 +1,5 @@
-"""Tiny checkpoints built locally: a Qwen2-architecture causal LM, a character tokenizer, a scalar-head model.
+"""Tiny checkpoints built locally: a Qwen2-architecture causal LM (or a Qwen3-MoE one), a character tokenizer, a
+scalar-head model.
 
 Nothing here touches a hub. The models are random-weight but real Hugging Face checkpoints saved with
 ``save_pretrained``, so every engine and the learner load them by path exactly as they would a 7B model.
@@ -16,6 +17,9 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3MoeForSequenceClassification,
 )
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -132,6 +136,49 @@ def tiny_config(
     )
 
 
+def tiny_moe_config(
+    vocab_size: int,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    head_dim: int | None = None,
+    experts: int = 8,
+    top_k: int = 2,
+    max_pos: int = 512,
+) -> Qwen3MoeConfig:
+    """A Qwen3-MoE (Qwen3-30B-A3B's architecture) at toy size: every layer's MLP is ``experts`` experts of
+    width ``hidden`` of which each token uses ``top_k``. ``head_dim`` defaults to 32 (vLLM's CPU attention
+    needs at least that), so ``hidden // 32`` heads, half as many KV heads."""
+    head_dim = head_dim or 32
+    if head_dim <= 0 or hidden % head_dim:
+        raise ValueError(f"head_dim {head_dim} does not divide hidden {hidden}")
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k {top_k} must be in 1..experts ({experts})")
+    heads = hidden // head_dim
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,  # of dense MLP layers (mlp_only_layers); none here
+        moe_intermediate_size=hidden,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,  # as Qwen3-30B-A3B: the top-k weights renormalised to sum to 1
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=True,
+        pad_token_id=SPECIALS.index(PAD),
+        bos_token_id=SPECIALS.index(BOS),
+        eos_token_id=SPECIALS.index(EOS),
+        torch_dtype="float32",
+    )
+
+
+ARCHS = ("qwen2", "qwen3-moe")
+
+
 def make_tiny(
     out_dir: str | Path,
     *,
@@ -141,6 +188,7 @@ def make_tiny(
     head_dim: int | None = None,
     vocab_size: int | None = None,
     tokenizer: str = "chars",
+    arch: str = "qwen2",
 ) -> dict[str, Path]:
     """Build and save ``actor/`` (causal LM) and ``critic/`` (scalar head; doubles as a reward model).
 
@@ -150,19 +198,28 @@ def make_tiny(
     small vocabulary, as real checkpoints carry unused rows (Qwen2's 151,936 rows for ~151,650 tokens):
     a model with a real vocabulary's head cost at a tiny model's trunk cost. ``tokenizer="bytes"``: the
     byte-level tokenizer whose template renders tools (:func:`build_byte_tokenizer`), for tool calling.
+    ``arch="qwen3-moe"``: a mixture-of-experts model, 8 experts, top-2 (:func:`tiny_moe_config`).
     """
+    if arch not in ARCHS:
+        raise ValueError(f"arch {arch!r} is not one of {ARCHS}")
     out = Path(out_dir)
     tokenizer = build_byte_tokenizer() if tokenizer == "bytes" else build_tokenizer()
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
-    cfg = tiny_config(vocab_size or len(tokenizer), hidden=hidden, layers=layers, head_dim=head_dim)
+    vocab = vocab_size or len(tokenizer)
+    if arch == "qwen3-moe":
+        cfg = tiny_moe_config(vocab, hidden=hidden, layers=layers, head_dim=head_dim)
+        lm, seq_cls = Qwen3MoeForCausalLM, Qwen3MoeForSequenceClassification
+    else:
+        cfg = tiny_config(vocab, hidden=hidden, layers=layers, head_dim=head_dim)
+        lm, seq_cls = Qwen2ForCausalLM, Qwen2ForSequenceClassification
     torch.manual_seed(seed)
-    actor = Qwen2ForCausalLM(cfg)
+    actor = lm(cfg)
     torch.manual_seed(seed + 1)
-    critic_cfg = Qwen2Config.from_dict(
+    critic_cfg = type(cfg).from_dict(
         {**cfg.to_dict(), "num_labels": 1, "id2label": {0: "score"}, "label2id": {"score": 0}}
     )
-    critic = Qwen2ForSequenceClassification(critic_cfg)
+    critic = seq_cls(critic_cfg)
     paths = {"actor": out / "actor", "critic": out / "critic"}
     for name, model in (("actor", actor), ("critic", critic)):
         model.save_pretrained(paths[name])

@@ -59,6 +59,11 @@ class LearnerConfig(Section):
         " <run>/snapshots/v<version> (the pipeline's gold-vs-proxy monitor reads them); 0 never.",
     )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage of actor and critic.")
+    moe_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Mixture-of-experts actor: weight of the router's load-balancing loss (transformers' load_balancing_loss_func) added to the policy loss; 0 leaves routing to the RL loss alone (docs/design.md §4.11).",
+    )
     offload_optimizer: bool = Field(
         False,
         description="Keep optimizer state and step on CPU (ZeRO-Offload, zero_stage >= 1): pays on GPU when Adam state does not fit (docs/stages.md §6).",
