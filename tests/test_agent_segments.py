@@ -12,6 +12,7 @@ tool, so it "samples" what a warm-started one would.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -208,3 +209,41 @@ def test_group_statistics_count_an_episode_once_however_many_segments() -> None:
     torch.testing.assert_close(grpo, torch.tensor([1.0, 1.0, -1.0, 0.0]))
     rloo = rloo_advantages(batch.rewards, batch.group_index, batch.episode_weight)
     torch.testing.assert_close(rloo, torch.tensor([0.75, 0.75, -0.75, 0.0]))
+
+
+# ------------------------------------------------------------------------------------------ in a run
+
+
+@pytest.fixture(scope="module")
+def tools_ckpt(tmp_path_factory) -> Path:
+    """The byte-level tiny model (the runner reads its config; the engine is the test double)."""
+    from toy.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-tools"), tokenizer="bytes")["actor"]
+
+
+def test_the_calculator_agent_on_a_thinking_template_plays_two_segments(tools_ckpt, tmp_path) -> None:
+    """configs/tiny-agent-think.yaml's agent in the runner: each episode that calls the tool is two
+    trajectories with the episode's reward; its metrics ride on the last one only."""
+    from tests.test_agent_run import N, agent_cfg, episodes, make_runner
+
+    engine = ScriptedEngine(think_tokenizer())
+    engine.reply = think_reply
+    cfg = agent_cfg({"actor": tools_ckpt}, tmp_path, "toy.tasks.calc_agent:agent",
+                    **{"agent.timeout_s": 60, "rollout.max_new_tokens": 100, "agent.kwargs": {"max_tokens": 100}})  # fmt: skip
+    runner = make_runner(cfg, engine)
+    try:
+        eps = runner.run(episodes(engine, [{"id": "a", "prompt": "37+48=", "result": 85}]))
+    finally:
+        runner.close()
+    assert [(e.end_reason, e.reward) for e in eps] == [("done", 1.0)] * N  # the plan is not the answer
+    for e in eps:
+        m = e.metrics()
+        assert (m["agent/segments"], m["agent/rewrites"], m["agent/tool_used"]) == (2.0, 1.0, 1.0)
+        first, last = e.trajectories("p", "g", "s")
+        assert first.reward == last.reward == 1.0 and first.meta["calls"] == last.meta["calls"] == 1
+        assert not any(k.startswith("env/") for k in first.meta)
+        assert (last.meta["env/segments"], last.meta["env/reward"]) == (2.0, 1.0)
+        assert extra_segments([first, last]) == 1
+        tok = engine.tokenizer
+        assert tok.decode(last.prompt_tokens.tolist()).endswith(f"{CALL}\ntool: 85\nassistant: ")
