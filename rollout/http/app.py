@@ -47,7 +47,7 @@ from transformers import PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
-from rollout.http import limits
+from rollout.http import limits, messages_api, responses_api
 from rollout.http.chat_prompt import ChatPrompts
 from rollout.http.middleware import BodyLimit, Guard
 from rollout.http.schemas import (
@@ -417,8 +417,9 @@ class API:
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model}
         if req.stream:
             head["object"] = "chat.completion.chunk"
+            usage = req.stream_options is not None and req.stream_options.include_usage
             return await self.sse(
-                self.chat_chunks(head, prompt, sampling, req.logprobs, bool(req.top_logprobs), tools)
+                self.chat_chunks(head, prompt, sampling, req.logprobs, bool(req.top_logprobs), tools, usage)
             )
         with self.slot():
             out = await self.generate([prompt], sampling, request)
@@ -572,9 +573,11 @@ class API:
         logprobs: bool,
         top: bool,
         tools: _ToolCalls | None = None,
+        usage: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         """Chat chunks. With tools, text from a call's opening tag on is held; when the choice ends it is
-        parsed, and its calls are sent as one ``tool_calls`` delta (the text around them as content)."""
+        parsed, and its calls are sent as one ``tool_calls`` delta (the text around them as content).
+        ``usage``: a last chunk without choices carries the usage (``stream_options.include_usage``)."""
         choices = [_Choice() for _ in range(sampling.n)]
         held = [_HeldText(tools.parser.start) for _ in choices] if tools else []
         started: set[int] = set()  # choices whose first delta (which carries the role) was sent
@@ -608,6 +611,9 @@ class API:
                     reason = "tool_calls"
                     yield chunk(row, h.entries, tool_calls=[{"index": k, **c} for k, c in enumerate(calls)])
             yield chunk(row, None, reason)
+        if usage:
+            out = [[Completion(ch.tokens, ch.logprobs, "stop", []) for ch in choices]]
+            yield {**head, "choices": [], "usage": self.usage([prompt], out, sampling.n)}
 
     async def _tracked(
         self, prompts: list[list[int]], sampling: SamplingParams, choices: list[_Choice]
@@ -781,6 +787,8 @@ def add_routes(app: FastAPI, api: API, engine: Engine, metrics: ServerMetrics, m
     app.get("/v1/models")(api.models)
     app.post("/v1/sessions")(api.open_session)
     app.post("/v1/sessions/{session_id}/finish")(api.finish_session)
+    app.include_router(messages_api.router(api))
+    app.include_router(responses_api.router(api))
     app.state.api = api
 
     @app.get("/health")

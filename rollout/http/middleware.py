@@ -11,7 +11,7 @@ import secrets
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rollout.http.schemas import error_response
+from rollout.http.schemas import ANTHROPIC_PATH, anthropic_error, error_response
 from rollout.metrics import ServerMetrics
 
 
@@ -74,18 +74,22 @@ class Guard:
     def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.key = None if api_key is None else api_key.encode()  # Anthropic's clients send x-api-key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         if self.expected is not None and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            bearer = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if not (bearer or secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 self.metrics.requests.labels(route=scope["path"], status="401").inc()
-                response = error_response(
-                    401, "invalid or missing API key", "invalid_request_error", code="invalid_api_key"
-                )
+                message = "invalid or missing API key (Authorization: Bearer <key>, or x-api-key: <key>)"
+                if scope["path"] == ANTHROPIC_PATH:
+                    response = anthropic_error(401, message)
+                else:
+                    response = error_response(401, message, "invalid_request_error", code="invalid_api_key")
                 await response(scope, receive, send)
                 return
         status = 500

@@ -99,6 +99,8 @@ class SamplingFields(_Request):
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what torch.Generator.manual_seed takes
     stream: bool = False
     session_id: str | None = Field(None, min_length=1, max_length=128)  # or the X-Session-Id header
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked by rollout/http/constraints.py
+    response_format: dict[str, Any] | None = None
 
     @field_validator("temperature")
     @classmethod
@@ -198,8 +200,15 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False  # a last chunk, with no choices, carries the request's usage
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -261,3 +270,21 @@ def error_response(
     return JSONResponse(
         {"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status
     )
+
+
+ANTHROPIC_PATH = "/v1/messages"  # its errors answer in Anthropic's shape (rollout/http/messages_api.py)
+# Anthropic's error type for each status (docs.anthropic.com/en/api/errors); any other status is api_error
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def anthropic_error(status: int, message: str) -> JSONResponse:
+    """An error in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
