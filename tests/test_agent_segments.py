@@ -12,6 +12,7 @@ tool, so it "samples" what a warm-started one would.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -247,3 +248,42 @@ def test_the_calculator_agent_on_a_thinking_template_plays_two_segments(tools_ck
         assert extra_segments([first, last]) == 1
         tok = engine.tokenizer
         assert tok.decode(last.prompt_tokens.tolist()).endswith(f"{CALL}\ntool: 85\nassistant: ")
+
+
+async def rewriting_agent(client, record, *, model: str) -> float:
+    """Two calls, the second's prompt not extending the first's transcript (as a template that rewrote it)."""
+    await client.completions.create(model=model, prompt=record["prompt"], max_tokens=4)
+    await client.completions.create(model=model, prompt=f"re {record['prompt']}", max_tokens=4)
+    return 1.0
+
+
+def test_segments_are_appended_as_one_group_and_take_admission(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path
+) -> None:
+    """In the rollout loop, real hf engine: the 2 x 2 segments of a prompt's n=2 episodes are one contiguous
+    group; admission was given for the n episodes and the later segments are charged as they are appended,
+    so the counter equals the trajectories appended (8, for the 2 groups a bound of 4 admits)."""
+    from rollout.engines.hf import HFEngine
+    from tests.test_rollout_loop import Harness, Learner, make_cfg, queue_prompts
+    from weightsync import make_subscriber
+
+    engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu", seed=3)
+    cfg = make_cfg(run_id, redis_server.url, tiny_ckpt, tmp_path, **{
+        "agent.path": "tests.test_agent_segments:rewriting_agent", "agent.timeout_s": 60, "reward.functions": [],
+    })  # fmt: skip
+    v0 = {k: v.clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
+    learner = Learner(cfg, redis_client, v0)
+    queue_prompts(learner.buffer, engine, 4)
+    with Harness(cfg, redis_client, engine, make_subscriber(cfg, redis_client, "server-0")):
+        batch = learner.take(4)
+        deadline = time.monotonic() + 60
+        while learner.buffer.trajectories_pending() < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert len({t.group_id for t in batch}) == 1 and [t.meta["segment"] for t in batch] == [0, 1, 0, 1]
+    assert all(t.reward == 1.0 and t.meta["segments"] == 2 for t in batch)
+    first, second = batch[:2]
+    assert engine.tokenizer.decode(second.prompt_tokens.tolist()) == "re " + engine.tokenizer.decode(
+        first.prompt_tokens.tolist()
+    )
+    assert learner.buffer.trajectories_pending() == 4  # the second group; admission holds the rest back
+    assert learner.admission.admitted() == 8
