@@ -38,6 +38,7 @@ from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, write_private
 from tandem.procs import alive
 from tandem.telemetry import ready_key, stop_key
+from tandem.tokenizer_match import check_same_tokenizer
 
 log = logging.getLogger("launch")
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,12 +58,17 @@ def check_inputs(cfg: Config) -> None:
         ("model.actor", cfg.model.actor),
         ("model.critic", cfg.model.critic),
         ("model.reference", cfg.model.reference),
+        ("model.teacher", cfg.model.teacher),
         ("model.reward_model", cfg.model.reward_model),
     ):
         if p is not None and not (Path(p) / "config.json").is_file():
             raise ConfigError(
                 f"{field_path}: {p} is not a checkpoint directory (no config.json); {how_to_make(cfg, p)}"
             )
+    if cfg.model.teacher is not None:  # distillation: the teacher scores the actor's token ids
+        check_same_tokenizer(
+            cfg.model.actor, cfg.model.teacher, trust_remote_code=cfg.model.trust_remote_code
+        )
     check_context(cfg)
     if not Path(cfg.data.prompts).is_file():
         raise ConfigError(f"data.prompts: {cfg.data.prompts} not found; {how_to_make(cfg, cfg.data.prompts)}")

@@ -21,6 +21,9 @@ Where the ideas come from:
   (MiniMax-M1, 2025). Aggregations (``algorithm.loss_agg``): token-level mean (DAPO), the sequence means of
   GRPO, and Dr. GRPO's constant normaliser (Liu et al. 2025).
 - KL estimators k1/k2/k3: Schulman, "Approximating KL Divergence" (2020).
+- On-policy distillation: the per-token reverse KL to a teacher on the student's own samples, as a reward
+  or a loss term (Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+  Self-Generated Mistakes"; Lu and Thinking Machines Lab 2025, "On-Policy Distillation").
 - Clipped value loss: the PPO2 baselines implementation (as in CleanRL).
 """
 
@@ -43,6 +46,9 @@ __all__ = [
     "KLEstimator",
     "aggregate",
     "aggregation_units",
+    "distill_loss",
+    "distill_reverse_kl",
+    "distill_rewards",
     "entropy_from_logits",
     "explained_variance",
     "kl_k1",
@@ -120,6 +126,54 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 """Keys match ``algorithm.kl_estimator``. In the reward: ``token_rewards(..., kl=est(logp, ref_logp))``;
 as a loss term: ``kl_coef * masked_mean(est(logp, ref_logp), mask)`` with ``logp`` carrying gradient."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# On-policy distillation (algorithm.distill)
+# ---------------------------------------------------------------------------------------------------
+
+
+def distill_reverse_kl(logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token reverse KL to the teacher on the student's own samples: ``log π(y_t) − log π_T(y_t)``.
+
+    For ``y_t`` sampled from the student π this is the single-sample (k1) estimate of
+    ``KL(π ‖ π_T)`` at that position, mode-seeking: the student is pushed off tokens the teacher finds
+    unlikely (Agarwal et al. 2024, GKD with λ = 1, β = 1; Lu and Thinking Machines Lab 2025, "On-Policy
+    Distillation", who reward each token with its negative). Its token mean is ``distill/kl``. 0 off the
+    mask.
+
+    Shape: logp, teacher_logp, mask (B, T) -> (B, T).
+    """
+    return torch.where(mask.bool(), kl_k1(logp, teacher_logp), 0.0)
+
+
+@torch.no_grad()
+def distill_rewards(logp: Tensor, teacher_logp: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """``as: reward``: each response token's reward ``−coef · (log π(y_t) − log π_T(y_t))``, detached, to add
+    to :func:`learner.advantages.token_rewards`' output before the advantage estimator. A per-token
+    estimator (gae, reinforce_pp) credits each token with its own; an outcome one (grpo, rloo) scores the
+    sequence by their sum, ``−coef · Σ_t kl_t`` (Lu and Thinking Machines Lab 2025 use the per-token form
+    with a discount of 0; Agarwal et al. 2024, §3).
+
+    Shape: logp, teacher_logp, mask (B, T) -> (B, T), 0 off the mask.
+    """
+    return -coef * distill_reverse_kl(logp.detach(), teacher_logp.detach(), mask)
+
+
+def distill_loss(
+    logp: Tensor, teacher_logp: Tensor, mask: Tensor, coef: float, num_tokens: float | Tensor | None = None
+) -> Tensor:
+    """``as: loss``: ``coef`` times the token mean of ``½(log π(y_t) − log π_T(y_t))²`` (Schulman's k2).
+
+    On the student's samples its gradient, ``(log π − log π_T)·∇log π``, is the gradient of the reverse KL
+    ``KL(π ‖ π_T)`` (the score-function term ``E[∇log π]`` is 0), as in Agarwal et al. 2024's on-policy
+    GKD; the k1 value itself would give only the score function, whose mean is 0. A teacher equal to the
+    student gives loss and gradient 0. ``teacher_logp`` is detached; ``num_tokens`` as in
+    :func:`learner.advantages.masked_mean` (a minibatch split into micro-batches).
+
+    Shape: logp, teacher_logp, mask (B, T) -> ().
+    """
+    return coef * masked_mean(kl_k2(logp, teacher_logp.detach()), mask, num_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------

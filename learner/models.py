@@ -25,6 +25,9 @@ What this module owns and why it looks the way it does:
   (``rollout/own_scorer.py``), and each trajectory carries its ``ref_logp``.
   The reward model itself is scored on the rollout servers, not here; the learner only reads it as a
   critic initialisation.
+- **Teacher.** With ``algorithm.distill`` the teacher (``model.teacher``) is a second frozen module loaded
+  and placed as the reference is (``algorithm.distill.placement``: learner, or learner_cpu visiting the
+  device for each pass), after a check that its tokenizer is the actor's (``tandem/tokenizer_match.py``).
 - **dtype.** ``model.dtype: auto`` is bfloat16 on GPU and float32 on CPU. Logits are upcast to float32
   before log-probabilities and divided by the sampling temperature, to be comparable to ``behav_logp``.
 - **Chunked head.** :func:`policy_logprobs` gives the same log-probabilities and entropies from the last
@@ -57,6 +60,7 @@ from tandem.config import Config
 from tandem.logprobs import plain_output_head, temper
 from tandem.net import free_port
 from tandem.prebuild import prepare_extensions
+from tandem.tokenizer_match import check_same_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +231,8 @@ class Models:
     device: torch.device
     temperature: float  # rollout sampling temperature (behav_logp is of the tempered distribution)
     reference_on_cpu: bool
+    teacher: nn.Module | None = None  # algorithm.distill's teacher, frozen, placed as the reference is
+    teacher_on_cpu: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -251,6 +257,14 @@ def load_models(cfg: Config, device: torch.device) -> Models:
             _causal_lm(cfg.model.reference or cfg.model.actor, cfg, dtype).eval().requires_grad_(False)
         )
         reference.to("cpu" if cfg.placement.reference == "learner_cpu" else device)
+    distill = getattr(cfg.algorithm, "distill", None)
+    teacher = None
+    if distill is not None:
+        check_same_tokenizer(
+            cfg.model.actor, cfg.model.teacher, trust_remote_code=cfg.model.trust_remote_code
+        )
+        teacher = load_frozen(cfg, cfg.model.teacher, dtype, torch.device("cpu"))
+        teacher.to("cpu" if distill.placement == "learner_cpu" else device)
     return Models(
         actor=make_engine(actor, cfg, dtype, cfg.learner.actor_lr),
         critic=None if critic is None else make_engine(critic, cfg, dtype, cfg.learner.critic_lr),
@@ -261,6 +275,8 @@ def load_models(cfg: Config, device: torch.device) -> Models:
         device=device,
         temperature=cfg.rollout.temperature,
         reference_on_cpu=cfg.placement.reference == "learner_cpu",
+        teacher=teacher,
+        teacher_on_cpu=distill is not None and distill.placement == "learner_cpu",
     )
 
 

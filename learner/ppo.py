@@ -37,6 +37,9 @@ from learner.lm_head import use_chunked_head
 from learner.losses import (
     KL_ESTIMATORS,
     aggregation_units,
+    distill_loss,
+    distill_reverse_kl,
+    distill_rewards,
     entropy_from_logits,
     logprobs_from_logits,
     policy_loss,
@@ -161,8 +164,15 @@ class PPOLearner(OnlineRuntime):
             reward=0.0,
             ref_logp=[0.0] if self.served_reference else None,
         )
-        prox_logp, ref_logp, old_values = self.score(make_batch([dummy] * self.world, 0).to(self.device))
-        for name, t in (("actor", prox_logp), ("reference", ref_logp), ("critic", old_values)):
+        smoke = make_batch([dummy] * self.world, 0).to(self.device)
+        prox_logp, ref_logp, old_values = self.score(smoke)
+        teacher_logp = self.score_teacher(smoke)
+        for name, t in (
+            ("actor", prox_logp),
+            ("reference", ref_logp),
+            ("critic", old_values),
+            ("teacher", teacher_logp),
+        ):
             if t is not None and not torch.isfinite(t).all():
                 raise RuntimeError(f"start-up forward of the {name} gave non-finite outputs")
 
@@ -233,6 +243,10 @@ class PPOLearner(OnlineRuntime):
         rewards = token_rewards(
             batch.rewards, batch.mask, kl_reward, self.kl_ctl.value, placed=batch.turn_rewards
         )  # (B, R)
+        teacher_logp = self.score_teacher(batch)  # (B, R); None without algorithm.distill
+        if teacher_logp is not None and a.distill.as_ == "reward":
+            # The sampler's own log-probabilities: the reverse KL of the policy that drew the tokens.
+            rewards = rewards + distill_rewards(batch.behav_logp, teacher_logp, batch.mask, a.distill.coef)
         adv, returns = self.estimate(
             AdvantageInputs(
                 rewards,
@@ -247,7 +261,9 @@ class PPOLearner(OnlineRuntime):
             )
         )
         staleness = token_staleness(batch.trajs, self.version, batch.mask.shape[1]).to(self.device)
-        return self.ppo_update(batch, prox_logp, ref_logp, adv, returns, old_values, staleness)
+        return self.ppo_update(
+            batch, prox_logp, ref_logp, adv, returns, old_values, staleness, teacher_logp=teacher_logp
+        )
 
     def warn_over_budget(self, batch: Batch) -> None:
         """A trajectory longer than the token budget is dropped, not trained on alone (docs/design.md §4.8):
@@ -331,6 +347,24 @@ class PPOLearner(OnlineRuntime):
         )
         return prox_logp, (ref_logp if served is None else served), old_values
 
+    @torch.no_grad()
+    def score_teacher(self, batch: Batch) -> Tensor | None:
+        """log π_teacher of every response token (``algorithm.distill``), scored as the learner scores the
+        reference: the same tempered log-probabilities, its placement's device visits, one all-reduce.
+        None without a teacher. Shape: (B, R), 0 off the mask."""
+        teacher = self.models.teacher
+        if teacher is None:
+            return None
+        teacher_logp = torch.zeros_like(batch.behav_logp)
+
+        def teacher_pass(mb: MicroBatch) -> None:
+            with visiting(teacher, self.device, self.models.teacher_on_cpu) as model:
+                teacher_logp[mb.rows] = self.logprobs(model, mb, batch.mask[mb.rows])[0]
+
+        mbs = list(self.micro(batch, torch.arange(len(batch))))
+        run_passes([("time/teacher", teacher_pass)], mbs, split=False, timers=self.timers)
+        return self.all_sum(teacher_logp * batch.mask)
+
     def logprobs(
         self,
         model: nn.Module,
@@ -376,6 +410,8 @@ class PPOLearner(OnlineRuntime):
         returns: Tensor | None,
         old_values: Tensor | None,
         staleness: Tensor | None = None,
+        *,
+        teacher_logp: Tensor | None = None,
     ) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled minibatches; one optimizer step per minibatch per model.
 
@@ -401,7 +437,16 @@ class PPOLearner(OnlineRuntime):
                 with self.timers("time/actor_train"):
                     for mb in self.micro(batch, rows):
                         self.actor_backward(
-                            mb, batch, prox_logp, ref_logp, adv, num_tokens, actor_stats, staleness, units
+                            mb,
+                            batch,
+                            prox_logp,
+                            ref_logp,
+                            adv,
+                            num_tokens,
+                            actor_stats,
+                            staleness,
+                            units,
+                            teacher_logp=teacher_logp,
                         )
                     m.actor.step()
 
@@ -439,6 +484,8 @@ class PPOLearner(OnlineRuntime):
         stats: Stats,
         staleness: Tensor | None = None,
         units: Tensor | None = None,
+        *,
+        teacher_logp: Tensor | None = None,
     ) -> None:
         a, rows = self.cfg.algorithm, mb.rows
         units = num_tokens if units is None else units  # the minibatch's aggregation_units
@@ -496,13 +543,8 @@ class PPOLearner(OnlineRuntime):
         entropy = masked_mean(entropy, mask, num_tokens)
         stats.add("policy/entropy", entropy * num_tokens, n)
         loss = loss - a.entropy_coef * entropy if a.entropy_coef > 0 else loss
-        if ref_logp is not None:
-            kl = masked_mean(self.kl_estimator(prox, ref_logp[rows]), mask, num_tokens)
-            stats.add("policy/kl", kl * num_tokens, n)
-        if ref_logp is not None and not a.kl_in_reward:
-            kl_loss = masked_mean(self.kl_estimator(logp, ref_logp[rows]), mask, num_tokens)
-            stats.add("loss/kl", kl_loss * num_tokens, n)
-            loss = loss + self.kl_ctl.value * kl_loss
+        ref, teacher = (None if t is None else t[rows] for t in (ref_logp, teacher_logp))
+        loss = loss + self.kl_terms(logp, prox, ref, teacher, mask, num_tokens, stats)
         if tap:
             loss = loss + self.moe_terms(tap, mb, batch, n / num_tokens, stats)
         # DeepSpeed averages gradients over ranks; the loss is already a mean over the whole minibatch.
@@ -524,6 +566,37 @@ class PPOLearner(OnlineRuntime):
         aux = moe.aux_loss(self.models.actor.module, tap.layers, valid)
         stats.add("loss/moe_aux", aux * tokens, tokens)
         return coef * aux * share
+
+    def kl_terms(
+        self,
+        logp: Tensor,
+        prox: Tensor,
+        ref_logp: Tensor | None,
+        teacher_logp: Tensor | None,
+        mask: Tensor,
+        num_tokens: Tensor,
+        stats: Stats,
+    ) -> Tensor | float:
+        """The micro-batch's KL metrics into ``stats`` and its KL loss terms: to the reference
+        (``policy/kl``; ``loss/kl`` unless the KL is in the reward) and to the distillation teacher
+        (``distill/kl``, the proximal student's mean reverse KL; ``loss/distill`` with ``as: loss``).
+        Shape: (b, R) each -> () or 0.0."""
+        a, n, term = self.cfg.algorithm, mask.sum(), 0.0
+        if ref_logp is not None:
+            kl = masked_mean(self.kl_estimator(prox, ref_logp), mask, num_tokens)
+            stats.add("policy/kl", kl * num_tokens, n)
+        if ref_logp is not None and not a.kl_in_reward:
+            kl_loss = masked_mean(self.kl_estimator(logp, ref_logp), mask, num_tokens)
+            stats.add("loss/kl", kl_loss * num_tokens, n)
+            term = term + self.kl_ctl.value * kl_loss
+        if teacher_logp is not None:
+            kl = masked_mean(distill_reverse_kl(prox, teacher_logp, mask), mask, num_tokens)
+            stats.add("distill/kl", kl * num_tokens, n)
+        if teacher_logp is not None and a.distill.as_ == "loss":
+            distill = distill_loss(logp, teacher_logp, mask, a.distill.coef, num_tokens)
+            stats.add("loss/distill", distill * num_tokens, n)
+            term = term + distill
+        return term
 
     def critic_backward(
         self,

@@ -138,7 +138,7 @@ def _every_field(model: type, prefix: str = "") -> dict[str, str]:
 
     out: dict[str, str] = {}
     for name, field in model.model_fields.items():
-        path = f"{prefix}{name}"
+        path = f"{prefix}{field.alias or name}"  # the key a config writes (algorithm.distill.as)
         inner = sections(field.annotation)
         list_of = getattr(field.annotation, "__origin__", None) is list
         if inner and not list_of and type(None) not in get_args(field.annotation):

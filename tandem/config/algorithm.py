@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tandem.config.base import Section, SectionCheckError
 
@@ -38,6 +38,42 @@ class ImportanceConfig(Section):
                 f"algorithm.importance.mask_low ({self.mask_low}) and algorithm.importance.mask_high "
                 f"({self.mask_high}) must satisfy mask_low < 1 < mask_high: on-policy data (ratio 1) is never "
                 "masked"
+            )
+        return self
+
+
+class DistillConfig(Section):
+    """On-policy distillation toward ``model.teacher``: the per-token reverse KL log π − log π_teacher on the
+    student's own samples (Agarwal et al. 2024, GKD), as the reward or as a loss term (``learner/losses.py``)."""
+
+    # `as` is a Python keyword: the field is `as_`, read and written as `as`.
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+    )
+
+    as_: Literal["reward", "loss"] = Field(
+        "reward",
+        alias="as",
+        description="reward: every response token is rewarded -coef·(log π_behav − log π_teacher) and the advantage estimator applies (grpo, rloo: a sequence scores its summed negative KL); loss: coef times the token-mean ½(log π − log π_teacher)², whose gradient is the reverse KL's on the student's samples.",
+    )
+    coef: float = Field(
+        1.0, gt=0, description="Weight of the reverse KL to the teacher, in the reward or the loss."
+    )
+    placement: Literal["learner", "learner_cpu", "server", "own"] = Field(
+        "learner",
+        description="Where the teacher scores, as placement.reference: learner (resident on the learner's devices) or learner_cpu (on its CPU, moved to its devices for each pass); server and own are not built for the teacher.",
+    )
+
+    @model_validator(mode="after")
+    def _placement_is_built(self) -> DistillConfig:
+        if self.placement in ("server", "own"):
+            raise SectionCheckError(
+                f"algorithm.distill.placement={self.placement}: the teacher scores only in the learner so "
+                "far; use learner or learner_cpu"
             )
         return self
 
@@ -112,6 +148,10 @@ class AlgorithmConfig(Section):
     credit: Literal["episode", "turn"] = Field(
         "episode",
         description="Multi-turn rewards: episode puts their sum on the last generated token; turn puts each turn's reward on that turn's last generated token, so gae and reinforce_pp credit turns separately.",
+    )
+    distill: DistillConfig | None = Field(
+        None,
+        description="On-policy distillation toward model.teacher (docs/design.md §4.10); null is off.",
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (gae only).")

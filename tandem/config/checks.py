@@ -172,10 +172,24 @@ def some_reward_source(cfg: Config) -> None:
         and cfg.model.reward_model is None
         and cfg.env.path is None
         and cfg.agent.path is None
+        and (cfg.algorithm.distill is None or cfg.algorithm.distill.as_ != "reward")
     ):
         raise ValueError(
             "reward: give at least one reward.functions or reward.group_functions entry, a "
-            "model.reward_model, an env.path or an agent.path"
+            "model.reward_model, an env.path, an agent.path or an algorithm.distill with as: reward"
+        )
+
+
+def distill_has_a_teacher(cfg: Config) -> None:
+    distill = getattr(cfg.algorithm, "distill", None)  # offline recipes have no distill field
+    if distill is not None and cfg.model.teacher is None:
+        raise ValueError(
+            "algorithm.distill needs model.teacher: the checkpoint the actor is distilled toward"
+        )
+    if distill is None and cfg.model.teacher is not None:
+        raise ValueError(
+            f"model.teacher ({cfg.model.teacher}) is read only by algorithm.distill (recipe ppo): set "
+            "algorithm.distill, or model.teacher to null"
         )
 
 
@@ -238,6 +252,7 @@ COMMON_CHECKS: tuple[Check, ...] = (
     own_reward_model_is_runnable,
     split_scoring_is_on_one_cpu_rank,
     token_budget_holds_the_longest_sequence,
+    distill_has_a_teacher,
 )
 OFFLINE_CHECKS: tuple[Check, ...] = (micro_batches_divide_the_batch,)
 ONLINE_CHECKS: tuple[Check, ...] = (

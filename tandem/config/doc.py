@@ -17,7 +17,7 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[t
     list of sections is a row of its own, then its items' fields as ``path[].field``."""
     rows: list[tuple[str, str, str]] = []
     for name, field in model.model_fields.items():
-        path = f"{prefix}{name}"
+        path = f"{prefix}{field.alias or name}"  # the key a config writes (`as`, a keyword, is an alias)
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, Section):
             rows.extend(describe_fields(ann, path + "."))

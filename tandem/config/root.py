@@ -179,7 +179,9 @@ class Config(Section):
         m = self.model
         update = {
             "model": m.model_copy(
-                update={k: fix(getattr(m, k)) for k in ("actor", "reference", "critic", "reward_model")}
+                update={
+                    k: fix(getattr(m, k)) for k in ("actor", "reference", "teacher", "critic", "reward_model")
+                }
             ),
             "data": self.data.model_copy(update={"prompts": fix(self.data.prompts)}),
             "eval": self.eval.model_copy(update={"prompts": fix(self.eval.prompts)}),

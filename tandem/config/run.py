@@ -72,6 +72,10 @@ class ModelConfig(Section):
     reference: str | None = Field(
         None, description="Path of the frozen reference policy; null uses the actor's initial weights."
     )
+    teacher: str | None = Field(
+        None,
+        description="Path of the teacher of algorithm.distill (same tokenizer as the actor); null without distillation.",
+    )
     critic: str | None = Field(
         None,
         description="Path of the critic initialisation (a scalar-head checkpoint); null derives it per `critic_init`.",
