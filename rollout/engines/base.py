@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from weightsync.base import Update
+
+if TYPE_CHECKING:
+    from rollout.engines.constraint import Constraint
 
 FinishReason = Literal["stop", "length", "abort"]
 BetweenSteps = Callable[[], None]
@@ -44,6 +47,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # EOS is always a stop token
     stop: list[str] = field(default_factory=list)  # stop strings (checked on decoded text)
     seed: int | None = None
+    constraint: Constraint | None = None  # what the completion must match (rollout/engines/constraint.py)
 
 
 @dataclass

@@ -47,6 +47,7 @@ from transformers import (
 )
 
 from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnPrompt, OnToken, SamplingParams
+from rollout.engines.constraint import Grammars, advance
 from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
 from rollout.engines.hf_batch import WAIT_POLL_S, Entry, Request, RunningBatch, sample_groups
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
@@ -125,6 +126,7 @@ class HFEngine:
         self._released: set[str] = set()  # what sleep() freed and wake_up() has not restored
         self._unfilled = False  # weights re-allocated by wake_up, not yet filled by a full update
         self.prefix_cache = self._make_prefix_cache(prefix_cache_mb)
+        self._grammars: Grammars | None = None  # built at the first constrained call
         self.prefilled_tokens = 0  # real tokens fed by prefills (cached prefixes not counted)
 
     def _make_prefix_cache(self, mb: float) -> PrefixCache | None:
@@ -186,6 +188,8 @@ class HFEngine:
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         request = Request(rows, sampling, generator, self._stop_ids(sampling), on_token, on_prompt)
+        if sampling.constraint is not None:
+            request.grammar = self._compile(sampling)
         flat = self._decode(request, between_steps)
         n = sampling.n
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -218,6 +222,17 @@ class HFEngine:
                     f"exceeds the model's context of {self.max_positions}"
                 )
 
+    def _compile(self, sampling: SamplingParams) -> object:
+        """The call's constraint compiled against this tokenizer (rollout/engines/constraint.py); an invalid
+        one is a ``ValueError``."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        assert sampling.constraint is not None
+        try:
+            return self._grammars.compile(sampling.constraint)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"the request's constraint does not compile: {e}") from None
+
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         return frozenset(self.eos_token_ids | set(sampling.stop_token_ids))
 
@@ -227,7 +242,10 @@ class HFEngine:
         each prompt is reported as its rows finish."""
         batch = self._batch
         with self._lock:
-            batch.pending += [Entry(request, i, [], 0) for i in range(len(request.rows))]
+            batch.pending += [
+                Entry(request, i, [], 0, Grammars.matcher(request.grammar) if request.grammar else None)
+                for i in range(len(request.rows))
+            ]
         try:
             while not request.finished.is_set():
                 with self._lock:
@@ -313,6 +331,8 @@ class HFEngine:
             if isinstance(e.request.error, SamplingFailed):  # its call failed at this step: the row leaves
                 continue
             c, s = e.completion, e.request.sampling
+            if e.matcher is not None:
+                advance(e.matcher, token)
             stopped = self._append(c, token, logp, version, e.request.stop_ids, s.stop)
             if e.request.on_token is not None:
                 e.request.on_token(e.row, token, logp)
@@ -329,7 +349,13 @@ class HFEngine:
         """Each row's token and behaviour logprob, sampled by its own call's settings. (B, V) -> (B,), (B,).
 
         A group of rows that fails is sampled again call by call; a call that still fails is finished with
-        :class:`SamplingFailed` (its rows get token 0 here and leave the batch in :meth:`_step`)."""
+        :class:`SamplingFailed` (its rows get token 0 here and leave the batch in :meth:`_step`).
+
+        A constrained row's logits are masked to what its grammar allows first, and its logprob is read
+        from that masked distribution (rollout/engines/constraint.py says why)."""
+        if any(e.matcher is not None for e in entries):
+            assert self._grammars is not None
+            logits = self._grammars.mask(logits, [e.matcher for e in entries])
         groups = sample_groups(entries)
         if len(groups) == 1:
             try:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -51,6 +52,7 @@ class Request:
     stop_ids: frozenset[int]
     on_token: OnToken | None = None
     on_prompt: OnPrompt | None = None  # called by the call's own thread, with each prompt's n completions
+    grammar: object | None = None  # the compiled constraint (xgrammar), each row matched on its own
     out: list[Completion] = field(default_factory=list)
     left: int = 0  # rows not finished
     prompt_left: list[int] = field(default_factory=list)  # rows not finished, per prompt
@@ -99,6 +101,7 @@ class Entry:
     row: int
     hashes: list[int]  # the row's prefix hashes (empty without a prefix cache)
     epoch: int  # the prefix cache's epoch when the row was prefilled
+    matcher: Any = None  # the row's xgrammar GrammarMatcher when its call is constrained
 
     @property
     def completion(self) -> Completion:

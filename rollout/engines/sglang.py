@@ -82,6 +82,8 @@ class SamplingBody:
     stop: list[str]
     stop_token_ids: list[int]
     sampling_seed: int | None
+    json_schema: str | None = None  # a constraint (rollout/engines/constraint.py), one of the two
+    structural_tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,14 @@ def releases(cfg: Config) -> bool:
     return cfg.releases_memory and cfg.rollout.sglang.url is None
 
 
+def _constraint(sampling: SamplingParams) -> dict[str, str]:
+    """SGLang's structured-output sampling parameters for the request's constraint (none without one)."""
+    c = sampling.constraint
+    if c is None:
+        return {}
+    return {"json_schema": c.spec} if c.kind == "json_schema" else {"structural_tag": c.spec}
+
+
 def generate_body(prompt: list[int], sampling: SamplingParams, seed: int | None) -> GenerateBody:
     """One prompt's request: its ``n`` samples are ``n`` batch entries, sample ``j`` seeded ``seed + j``."""
     n = sampling.n
@@ -258,6 +268,7 @@ def generate_body(prompt: list[int], sampling: SamplingParams, seed: int | None)
                     stop=list(sampling.stop),
                     stop_token_ids=list(sampling.stop_token_ids),
                     sampling_seed=None if seed is None else seed + j,
+                    **_constraint(sampling),
                 )
             )
         )

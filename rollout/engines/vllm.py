@@ -55,6 +55,7 @@ from rollout.engines._http import (
 )
 from rollout.engines._prometheus import StatSamples
 from rollout.engines.base import Completion, SamplingParams
+from rollout.engines.constraint import Constraint
 from tandem.config import Config
 from tandem.net import EngineHTTPError, to_json
 from weightsync.base import Update
@@ -92,6 +93,7 @@ class VLLMSampling:
     stop_token_ids: list[int]
     logprobs: int  # 0: the sampled token's logprob only
     detokenize: bool  # stop strings are matched on detokenized text; without them, skip the work
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams: json / structural_tag
 
 
 @dataclass(frozen=True)
@@ -307,9 +309,22 @@ def generate_body(prompt: list[int], sampling: SamplingParams, seed: int | None)
             stop_token_ids=list(sampling.stop_token_ids),
             logprobs=0,
             detokenize=bool(sampling.stop),
+            structured_outputs=structured_outputs(sampling.constraint),
         ),
         output_mode="tokens",
     )
+
+
+def structured_outputs(constraint: Constraint | None) -> dict[str, Any] | None:
+    """A constraint as vLLM's ``StructuredOutputsParams`` (rollout/engines/constraint.py): a JSON schema
+    compact as the hf engine writes it (``disable_any_whitespace``), or the structural tag as it is. The
+    grammar bitmask is applied before the sampler, so the processed logprobs we ask for are the masked
+    distribution's, as on the hf engine."""
+    if constraint is None:
+        return None
+    if constraint.kind == "json_schema":
+        return {"json": constraint.spec, "disable_any_whitespace": True}
+    return {"structural_tag": constraint.spec}
 
 
 def parse_generate(body: Any, n: int, where: str) -> list[Completion]:

@@ -47,8 +47,10 @@ from transformers import PreTrainedTokenizerBase
 
 from buffer.schema import Trajectory
 from rollout.engines.base import Completion, Engine, SamplingParams, cut_at_stop
+from rollout.engines.constraint import Constraint
 from rollout.http import limits, messages_api, responses_api
 from rollout.http.chat_prompt import ChatPrompts
+from rollout.http.constraints import constraint_for
 from rollout.http.middleware import BodyLimit, Guard
 from rollout.http.schemas import (
     APIError,
@@ -216,7 +218,21 @@ class API:
             top_k=req.top_k,
             stop=req.stop_list(),
             seed=req.seed,
+            constraint=self.constraint(req),
         )
+
+    def constraint(self, req: SamplingFields) -> Constraint | None:
+        """What the reply must match: forced tool calls or ``response_format`` (rollout/http/constraints.py)."""
+        if isinstance(req, ChatRequest):
+            tools = [t.model_dump() for t in req.tools or []]
+            return constraint_for(
+                tools,
+                req.tool_choice,
+                req.response_format,
+                self.http.tool_parser,
+                parallel_tool_calls=req.parallel_tool_calls,
+            )
+        return constraint_for(None, None, req.response_format, None)
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
