@@ -101,8 +101,6 @@ class SamplingFields(_Request):
     session_id: str | None = Field(None, min_length=1, max_length=128)  # or the X-Session-Id header
     # {"type": "text" | "json_object" | "json_schema", ...}: checked by rollout/http/constraints.py
     response_format: dict[str, Any] | None = None
-    # {"type": "text" | "json_object" | "json_schema", ...}: checked by rollout/http/constraints.py
-    response_format: dict[str, Any] | None = None
 
     @field_validator("temperature")
     @classmethod
