@@ -40,20 +40,32 @@ from learner.checkpoint import LearnerState
 WRITE_DELAY_ENV = "TANDEM_CHECKPOINT_WRITE_DELAY_S"
 
 
-def to_host(obj: Any) -> Any:
+def to_host(obj: Any, reuse: list[torch.Tensor] = (), out: list[torch.Tensor] | None = None) -> Any:
     """A copy of a state dict whose tensors are host-memory copies: training may change the originals in
-    place the moment this returns. Containers are rebuilt; other leaves deep-copied."""
+    place the moment this returns. Containers are rebuilt; other leaves deep-copied.
+
+    ``reuse``: the host tensors of the previous snapshot of the same file, in the same walk order; each
+    whose shape and dtype still match is copied into rather than allocated (fresh memory costs a page
+    fault per page, more than the copy). ``out`` collects the host tensors of this copy, for the next."""
+    out = [] if out is None else out
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        src, i = obj.detach(), len(out)
+        old = reuse[i] if i < len(reuse) else None
+        if old is not None and old.shape == src.shape and old.dtype == src.dtype:
+            host = old.copy_(src)
+        else:  # pinned for a GPU tensor: a faster device-to-host copy
+            host = torch.empty_like(src, device="cpu", pin_memory=src.is_cuda).copy_(src)
+        out.append(host)
+        return host
     if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps an OrderedDict's type and attributes
+        copied = copy.copy(obj)  # keeps an OrderedDict's type and attributes
         for k, v in obj.items():
-            out[k] = to_host(v)
-        return out
+            copied[k] = to_host(v, reuse, out)
+        return copied
     if isinstance(obj, list):
-        return [to_host(v) for v in obj]
+        return [to_host(v, reuse, out) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(to_host(v) for v in obj)
+        return tuple(to_host(v, reuse, out) for v in obj)
     return copy.deepcopy(obj)
 
 
@@ -61,10 +73,11 @@ class HostSnapshot(CheckpointEngine):
     """A DeepSpeed checkpoint engine that keeps each file's state dict in host memory instead of writing it;
     ``inner`` (the engine's own) writes them later, from the writer thread."""
 
-    def __init__(self, inner: CheckpointEngine) -> None:
+    def __init__(self, inner: CheckpointEngine, buffers: dict[str, list[torch.Tensor]]) -> None:
         super().__init__()
         self.name = "HostSnapshot"
         self.inner = inner
+        self.buffers = buffers  # host tensors by file name, kept from one snapshot to the next
         self.files: list[tuple[str, Any]] = []
 
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -74,7 +87,10 @@ class HostSnapshot(CheckpointEngine):
         self.inner.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: Any, path: str) -> None:
-        self.files.append((path, to_host(state_dict)))
+        key = f"{Path(path).parent.parent.name}/{Path(path).name}"  # <engine>/<file>, whatever the tag
+        out: list[torch.Tensor] = []
+        self.files.append((path, to_host(state_dict, self.buffers.get(key, []), out)))
+        self.buffers[key] = out
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return self.inner.load(path, map_location=map_location)
@@ -86,11 +102,13 @@ class HostSnapshot(CheckpointEngine):
         return self.inner.is_data_parallel_writer(dp_rank)
 
 
-def snapshot_engine(engine: Any, save_dir: Path, tag: str) -> tuple[CheckpointEngine, list[tuple[str, Any]]]:
+def snapshot_engine(
+    engine: Any, save_dir: Path, tag: str, buffers: dict[str, list[torch.Tensor]]
+) -> tuple[CheckpointEngine, list[tuple[str, Any]]]:
     """Run DeepSpeed's ``save_checkpoint`` (a collective) with :class:`HostSnapshot` in place of the engine's
     checkpoint engine; returns that engine and the files it would have written, in host memory."""
     inner = engine.checkpoint_engine
-    host = HostSnapshot(inner)
+    host = HostSnapshot(inner, buffers)
     engine.checkpoint_engine = host
     try:
         # save_latest=False: DeepSpeed would write its own ``latest`` before the files exist.
@@ -121,6 +139,8 @@ class AsyncCheckpointer:
         self.in_flight: Written | None = None
         self.engine_names: list[str] = []
         self.write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+        # Reused by the next snapshot once the writer is done with them: one write in flight makes it safe.
+        self.buffers: dict[str, list[torch.Tensor]] = {}
 
     def snapshot(self, engines: dict[str, Any], state: LearnerState) -> None:
         """Collective. Copy every engine's checkpoint and this rank's JSON files to host memory and start the
@@ -129,7 +149,10 @@ class AsyncCheckpointer:
             raise RuntimeError("a checkpoint write is still in flight: wait for it before the next snapshot")
         tag = f"v{state.version:08d}"
         self.engine_names = [*engines]
-        files = [snapshot_engine(engine, self.ckpt_dir / name, tag) for name, engine in engines.items()]
+        files = [
+            snapshot_engine(engine, self.ckpt_dir / name, tag, self.buffers)
+            for name, engine in engines.items()
+        ]
         own = checkpoint.state_files(state)
         error: list[BaseException] = []
         thread = threading.Thread(

@@ -64,6 +64,12 @@ def params(e: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in e.module.state_dict().items()}
 
 
+def optimizer_tensors(e: deepspeed.DeepSpeedEngine) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    to_host(e.optimizer.state_dict(), (), out)
+    return out
+
+
 def test_to_host_copies_tensors_and_keeps_containers() -> None:
     t = torch.ones(3)
     state = OrderedDict(w=t, nested={"xs": [t, 2], "pair": (t, "a")}, step=7)
@@ -73,6 +79,18 @@ def test_to_host_copies_tensors_and_keeps_containers() -> None:
     for got in (copied["w"], copied["nested"]["xs"][0], copied["nested"]["pair"][0]):
         assert torch.equal(got, torch.ones(3))
     assert copied["nested"]["xs"][1] == 2
+
+
+def test_to_host_copies_into_the_previous_snapshots_tensors_where_they_fit() -> None:
+    w, b = torch.ones(2, 3), torch.zeros(4)
+    first: list[torch.Tensor] = []
+    to_host({"w": w, "b": b}, (), first)
+    w.fill_(5.0)
+    second: list[torch.Tensor] = []
+    copied = to_host({"w": w, "b": torch.zeros(5)}, first, second)  # b changed shape
+    assert copied["w"] is first[0] and torch.equal(copied["w"], torch.full((2, 3), 5.0))
+    assert copied["b"] is not first[1] and copied["b"].shape == (5,)
+    assert second == [copied["w"], copied["b"]]
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
@@ -89,19 +107,22 @@ def test_snapshot_is_the_state_at_snapshot_time(tmp_path, zero_stage: int) -> No
     assert any(not torch.equal(after[k], at_snapshot[k]) for k in after)
     state, _ = writer.wait()
     assert state.version == 1
+    at_snapshot = params(e)  # the second snapshot copies into the first one's host tensors
+    optimizer_at_snapshot = optimizer_tensors(e)
+    writer.snapshot({"actor": e}, LearnerState(3, ["3-0"]))
+    train_step(e, 4)
+    assert writer.wait()[0].version == 3
 
     fresh = engine(zero_stage, seed=1)  # other initial weights: the load must overwrite them
     loaded = checkpoint.load(tmp_path, {"actor": fresh})
-    assert loaded.version == 1 and loaded.trained_ids == ["1-0"]
+    assert loaded.version == 3 and loaded.trained_ids == ["3-0"]
     for k, v in params(fresh).items():
         torch.testing.assert_close(v, at_snapshot[k], rtol=0, atol=0)
-    # The optimizer state came back too: the same next step from the same state gives the same weights.
-    e_again = engine(zero_stage, seed=2)
-    checkpoint.load(tmp_path, {"actor": e_again})
-    train_step(fresh, 2)
-    train_step(e_again, 2)
-    for k, v in params(fresh).items():
-        torch.testing.assert_close(v, params(e_again)[k], rtol=0, atol=0)
+    # The optimizer state (Adam's moments; a ZeRO partition's fp32 weights) came back too.
+    restored = optimizer_tensors(fresh)
+    assert len(restored) == len(optimizer_at_snapshot) > 0
+    for got, want in zip(restored, optimizer_at_snapshot, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_commit_only_after_the_files_are_durable(tmp_path, monkeypatch) -> None:
