@@ -248,3 +248,29 @@ def test_vllm_and_sglang_receive_the_constraint_as_their_structured_outputs() ->
     plain = sglang_body([1], SamplingParams(), 0).sampling_params[0]
     assert "json_schema" not in plain and "structural_tag" not in plain
     assert vllm_body([1], SamplingParams(), 0).sampling_params.structured_outputs is None
+
+
+def test_the_agents_front_never_batches_a_constrained_call_with_a_free_one(engine: HFEngine) -> None:
+    """The gathering path of rollout/agents/batching.py (told the engine does not batch by itself): calls
+    that differ only in their constraint are two engine calls, each decoded under its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollout.agents.batching import BatchingEngine
+
+    engine.continuous_batching = False
+    front = BatchingEngine(engine, gather_s=0.2)
+    free = SamplingParams(max_new_tokens=40, temperature=0.0)
+    constrained = SamplingParams(
+        max_new_tokens=40, temperature=0.0, constraint=json_schema_constraint(ANSWER)
+    )
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda s: front.generate([_prompt(engine)], s), [free, constrained]))
+    finally:
+        front.close()
+        del engine.continuous_batching  # the class's again
+    assert (front.batches, front.calls) == (2, 2)
+    text = engine.tokenizer.decode(outs[1][0][0].token_ids, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), ANSWER)
+    (alone,) = engine.generate([_prompt(engine)], free)
+    assert outs[0][0][0].token_ids == alone[0].token_ids  # greedy: the free call decoded unconstrained

@@ -62,6 +62,7 @@ class _Call:
             tuple(s.stop_token_ids),
             tuple(s.stop),
             s.seed,
+            s.constraint,  # a constrained call is never batched with a free one
         )
 
     def finish(self, out: list[list[Completion]] | None = None, error: BaseException | None = None) -> None:
