@@ -1,14 +1,15 @@
-"""``echo-judge``: demonstrations that teach a tiny model to grade ``echo`` completions, so it can serve as the
-LLM judge of ``configs/tiny-judge.yaml`` (``tandem.judge:judge`` against ``python -m rollout.server
+"""``echo-judge``: demonstrations that teach a tiny model to grade echo-style completions, so it can serve as
+the LLM judge of ``configs/tiny-judge.yaml`` (``tandem.judge:judge`` against ``python -m rollout.server
 --standalone``).
 
-A judge prompt is the rubric ``RUBRIC`` filled with an echo prompt and a completion (``"say b: bxbbab ="``);
-the demonstrated reply is ``1`` when the completion starts with the asked letter and ``0`` otherwise. That
-is a coarse cut of ``toy.tasks.echo:reward`` (the share of the first 8 characters that are the letter), and
-deliberately so: measured on 2026-11-29, the tiny model warm-started on the full count (0 to 8) learned
-nothing past the counts' spread in 150 steps (loss flat at the marginal's entropy), while one comparison of
-two positions is within its reach. Completions are drawn the way a policy's are early and late in
-training: random characters, mostly the task's letters, half of them starting right.
+A judge prompt is the rubric ``RUBRIC`` filled with a completion (``"abxbab ="``); the demonstrated reply
+is ``1`` when the completion starts with the letter ``a`` and ``0`` otherwise: a fixed-letter judge, like
+``toy.tasks.echo:letter_a``, blind to the prompt. Measured on 2026-11-29 (2 shared CPU cores, lr 3e-3,
+batch 32), warm starts on judgements that compare the completion with the prompt's letter learned nothing
+in 150 steps, the loss flat at the entropy of the labels' spread: the number of the first 8 characters that
+are the asked letter (0 to 8; loss 1.05-1.07 from step 50 to 150), and whether the first character is the
+asked letter (0.350 at steps 50 and 150). Completions are drawn the way a policy's are early and late in
+training: random characters, mostly the task's letters, half of them starting with ``a``.
 
     python -m toy.tasks.echo_judge assets/echo-judge.jsonl --n 20000
 """
@@ -23,23 +24,26 @@ from typing import Any
 
 from toy.tasks.echo import LETTERS, TARGET_LEN
 
-RUBRIC = "{prompt} {completion} ="  # the judge kwargs' rubric in configs/tiny-judge.yaml
+RUBRIC = "{completion} ="  # the judge kwargs' rubric in configs/tiny-judge.yaml
 NOISE = "abcdefghijklmnopqrstuvwxyz0123456789 :"
 
 
-def score(letter: str, completion: str) -> int:
-    """The judge's answer: 1 when the completion starts with ``letter``."""
-    return int(completion[:1] == letter)
+JUDGED = "a"  # the letter the judge wants first
+
+
+def score(completion: str) -> int:
+    """The judge's answer: 1 when the completion starts with ``JUDGED``."""
+    return int(completion[:1] == JUDGED)
 
 
 def completion(rng: random.Random, letter: str) -> str:
-    """A completion of 1 to TARGET_LEN characters with a uniformly drawn share of the right letter, starting
-    with it half of the time."""
+    """A completion of 1 to TARGET_LEN characters with a uniformly drawn share of ``letter``, starting with
+    ``JUDGED`` half of the time."""
     n = rng.randint(1, TARGET_LEN) if rng.random() < 0.3 else TARGET_LEN
     right = rng.random()
     wrong = NOISE if rng.random() < 0.3 else LETTERS
     rest = [letter if rng.random() < right else rng.choice(wrong) for _ in range(n - 1)]
-    first = letter if rng.random() < 0.5 else rng.choice(wrong.replace(letter, ""))
+    first = JUDGED if rng.random() < 0.5 else rng.choice(wrong.replace(JUDGED, ""))
     return first + "".join(rest)
 
 
@@ -47,8 +51,8 @@ def demonstration(rng: random.Random) -> dict[str, Any]:
     letter = rng.choice(LETTERS)
     text = completion(rng, letter)
     return {
-        "prompt": RUBRIC.format(prompt=f"say {letter}:", completion=text),
-        "response": str(score(letter, text)),
+        "prompt": RUBRIC.format(completion=text),
+        "response": str(score(text)),
     }
 
 
