@@ -404,3 +404,29 @@ def test_a_full_kv_cache_preempts_and_the_server_exports_it(ckpts, tmp_path):
     assert row["server/kv_cache_usage_peak"] >= 0.5
     assert row["server/preemptions"] == after.preemptions
     assert f"tandem_engine_preemptions_total {float(after.preemptions)}" in text
+
+
+def test_a_json_schema_constraint_is_decoded_with_the_masked_logprobs(at_old, models, ckpts):
+    """vLLM's structured outputs take the adapter's constraint, and the logprob it reports is the masked
+    distribution's (docs/design.md §8.2): the digit is scored among the allowed digits only, and the end of
+    text, the only token the grammar then allows, carries 0."""
+    from rollout.engines.constraint import json_schema_constraint
+
+    digits = AutoTokenizer.from_pretrained(ckpts["old"]).convert_tokens_to_ids(list("123456789"))
+    c = json_schema_constraint({"type": "integer", "minimum": 1, "maximum": 9})
+    prompt = PROMPTS[0]
+    (comps,) = at_old.generate(
+        [prompt], SamplingParams(n=6, max_new_tokens=4, temperature=1.0, seed=3, constraint=c)
+    )
+    with torch.no_grad():
+        logits = models["old"](torch.tensor([prompt])).logits[0, -1].double()
+    masked = torch.full_like(logits, float("-inf"))
+    masked[digits] = logits[digits]
+    expected = torch.log_softmax(masked, -1)
+    for comp in comps:
+        assert comp.token_ids[0] in digits and comp.token_ids[1:] == [EOS], comp.token_ids
+        assert abs(comp.logprobs[0] - expected[comp.token_ids[0]].item()) < ATOL
+        assert comp.logprobs[1] == pytest.approx(0.0, abs=ATOL)
+        assert (
+            abs(comp.logprobs[0] - torch.log_softmax(logits, -1)[comp.token_ids[0]].item()) > 0.05
+        )  # unmasked
