@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,6 +52,7 @@ from rollout.http import limits, messages_api, responses_api
 from rollout.http.chat_prompt import ChatPrompts
 from rollout.http.constraints import constraint_for
 from rollout.http.middleware import BodyLimit, Guard
+from rollout.http.parsers import TOOL_FORMATS, ChatReader, ParsedCall, kept_specials, think
 from rollout.http.schemas import (
     APIError,
     ChatRequest,
@@ -62,7 +63,6 @@ from rollout.http.schemas import (
     text_problem,
 )
 from rollout.http.sessions import SessionError, SessionStore
-from rollout.http.tools import PARSERS, ParsedCall, ToolParser
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
 from tandem.rewards import clip_reward
@@ -82,51 +82,6 @@ class _Choice:
     sent_chars: int = 0
     sent_tokens: int = 0
     stopped: bool = False
-
-
-@dataclass
-class _HeldText:
-    """One streamed choice's text once tool calls may come: content is sent up to where a call could
-    start; from a call's opening tag on, the text is held and parsed when the choice ends."""
-
-    start: str  # the parser's opening tag
-    text: str = ""
-    sent: int = 0
-    entries: list[tuple[str, float, int]] = field(default_factory=list)  # logprobs not yet sent
-
-    def feed(
-        self, new: str, entries: list[tuple[str, float, int]]
-    ) -> tuple[str, list[tuple[str, float, int]]]:
-        """What of the text so far may be sent now, with the logprob entries held until then."""
-        self.text += new
-        self.entries += entries
-        at = self.text.find(self.start)
-        if at < 0:  # hold a tail that could be the start of the tag
-            at = len(self.text) - next(
-                (k for k in range(len(self.start) - 1, 0, -1) if self.text.endswith(self.start[:k])), 0
-            )
-        out = self.text[self.sent : max(at, self.sent)]
-        self.sent += len(out)
-        if not out:
-            return "", []
-        sent_entries, self.entries = self.entries, []
-        return out, sent_entries
-
-
-@dataclass(frozen=True)
-class _ToolCalls:
-    """How one chat request's completions are read for tool calls."""
-
-    parser: ToolParser
-    allowed: frozenset[str]
-    parallel: bool
-
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """``(content, tool_calls)`` in OpenAI's shape; without a valid call, ``(text, [])``."""
-        content, calls = self.parser.parse(text, self.allowed)
-        if not calls:
-            return text, []
-        return content, [_openai_call(c) for c in (calls if self.parallel else calls[:1])]
 
 
 def _openai_call(c: ParsedCall) -> dict[str, Any]:
@@ -157,10 +112,16 @@ class API:
         self.reward_clip = reward_clip
         self.sessions, self.sink = SessionStore(tokenizer, on_rewrite=http.session.on_rewrite), sink
         self.prompts = ChatPrompts(tokenizer)
-        self.tool_parser = PARSERS[http.tool_parser] if http.tool_parser else None
+        self.tool_parser = TOOL_FORMATS[http.tool_parser] if http.tool_parser else None
+        self.reasoning_parser = http.reasoning_parser
+        self.special_ids = set(tokenizer.all_special_ids)
+        # The special tokens a format is written in (harmony's, Mistral's [TOOL_CALLS]) survive decoding.
+        names = list(kept_specials(http.reasoning_parser, http.tool_parser))
+        kept = set(tokenizer.convert_tokens_to_ids(names))
+        special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | self.special_ids
+        self.kept_ids, self.skipped_ids = kept & special, special - kept
         self.model_name, self.names = model_name, {model_name, *aliases}
         self.max_context = max_context
-        self.special_ids = set(tokenizer.all_special_ids)
         self.created = int(time.time())
         self.active = 0  # requests holding a generation slot
         self._slots_lock = threading.Lock()
@@ -253,7 +214,7 @@ class API:
             raise APIError(400, "a prompt is empty", param="prompt")
         return out
 
-    def tool_calls(self, req: ChatRequest) -> _ToolCalls | None:
+    def tool_calls(self, req: ChatRequest) -> ChatReader | None:
         """How to read the request's completions for tool calls; None: not at all (no tools, or
         ``tool_choice: "none"``). Checks ``tools`` and ``tool_choice`` against each other."""
         names = [t.function.name for t in req.tools or []]
@@ -276,7 +237,17 @@ class API:
                 'tools: this server reads no tool calls (rollout.http.tool_parser is null); use tool_choice "none"',
                 param="tools",
             )
-        return _ToolCalls(self.tool_parser, frozenset([named] if named else names), req.parallel_tool_calls)
+        tools = [t.function for t in req.tools or [] if named in (None, t.function.name)]
+        allowed = {f.name: f.parameters or {} for f in tools}  # qwen3_coder types values by the schema
+        return ChatReader(tools=self.tool_parser, allowed=allowed, parallel=req.parallel_tool_calls)
+
+    def reader(self, tools: ChatReader | None, prompt: list[int]) -> ChatReader | None:
+        """How to read a chat completion: ``tools`` (:meth:`tool_calls`) and the server's reasoning format,
+        told whether the prompt's last tokens opened a ``<think>`` block; None: as plain content."""
+        if self.reasoning_parser is None:
+            return tools
+        inside = self.reasoning_parser == "think" and think.opened(self.tokenizer.decode(prompt[-32:]))
+        return replace(tools or ChatReader(), reasoning=self.reasoning_parser, inside=inside)
 
     # ---------------------------------------------------------------------------------------- generation
 
@@ -353,8 +324,14 @@ class API:
             cancelled.set()
             self.metrics.generated_tokens.labels(source="http").inc(tokens)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """A completion's text: special tokens skipped, but those the parsers read (``kept_specials``)."""
+        if not self.kept_ids:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode([t for t in token_ids if t not in self.skipped_ids])
+
     def text_and_finish(self, c: Completion, stop: list[str]) -> tuple[str, str]:
-        text, hit = cut_at_stop(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), stop)
+        text, hit = cut_at_stop(self.decode(c.token_ids), stop)
         return text, "stop" if hit or c.finish_reason == "stop" else "length"
 
     def token_entries(
@@ -428,6 +405,7 @@ class API:
             max_tokens = req.max_completion_tokens or req.max_tokens
             return await self.session_call(req, request, session, text, max_tokens, chat=True, tools=tools)
         prompt = self.prompts.token_ids(req)
+        tools = self.reader(tools, prompt)
         sampling = self.sampling(req, req.max_completion_tokens or req.max_tokens, [prompt])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model}
@@ -452,14 +430,17 @@ class API:
         return {**head, "choices": choices, "usage": self.usage([prompt], out, sampling.n)}
 
     @staticmethod
-    def chat_message(text: str, finish: str, tools: _ToolCalls | None) -> tuple[dict[str, Any], str]:
+    def chat_message(text: str, finish: str, tools: ChatReader | None) -> tuple[dict[str, Any], str]:
         """The assistant message of a completion's text, and its finish reason (``tool_calls`` with calls)."""
         if tools is None:
             return {"role": "assistant", "content": text}, finish
-        content, calls = tools.parse(text)
-        if not calls:
-            return {"role": "assistant", "content": text}, finish
-        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        read = tools.read(text)
+        message: dict[str, Any] = {"role": "assistant", "content": read.content}
+        if tools.reasoning is not None:
+            message["reasoning_content"] = read.reasoning
+        if not read.calls:
+            return message, finish
+        return {**message, "tool_calls": [_openai_call(c) for c in read.calls]}, "tool_calls"
 
     # ------------------------------------------------------------------------------ agent sessions (§10.6)
 
@@ -481,7 +462,7 @@ class API:
         max_tokens: int | None,
         *,
         chat: bool,
-        tools: _ToolCalls | None = None,
+        tools: ChatReader | None = None,
     ) -> dict[str, Any]:
         """One call of a black-box agent's session: generate from the session's exact tokens. Tool calls
         are parsed for the response only; the session keeps the sampled tokens, and the text they decode
@@ -493,6 +474,8 @@ class API:
         except SessionError as e:
             raise APIError(400, str(e), param="session_id") from None
         sampling = self.sampling(req, max_tokens, [context])
+        if chat:
+            tools = self.reader(tools, context)
         with self.slot():
             ((c,),) = await self.generate([context], sampling, request)
         returned, finish = self.text_and_finish(c, sampling.stop)
@@ -588,14 +571,16 @@ class API:
         sampling: SamplingParams,
         logprobs: bool,
         top: bool,
-        tools: _ToolCalls | None = None,
+        tools: ChatReader | None = None,
         usage: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Chat chunks. With tools, text from a call's opening tag on is held; when the choice ends it is
-        parsed, and its calls are sent as one ``tool_calls`` delta (the text around them as content).
+        """Chat chunks. With a reader (tools, a reasoning format), each choice's text goes through its
+        :class:`ChatStream`: reasoning as ``reasoning_content`` deltas, content until a call could begin;
+        when the choice ends its calls are sent as one ``tool_calls`` delta.
         ``usage``: a last chunk without choices carries the usage (``stream_options.include_usage``)."""
         choices = [_Choice() for _ in range(sampling.n)]
-        held = [_HeldText(tools.parser.start) for _ in choices] if tools else []
+        streams = [tools.stream() for _ in choices] if tools else []
+        held: list[list[tuple[str, float, int]]] = [[] for _ in choices]  # logprobs not sent yet
         started: set[int] = set()  # choices whose first delta (which carries the role) was sent
 
         def delta(row: int, **content: Any) -> dict[str, Any]:
@@ -611,22 +596,23 @@ class API:
             return {**head, "choices": [choice]}
 
         async for row, text, entries, _ in self._tracked([prompt], sampling, choices):
-            if held:
-                text, entries = held[row].feed(text, entries)
-                if not text:
-                    continue
-            yield chunk(row, entries, content=text)
+            if not streams:
+                yield chunk(row, entries, content=text)
+                continue
+            held[row] += entries
+            for d in streams[row].feed(text):
+                yield chunk(row, held[row], **d)
+                held[row] = []
         for row, ch in enumerate(choices):
             reason = self.finish_reason(ch, sampling.max_new_tokens)
-            if held:
-                h = held[row]
-                content, calls = tools.parse(h.text[h.sent :])
-                if content:
-                    yield chunk(row, [] if calls else h.entries, content=content)
-                if calls:
+            for d in streams[row].finish() if streams else []:
+                if "tool_calls" in d:
                     reason = "tool_calls"
-                    yield chunk(row, h.entries, tool_calls=[{"index": k, **c} for k, c in enumerate(calls)])
-            yield chunk(row, None, reason)
+                    calls = enumerate(d.pop("tool_calls"))
+                    d = {"tool_calls": [{"index": k, **_openai_call(c)} for k, c in calls]}
+                yield chunk(row, held[row], **d)
+                held[row] = []
+            yield chunk(row, held[row] or None, reason)
         if usage:
             out = [[Completion(ch.tokens, ch.logprobs, "stop", []) for ch in choices]]
             yield {**head, "choices": [], "usage": self.usage([prompt], out, sampling.n)}
@@ -643,9 +629,7 @@ class API:
                 continue
             ch.tokens.append(token)
             ch.logprobs.append(logp)
-            text, ch.stopped = cut_at_stop(
-                self.tokenizer.decode(ch.tokens, skip_special_tokens=True), sampling.stop
-            )
+            text, ch.stopped = cut_at_stop(self.decode(ch.tokens), sampling.stop)
             safe = len(text) if ch.stopped else len(text) - hold
             while safe > ch.sent_chars and text[safe - 1] == "\ufffd":  # an incomplete multi-byte character
                 safe -= 1
@@ -656,7 +640,7 @@ class API:
             if new or entries:
                 yield row, new, entries, ch
         for row, ch in enumerate(choices):  # held-back text that no stop string followed
-            text, _ = cut_at_stop(self.tokenizer.decode(ch.tokens, skip_special_tokens=True), sampling.stop)
+            text, _ = cut_at_stop(self.decode(ch.tokens), sampling.stop)
             if len(text) > ch.sent_chars:
                 new, ch.sent_chars = text[ch.sent_chars :], len(text)
                 yield row, new, [], ch

@@ -1,97 +1,36 @@
-"""Function calling on the chat API: tool calls parsed out of the model's text, and the Hermes-style prompt
-for chat templates that cannot render tools (docs/environments.md §10.8).
-
-Pure functions: no tokenizer, no engine. The parser (``rollout.http.tool_parser``) turns a completion's text
-into ``(content, calls)``; the HTTP response carries the calls, while the tokens the engine sampled (and an
-agent session records) are untouched.
-
-The Hermes format (Hermes 2 Pro, Qwen 2.5 and 3, as vLLM's and SGLang's ``hermes`` parsers read it): each
-call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, several in a row for parallel calls.
-A block is a call only if its body is a JSON object whose ``name`` is a string among the allowed functions
-and whose ``arguments`` is an object (or JSON text of one); anything else (malformed JSON, an unknown
-function) stays in the content, as the model wrote it. A last block the completion ended inside (no
-closing tag) counts if its JSON is complete.
+"""Function calling on the chat API: the Hermes-style prompt for chat templates that cannot render tools
+(docs/environments.md §10.8), and the Hermes parser's names as they were (:mod:`rollout.http.parsers`
+holds every format).
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Any
 
-from rollout.http import limits
+from rollout.http.parsers import ParsedCall
+from rollout.http.parsers.hermes import END as HERMES_END
+from rollout.http.parsers.hermes import FORMAT as HERMES
+from rollout.http.parsers.hermes import START as HERMES_START
 
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # a JSON object, as OpenAI's ``function.arguments`` carries it
-
-
-@dataclass(frozen=True)
-class ToolParser:
-    """``start``: the text that opens a call (a stream holds text back from it on); ``parse``:
-    ``(text, allowed names or None for any) -> (content, calls)``."""
-
-    start: str
-    parse: Callable[[str, Collection[str] | None], tuple[str | None, list[ParsedCall]]]
-
-
-HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+__all__ = [
+    "HERMES_END",
+    "HERMES_START",
+    "ParsedCall",
+    "hermes_messages",
+    "hermes_tools_prompt",
+    "parse_hermes",
+]
 
 
 def parse_hermes(text: str, allowed: Collection[str] | None = None) -> tuple[str | None, list[ParsedCall]]:
-    """``(content, calls)`` of a completion in the Hermes format.
+    """``(content, calls)`` of a completion in the Hermes format (:mod:`rollout.http.parsers.hermes`).
 
     Without a valid call the content is ``text`` unchanged. With calls, it is the text outside them,
     stripped, or None when nothing but whitespace is left (OpenAI's null content).
     """
-    calls: list[ParsedCall] = []
-    outside: list[str] = []
-    pos = 0
-    for m in _HERMES_BLOCK.finditer(text):
-        call = _call(m.group(1), allowed)
-        if call is None:
-            continue
-        outside.append(text[pos : m.start()])
-        pos = m.end()
-        calls.append(call)
-    if not calls:
-        return text, []
-    outside.append(text[pos:])
-    return "".join(outside).strip() or None, calls
-
-
-def _call(body: str, allowed: Collection[str] | None) -> ParsedCall | None:
-    try:  # within the depth limit: a model can write a thousand brackets too
-        obj = limits.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict):
-        return None
-    name, args = obj.get("name"), obj.get("arguments", {})
-    if isinstance(args, str):  # some models write the arguments as JSON text
-        try:
-            args = limits.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(name, str) or not isinstance(args, dict):
-        return None
-    if allowed is not None and name not in allowed:
-        return None
-    arguments = json.dumps(args, ensure_ascii=False)
-    try:  # JSON can spell a lone surrogate ("\ud800"), which no response could encode
-        name.encode()
-        arguments.encode()
-    except UnicodeEncodeError:
-        return None
-    return ParsedCall(name, arguments)
-
-
-PARSERS: dict[str, ToolParser] = {"hermes": ToolParser(HERMES_START, parse_hermes)}
+    return HERMES.parse(text, allowed)
 
 
 # ----------------------------------------------------------------------------- Hermes-style rendering

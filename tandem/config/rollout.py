@@ -103,11 +103,34 @@ class HTTPConfig(Section):
     max_concurrent_requests: int = Field(
         16, ge=1, description="Requests generating at once; more are answered 429 at once (retry later)."
     )
-    tool_parser: Literal["hermes"] | None = Field(
+    tool_parser: Literal["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"] | None = Field(
         "hermes",
         description="How tool calls are read from the model's text on /v1/chat/completions "
-        "(hermes: <tool_call>{json}</tool_call>); null refuses tools unless tool_choice is none.",
+        "(hermes: <tool_call>{json}</tool_call>; qwen3_coder: <function=f><parameter=a>; llama3_json; "
+        "mistral: [TOOL_CALLS]; harmony: gpt-oss); null refuses tools unless tool_choice is none.",
     )
+    reasoning_parser: Literal["think", "harmony"] | None = Field(
+        None,
+        description="How reasoning is split from the content on /v1/chat/completions, as reasoning_content "
+        "(think: <think>...</think>, Qwen3 / DeepSeek-R1; harmony: gpt-oss's analysis channel); "
+        "null leaves it in the content.",
+    )
+
+    @model_validator(mode="after")
+    def _harmony_together(self) -> HTTPConfig:
+        """Harmony is one format for reasoning and calls: the other parser cannot read it."""
+        pair = {"reasoning_parser": self.reasoning_parser, "tool_parser": self.tool_parser}
+        if "harmony" in pair.values() and any(v not in ("harmony", None) for v in pair.values()):
+            raise ValueError(
+                f"rollout.http: reasoning_parser={self.reasoning_parser!r} with tool_parser={self.tool_parser!r}; "
+                "gpt-oss's harmony format is read by harmony for both (or null for either)"
+            )
+        if self.tool_parser == "harmony" and self.reasoning_parser is None:
+            raise ValueError(
+                "rollout.http.tool_parser=harmony needs reasoning_parser: harmony (the format's channels are "
+                "read together)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _key_off_loopback(self) -> HTTPConfig:
