@@ -86,12 +86,14 @@ def recounted(
     return version * batch_size + trajectories - trained_unacked + (claimed + credits) * n_samples
 
 
-# KEYS[1] admitted, KEYS[2] version, KEYS[3] credits; ARGV: n, batch_size, max_staleness, groups, consumer.
-# Admits as many groups of n (up to ``groups``) as fit under admission_bound, records them as the
-# consumer's unspent credits; returns {groups admitted, admitted, bound}.
+# KEYS[1] admitted, KEYS[2] version, KEYS[3] credits, KEYS[4] the published bound; ARGV: n, batch_size,
+# max_staleness, groups, consumer. Admits as many groups of n (up to ``groups``) as fit under
+# admission_bound, at the bound the learner published (max_staleness auto) or else ARGV[3], records them as
+# the consumer's unspent credits; returns {groups admitted, admitted, bound}.
 _ADMIT_LUA = """
 local v = tonumber(redis.call('GET', KEYS[2]) or '0')
-local bound = (v + tonumber(ARGV[3]) + 1) * tonumber(ARGV[2])
+local s = math.min(tonumber(redis.call('GET', KEYS[4]) or ARGV[3]), tonumber(ARGV[3]))
+local bound = (v + s + 1) * tonumber(ARGV[2])
 local admitted = tonumber(redis.call('GET', KEYS[1]) or '0')
 local n = tonumber(ARGV[1])
 local k = math.min(tonumber(ARGV[4]), math.floor((bound - admitted) / n))
@@ -107,6 +109,11 @@ def version_key(run: str) -> str:
 
 def admitted_key(run: str) -> str:
     return f"{run}:admitted"
+
+
+def bound_key(run: str) -> str:
+    """The admission bound the learner publishes under ``max_staleness: auto`` (buffer/auto_staleness.py)."""
+    return f"{run}:max_staleness"
 
 
 def read_version(client: redis.Redis, run: str) -> int:
@@ -148,6 +155,8 @@ class Admission:
 
     @classmethod
     def from_config(cls, client: redis.Redis, cfg: Config, consumer: str) -> Admission:
+        """``max_staleness`` is the hard limit (``Config.max_staleness``); under ``auto`` admission reads the
+        bound the learner publishes below it (:meth:`set_bound`)."""
         return cls(
             client,
             cfg.run.name,
@@ -175,6 +184,19 @@ class Admission:
         pipe.set(self.version_key, int(v))
         pipe.publish(self.channel, int(v))
 
+    def set_bound(self, bound: int) -> None:
+        """Publish the staleness bound admission uses from now on (``max_staleness: auto``; the learner
+        calls it). Trajectories admitted under a higher bound before stay within ``max_staleness``, the
+        hard limit the take-time screen holds."""
+        if not 0 <= bound <= self.max_staleness:
+            raise ValueError(f"admission bound {bound} outside 0..max_staleness={self.max_staleness}")
+        self.client.set(bound_key(self.run), int(bound))
+
+    def bound(self) -> int:
+        """The staleness bound admission uses now: the published one, else ``max_staleness``."""
+        published = self.client.get(bound_key(self.run))
+        return self.max_staleness if published is None else min(int(published), self.max_staleness)
+
     def freshness_floor(self) -> int:
         """The oldest weights a server may generate with now (:func:`freshness_floor`)."""
         return freshness_floor(self.version(), max_staleness=self.max_staleness)
@@ -194,7 +216,7 @@ class Admission:
         if n < 1 or n > (top := largest_group(batch_size=self.batch_size, max_staleness=self.max_staleness)):
             raise ValueError(f"admit: group of {n} must be in 1..(max_staleness + 1) * batch_size = {top}")
         got, _, _ = self._admit(
-            keys=[self.admitted_key, self.version_key, self.credits_key],
+            keys=[self.admitted_key, self.version_key, self.credits_key, bound_key(self.run)],
             args=[n, self.batch_size, self.max_staleness, groups, self.consumer],
         )
         self.credits += int(got)

@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 import weightsync
-from buffer.admission import Admission
+from buffer.admission import Admission, bound_key
+from buffer.auto_staleness import StalenessState, StalenessTarget, next_bound
 from buffer.retry import Incarnation, RedisUnavailable, connect_run
 from buffer.schema import Trajectory
 from buffer.stream_scores import RULES_REWARD, StreamScores
@@ -125,6 +126,12 @@ class OnlineRuntime(Runtime):
             AsyncCheckpointer(self.ckpt_dir, group=self.ctrl) if cfg.learner.checkpoint_async else None
         )
         self.ckpt_stats: dict[str, float] = {}
+        # algorithm.max_staleness auto: the bound admission uses, steered by each step's policy/ess
+        a = cfg.algorithm
+        self.staleness = StalenessState(a.staleness_min) if cfg.auto_staleness else None
+        self.staleness_target = StalenessTarget(
+            a.staleness_min, a.staleness_max, a.staleness_ess_target, a.staleness_patience
+        )
 
     def load_models(self) -> Models:
         raise NotImplementedError
@@ -141,6 +148,7 @@ class OnlineRuntime(Runtime):
             self.redis_incarnation = Incarnation(self.client)
             self.buffer = ReplayBuffer.from_config(self.client, self.cfg, CONSUMER)
             self.admission = Admission.from_config(self.client, self.cfg, CONSUMER)
+            self.publish_bound()  # before any version opens admission
             self.publisher = weightsync.make_publisher(self.cfg, self.client, run_dir=str(self.run_dir))
             self.stream_scores = {
                 r: StreamScores(self.client, self.cfg.run.name, r) for r in self.cfg.own_scorers
@@ -166,6 +174,29 @@ class OnlineRuntime(Runtime):
         self.sync_weights(force=True)
         self.telemetry.mark_ready(version=self.version)
         self.install_signal_handlers()
+
+    def publish_bound(self) -> None:
+        """The staleness bound admission uses (``max_staleness: auto``, docs/design.md §3.7); without auto,
+        no published bound (one left in Redis by an earlier run of the same name is dropped)."""
+        if self.staleness is not None:
+            self.admission.set_bound(self.staleness.bound)
+        else:
+            self.client.delete(bound_key(self.cfg.run.name))
+
+    def steer_staleness(self, stats: dict[str, float]) -> dict[str, float]:
+        """``max_staleness: auto``: the next bound from this step's ``policy/ess`` (buffer/auto_staleness.py),
+        logged with its reason when it changes and published (every step: a restarted Redis may have lost
+        it) before the next version opens admission. Returns ``staleness/bound``; nothing without auto.
+        Every rank computes it from the same reduced stats; rank 0 publishes."""
+        if self.staleness is None:
+            return {}
+        ess = stats.get("policy/ess", float("nan"))
+        self.staleness, reason = next_bound(self.staleness, ess, self.staleness_target)
+        if reason is not None and self.lead:
+            log.info("auto staleness at version %d: %s", self.version, reason)
+        if self.lead:
+            self.publish_bound()
+        return {"staleness/bound": float(self.staleness.bound)}
 
     def engines(self) -> dict[str, object]:
         """The trained engines a checkpoint holds, by name."""

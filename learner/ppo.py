@@ -195,6 +195,7 @@ class PPOLearner(OnlineRuntime):
             if "policy/kl" in stats:  # every rank: the same reduced value, the same coefficient
                 stats["policy/kl_coef"] = self.kl_ctl.value
                 self.kl_ctl.update(stats["policy/kl"], len(batch))
+            stats.update(self.steer_staleness(stats))  # max_staleness auto: the next version's bound
             self.version += 1
         with timed() as sync:
             self.sync_weights()  # publish version v, then open admission for it

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from tandem.config.base import Section, SectionCheckError
 
@@ -156,10 +156,24 @@ class AlgorithmConfig(Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (gae only).")
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the value update; null disables.")
-    max_staleness: int = Field(
+    max_staleness: int | Literal["auto"] = Field(
         2,
-        ge=0,
-        description="Largest learner version minus the oldest token version that may be trained on; 0 is on-policy.",
+        description="Largest learner version minus the oldest token version that may be trained on; 0 is on-policy. auto: admission's bound moves within [staleness_min, staleness_max] with the importance weights' effective sample size (docs/design.md §3.7); staleness_max is the hard limit.",
+    )
+    staleness_min: int = Field(0, ge=0, description="max_staleness auto: the lowest bound, and the first.")
+    staleness_max: int = Field(
+        4, ge=0, description="max_staleness auto: the highest bound; no trained token is staler."
+    )
+    staleness_ess_target: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="max_staleness auto: a step whose policy/ess (normalised effective sample size of the importance weights) is below this lowers the bound by one.",
+    )
+    staleness_patience: int = Field(
+        10,
+        ge=1,
+        description="max_staleness auto: this many steps in a row at or above staleness_ess_target raise the bound by one.",
     )
     batch_size: int = Field(
         16, ge=1, description="Trajectories per learner step (a multiple of rollout.n_samples)."
@@ -197,6 +211,27 @@ class AlgorithmConfig(Section):
         unless the KL is folded into the reward and needed before the first backward."""
         one_step = self.ppo_epochs == 1 and self.minibatch_size == self.batch_size
         return not (self.prox_forward == "auto" and one_step and not (self.kl_in_reward and self.kl_coef > 0))
+
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _staleness_or_auto(cls, value: Any) -> Any:
+        # One message for the two members of the union, not one per member.
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"Input should be a non-negative integer or 'auto', not {value!r}")
+        if value < 0:
+            raise ValueError("Input should be greater than or equal to 0, or 'auto'")
+        return value
+
+    @model_validator(mode="after")
+    def _auto_staleness_range(self) -> AlgorithmConfig:
+        if self.max_staleness == "auto" and self.staleness_min > self.staleness_max:
+            raise SectionCheckError(
+                f"algorithm.staleness_min ({self.staleness_min}) must be <= algorithm.staleness_max "
+                f"({self.staleness_max}) with max_staleness auto"
+            )
+        return self
 
     @model_validator(mode="after")
     def _turn_credit_needs_a_per_token_estimator(self) -> AlgorithmConfig:

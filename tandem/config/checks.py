@@ -227,6 +227,8 @@ def adapter_sync_needs_hf(cfg: Config) -> None:
 
 def sync_interval_within_staleness(cfg: Config) -> None:
     interval, bound = cfg.algorithm.sync_interval, cfg.max_staleness
+    if cfg.auto_staleness:  # admission may hold the bound at its lowest
+        bound = cfg.algorithm.staleness_min
     if interval > bound + 1:
         why = "run.mode=sync trains on-policy (max_staleness 0)" if cfg.run.mode == "sync" else ""
         raise ValueError(

@@ -128,11 +128,19 @@ class Config(Section):
     def max_staleness(self) -> int:
         """The staleness bound in force: ``algorithm.max_staleness``, or 0 in sync mode (on-policy).
 
-        Every process reads it here, so sync mode is the same code path with one number changed.
+        Every process reads it here, so sync mode is the same code path with one number changed. With
+        ``auto`` it is ``algorithm.staleness_max``, the hard limit (the take-time screen, the servers'
+        freshness floor); admission reads the bound the learner publishes below it (docs/design.md §3.7).
         """
         if self.run.mode == "sync" or self.algorithm.recipe != "ppo":
             return 0
-        return self.algorithm.max_staleness
+        a = self.algorithm
+        return a.staleness_max if a.max_staleness == "auto" else a.max_staleness
+
+    @property
+    def auto_staleness(self) -> bool:
+        """Whether the learner steers admission's bound (``algorithm.max_staleness: auto``, async)."""
+        return self.max_staleness > 0 and self.algorithm.max_staleness == "auto"
 
     @property
     def episode_progression(self) -> Literal["rounds", "independent"]:
