@@ -15,10 +15,12 @@ import random
 import httpx
 import openai
 import pytest
+from pydantic import ValidationError
 
 from rollout.http.parsers import TOOL_FORMATS, ChatReader, ParsedCall, parse_reasoning
 from rollout.http.parsers import think as think_format
 from rollout.http.parsers.qwen3_coder import typed
+from tandem.config import HTTPConfig
 from tests.test_tool_calls import AUTH, KEY, MODEL, ScriptedEngine, byte_tokenizer, serve
 from toy.tiny import CHAT_TEMPLATE
 
@@ -465,3 +467,11 @@ def test_a_template_that_opens_think_starts_the_completion_inside_it() -> None:
         )
     finally:
         server.stop()
+
+
+def test_harmony_reads_reasoning_and_calls_together() -> None:
+    assert HTTPConfig(reasoning_parser="harmony", tool_parser="harmony").tool_parser == "harmony"
+    assert HTTPConfig(reasoning_parser="harmony", tool_parser=None).tool_parser is None
+    for fields in ({"reasoning_parser": "harmony"}, {"tool_parser": "harmony"}, {"reasoning_parser": "think", "tool_parser": "harmony"}):  # fmt: skip
+        with pytest.raises(ValidationError, match="harmony"):
+            HTTPConfig(**fields)

@@ -4,6 +4,7 @@
 validation, the error shape), :mod:`rollout.http.middleware` (body limit, bearer token, request count),
 :mod:`rollout.http.sessions` (black-box agent sessions, docs/environments.md §10.6),
 :mod:`rollout.http.chat_prompt` (chat messages and tools through the chat template),
-:mod:`rollout.http.tools` (tool-call parsing and the Hermes-style fallback, docs/environments.md §10.8) and
+:mod:`rollout.http.parsers` (reasoning and tool calls read from a completion's text, docs/environments.md
+§10.8), :mod:`rollout.http.tools` (the Hermes-style prompt for templates without tools) and
 :mod:`rollout.http.serve` (the uvicorn thread).
 """
