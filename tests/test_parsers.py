@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
-from rollout.http.parsers import TOOL_FORMATS, ChatReader, ParsedCall, parse_reasoning
+from rollout.http.parsers import TOOL_FORMATS, ChatReader, ParsedCall, harmony, parse_reasoning
 from rollout.http.parsers import think as think_format
 from rollout.http.parsers.qwen3_coder import typed
 from tandem.config import HTTPConfig
@@ -475,3 +475,31 @@ def test_harmony_reads_reasoning_and_calls_together() -> None:
     for fields in ({"reasoning_parser": "harmony"}, {"tool_parser": "harmony"}, {"reasoning_parser": "think", "tool_parser": "harmony"}):  # fmt: skip
         with pytest.raises(ValidationError, match="harmony"):
             HTTPConfig(**fields)
+
+
+def test_harmony_end_to_end_keeps_its_special_tokens() -> None:
+    """gpt-oss's harmony tokens are special tokens: decoding keeps them for the parser."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(harmony.SPECIALS)})
+    engine = ScriptedEngine(tok)
+    engine.reply = lambda p: ANALYSIS + HARMONY_CALL
+    server = serve(engine, api_key=KEY, reasoning_parser="harmony", tool_parser="harmony")
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, timeout=30, max_retries=0
+        )
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+        (choice,) = r.choices
+        assert choice.message.reasoning_content == "User asks weather in Paris. Call the tool."
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_weather", {"city": "Paris", "days": 2})
+        ]
+        streamed = collect(
+            client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, stream=True)
+        )
+        assert streamed == (
+            "User asks weather in Paris. Call the tool.", "", [("get_weather", {"city": "Paris", "days": 2})], "tool_calls"
+        )  # fmt: skip
+    finally:
+        server.stop()

@@ -62,9 +62,9 @@ _DECODER = json.JSONDecoder()
 def tail_start(text: str, marker: str) -> int:
     """Where the longest tail of ``text`` that could be the beginning of ``marker`` starts (``len(text)``
     if none): a stream holds that tail until the next text tells."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return len(text) - k
+    for at in range(max(0, len(text) - len(marker) + 1), len(text)):  # the longest tail first
+        if text[at] == marker[0] and marker.startswith(text[at:]):
+            return at
     return len(text)
 
 

@@ -27,7 +27,8 @@ from rollout.http.parsers.calls import Allowed, ParsedCall, json_at, make_call, 
 
 SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 MESSAGE = "<|message|>"
-_STOP = re.compile(r"<\|(?:end|call|return)\|>|(?=<\|start\|>)")  # a message that skips <|end|> ends too
+ENDS = ("<|end|>", "<|call|>", "<|return|>")
+START = "<|start|>"  # a message that skips its end token ends where the next one starts
 _CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 FUNCTIONS = "functions."
@@ -55,11 +56,22 @@ def messages(text: str) -> tuple[list[Message], str]:
     pos = 0
     while (at := text.find(MESSAGE, pos)) >= 0:
         body_at = at + len(MESSAGE)
-        stop = _STOP.search(text, body_at)
-        end = stop.end() if stop else len(text)
-        out.append(Message(text[pos:at], text[body_at : stop.start() if stop else len(text)], text[pos:end]))
+        stop, end = _stop(text, body_at)
+        out.append(Message(text[pos:at], text[body_at:stop], text[pos:end]))
         pos = end
     return out, text[pos:]
+
+
+def _stop(text: str, start: int) -> tuple[int, int]:
+    """Where the body from ``start`` ends, and where its message ends (after its end token)."""
+    at = text.find("<|", start)
+    while at >= 0:
+        if end := next((t for t in ENDS if text.startswith(t, at)), None):
+            return at, at + len(end)
+        if text.startswith(START, at):
+            return at, at
+        at = text.find("<|", at + 2)
+    return len(text), len(text)
 
 
 @dataclass(frozen=True)
