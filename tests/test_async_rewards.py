@@ -185,3 +185,23 @@ def test_a_failing_group_function_costs_only_its_group() -> None:
     assert [[t for t, _ in g] for g in scored] == [[1.0, 0.0], [1.0], [1.0, 0.0], [2.0, 1.0]]
     assert (rf.timeouts, rf.errors) == (1, 2)
     rf.close()
+
+
+def test_check_plugins_names_a_group_function_whose_kwargs_do_not_bind() -> None:
+    from tandem.config import load_config
+    from tandem.plugins import check_plugins
+
+    raw = {
+        "run": {"name": "g"},
+        "model": {"actor": "a"},
+        "data": {"prompts": "p"},
+        "reward": {
+            "group_functions": [
+                {"path": f"{HERE}:lengths", "kwargs": {"scale": 2.0}},
+                {"path": f"{HERE}:lengths", "kwargs": {"scael": 2.0}},
+            ]
+        },
+    }
+    errors = check_plugins(load_config(None, raw=raw))
+    assert len(errors) == 1 and errors[0].startswith("reward.group_functions[1].path")
+    assert "scael" in errors[0]
