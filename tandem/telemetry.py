@@ -98,7 +98,8 @@ def setup_logging(level: str = "INFO") -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactSecrets) for f in handler.filters):
             handler.addFilter(RedactSecrets())
-    for noisy in ("httpx", "urllib3", "filelock", "DeepSpeed"):
+    # httpx2 is the openai client's: a line per request (an LLM judge's, one per completion)
+    for noisy in ("httpx", "httpx2", "urllib3", "filelock", "DeepSpeed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
