@@ -28,6 +28,7 @@ from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
 from tests.test_tool_calls import CALL, ScriptedEngine, byte_tokenizer, serve, weather_agent_reply
+from toy.tasks import calc_agent_anthropic
 
 KEY = "messages-test-key"
 MODEL = "tiny"
@@ -82,7 +83,10 @@ def test_tool_use_then_result_then_answer(client: anthropic.Anthropic, engine: S
     assert r.usage.output_tokens == len(sampled.token_ids)
     prompt = engine.prompts[0]
     assert r.usage.input_tokens == len(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
-    assert prompt.startswith("system: be brief\n\n# Tools") and '"parameters": {"type": "object"' in prompt
+    assert prompt.startswith("system: be brief\n\n# Tools")
+    as_chat = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
+                                                "parameters": WEATHER["input_schema"]}}  # fmt: skip
+    assert f"<tools>\n{json.dumps(as_chat)}\n</tools>" in prompt  # the chat API's prompt, to the byte
 
     messages += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
@@ -364,3 +368,31 @@ def test_streamed_reasoning_is_a_thinking_block_before_the_text() -> None:
     assert out[1]["content_block"]["type"] == "thinking" and out[5]["content_block"]["type"] == "text"
     assert [out[2]["delta"]["thinking"], out[3]["delta"]["thinking"]] == ["th", "ink"]
     assert out[5]["index"] == 1 and out[-2]["delta"]["stop_reason"] == "max_tokens"
+
+
+# ------------------------------------------------------------------- the calculator agent on this API
+
+
+def test_the_anthropic_calculator_agent_earns_its_reward(served, engine: ScriptedEngine) -> None:
+    """toy/tasks/calc_agent_anthropic.py, handed an OpenAI client on a session as a run hands it: its
+    calls reach the session, the tool's result reaches the model, and the right sum is rewarded."""
+    url = served[1]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    call = '<tool_call>{"name": "add", "arguments": {"a": 37, "b": 48}}</tool_call>'
+    engine.reply = lambda p: "85" if "<tool_response>\n85\n</tool_response>" in p else call
+    record = {"prompt": "37+48=", "result": 85}
+
+    async def episode() -> tuple[dict, str]:
+        sid = httpx.post(f"{url}/v1/sessions", headers=auth, timeout=30).json()["id"]
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, default_headers={"X-Session-Id": sid})
+        async with client:
+            return await calc_agent_anthropic.agent(client, record, model=MODEL), sid
+
+    reward, sid = asyncio.run(episode())
+    assert reward == {"correct": 1.0} and len(engine.prompts) == 2
+    done = httpx.post(
+        f"{url}/v1/sessions/{sid}/finish", json={"reward": 1.0}, headers=auth, timeout=30
+    ).json()
+    assert done["calls"] == 2  # both of the agent's calls were on its session
+    engine.reply = lambda p: "86" if "<tool_response>" in p else call
+    assert asyncio.run(episode())[0] == {"correct": 0.0}

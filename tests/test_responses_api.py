@@ -25,6 +25,7 @@ from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
 from tests.test_tool_calls import CALL, ScriptedEngine, byte_tokenizer, serve, weather_agent_reply
+from toy.tasks import calc_agent_responses
 
 KEY = "responses-test-key"
 MODEL = "tiny"
@@ -260,3 +261,28 @@ def test_streamed_reasoning_is_a_reasoning_item() -> None:
     done = Response.model_validate(out[-1]["response"])
     assert [o.type for o in done.output] == ["reasoning", "message"]
     assert done.output[0].content[0].text == "think" and done.output_text == "ok"
+
+
+def test_the_agents_sdk_responses_calculator_earns_its_reward(served, engine: ScriptedEngine) -> None:
+    """toy/tasks/calc_agent_responses.py (the Agents SDK's OpenAIResponsesModel), handed an OpenAI client
+    on a session as a run hands it: the SDK's loop runs the tool, its result reaches the model, and the
+    right sum is rewarded; the session holds both calls."""
+    url, auth = served[1], {"Authorization": f"Bearer {KEY}"}
+    call = '<tool_call>{"name": "add", "arguments": {"a": 37, "b": 48}}</tool_call>'
+    engine.reply = lambda p: "85" if "<tool_response>\n85\n</tool_response>" in p else call
+    record = {"prompt": "37+48=", "result": 85}
+
+    async def episode() -> tuple[dict, str]:
+        sid = httpx.post(f"{url}/v1/sessions", headers=auth, timeout=30).json()["id"]
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, default_headers={"X-Session-Id": sid})
+        async with client:
+            return await calc_agent_responses.agent(client, record, model=MODEL), sid
+
+    reward, sid = asyncio.run(episode())
+    assert reward == {"correct": 1.0} and len(engine.prompts) == 2
+    done = httpx.post(
+        f"{url}/v1/sessions/{sid}/finish", json={"reward": 1.0}, headers=auth, timeout=30
+    ).json()
+    assert done["calls"] == 2
+    engine.reply = lambda p: "86" if "<tool_response>" in p else call
+    assert asyncio.run(episode())[0] == {"correct": 0.0}

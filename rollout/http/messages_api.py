@@ -149,11 +149,9 @@ def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
             400, f"{param}: {tool['type']!r} tools are not served here; only custom tools", param=param
         )
     t = parsed(Tool, tool, f"tools.{i}")
-    function = {"name": t.name, "parameters": t.input_schema}
-    return {
-        "type": "function",
-        "function": function if t.description is None else {**function, "description": t.description},
-    }
+    # in the chat API's key order, so a template that prints the tool's JSON prints the same prompt
+    described = {} if t.description is None else {"description": t.description}
+    return {"type": "function", "function": {"name": t.name, **described, "parameters": t.input_schema}}
 
 
 def _system_text(system: str | list[dict[str, Any]]) -> str:

@@ -115,7 +115,10 @@ def chat_fields(req: ResponsesRequest) -> dict[str, Any]:
         "messages": messages,
         "stream": req.stream,
         "parallel_tool_calls": req.parallel_tool_calls,
-        **req.model_dump(include={"temperature", "top_p", "top_k", "seed", "session_id"}, exclude_none=True),
+        # ``stop`` and ``top_k`` are extensions, as on the chat API
+        **req.model_dump(
+            include={"temperature", "top_p", "top_k", "seed", "stop", "session_id"}, exclude_none=True
+        ),
     }
     if req.max_output_tokens is not None:
         fields["max_tokens"] = req.max_output_tokens
