@@ -231,20 +231,27 @@ def test_the_calculator_agent_on_a_thinking_template_plays_two_segments(tools_ck
     engine = ScriptedEngine(think_tokenizer())
     engine.reply = think_reply
     cfg = agent_cfg({"actor": tools_ckpt}, tmp_path, "toy.tasks.calc_agent:agent",
-                    **{"agent.timeout_s": 60, "rollout.max_new_tokens": 100, "agent.kwargs": {"max_tokens": 100}})  # fmt: skip
+                    **{"agent.timeout_s": 60, "rollout.max_new_tokens": 100, "agent.kwargs": {"max_tokens": 100, "tool_bonus": 0.25}})  # fmt: skip
     runner = make_runner(cfg, engine)
     try:
         eps = runner.run(episodes(engine, [{"id": "a", "prompt": "37+48=", "result": 85}]))
     finally:
         runner.close()
-    assert [(e.end_reason, e.reward) for e in eps] == [("done", 1.0)] * N  # the plan is not the answer
+    # the plan is not the answer; the tool's bonus is a reward part of its own
+    assert [(e.end_reason, e.reward, e.parts) for e in eps] == [
+        ("done", 1.25, {"correct": 1.0, "tool": 0.25})
+    ] * N
     for e in eps:
         m = e.metrics()
         assert (m["agent/segments"], m["agent/rewrites"], m["agent/tool_used"]) == (2.0, 1.0, 1.0)
         first, last = e.trajectories("p", "g", "s")
-        assert first.reward == last.reward == 1.0 and first.meta["calls"] == last.meta["calls"] == 1
+        assert first.reward == last.reward == 1.25 and first.meta["calls"] == last.meta["calls"] == 1
         assert not any(k.startswith("env/") for k in first.meta)
-        assert (last.meta["env/segments"], last.meta["env/reward"]) == (2.0, 1.0)
+        assert (last.meta["env/segments"], last.meta["env/reward"], last.meta["env/reward/correct"]) == (
+            2.0,
+            1.25,
+            1.0,
+        )
         assert extra_segments([first, last]) == 1
         tok = engine.tokenizer
         assert tok.decode(last.prompt_tokens.tolist()).endswith(f"{CALL}\ntool: 85\nassistant: ")

@@ -104,6 +104,7 @@ class AgentEpisode:
         metrics = {
             f"env/{k.removeprefix('agent/')}": v for k, v in self.metrics().items() if k != "agent/seconds"
         }
+        episode_reward = {"env/reward": reward, **{f"env/reward/{k}": v for k, v in self.parts.items()}}
         out = []
         for i, x in enumerate(segments):
             # Text after the segment's last completion (no completion answered it) is cut.
@@ -126,7 +127,7 @@ class AgentEpisode:
                         "end_reason": self.end_reason,
                         "seconds": self.seconds,
                         **segment_meta(i, len(segments)),
-                        **(metrics | {"env/reward": reward} if i == len(segments) - 1 else {}),
+                        **(metrics | episode_reward if i == len(segments) - 1 else {}),
                     },
                 )
             )

@@ -52,9 +52,15 @@ async def agent(
     model: str,
     max_turns: int = 3,
     max_tokens: int = 80,
+    tool_bonus: float = 0.0,
 ) -> dict[str, float]:
+    """``tool_bonus``: a reward part ``tool`` for an episode that called the tool (0: none, no part)."""
+
+    def parts(correct: bool, called: bool) -> dict[str, float]:
+        return {"correct": float(correct), **({"tool": tool_bonus * called} if tool_bonus else {})}
+
     messages: list[dict[str, Any]] = [{"role": "user", "content": record["prompt"]}]
-    for _ in range(max_turns):
+    for turn in range(max_turns):
         response = await client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, stop=["\n"]
         )
@@ -62,9 +68,9 @@ async def agent(
         if not message.tool_calls:
             # a thinking model's reasoning before the answer is not the answer (tiny-agent-think.yaml)
             answer = (message.content or "").split("</think>")[-1].strip()
-            return {"correct": float(answer == str(record["result"]))}
+            return parts(answer == str(record["result"]), called=turn > 0)
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             result = run_tool(call.function.name, call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return {"correct": 0.0}
+    return parts(False, called=True)
