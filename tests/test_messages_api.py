@@ -396,3 +396,29 @@ def test_the_anthropic_calculator_agent_earns_its_reward(served, engine: Scripte
     assert done["calls"] == 2  # both of the agent's calls were on its session
     engine.reply = lambda p: "86" if "<tool_response>" in p else call
     assert asyncio.run(episode())[0] == {"correct": 0.0}
+
+
+def test_thinking_blocks_from_the_servers_reasoning_parser() -> None:
+    """A server with ``reasoning_parser: think``: the model's ``<think>`` text comes back as a thinking
+    block ahead of the text and the call, whole and streamed, through the official client."""
+    engine = ScriptedEngine(byte_tokenizer())
+    engine.reply = lambda p: "<think>it is a weather question</think>Checking. " + CALL
+    server = serve(engine, reasoning_parser="think")
+    try:
+        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="x", max_retries=0)
+        kw = {
+            "model": MODEL,
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [WEATHER],
+        }
+        r = client.messages.create(**kw)
+        assert [b.type for b in r.content] == ["thinking", "text", "tool_use"] and r.stop_reason == "tool_use"
+        assert r.content[0].thinking == "it is a weather question" and "<think>" not in r.content[1].text
+        with client.messages.stream(**kw) as stream:
+            final = stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+        assert final.content[0].thinking == "it is a weather question"
+        assert (final.content[1].text.strip(), final.content[2].input) == ("Checking.", {"city": "Paris"})
+    finally:
+        server.stop()

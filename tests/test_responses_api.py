@@ -286,3 +286,25 @@ def test_the_agents_sdk_responses_calculator_earns_its_reward(served, engine: Sc
     assert done["calls"] == 2
     engine.reply = lambda p: "86" if "<tool_response>" in p else call
     assert asyncio.run(episode())[0] == {"correct": 0.0}
+
+
+def test_reasoning_items_from_the_servers_reasoning_parser() -> None:
+    """A server with ``reasoning_parser: think``: the model's ``<think>`` text comes back as a reasoning
+    item ahead of the message and the call, whole and streamed, through the official client."""
+    engine = ScriptedEngine(byte_tokenizer())
+    engine.reply = lambda p: "<think>it is a weather question</think>Checking. " + CALL
+    server = serve(engine, reasoning_parser="think")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        kw = {"model": MODEL, "input": "x", "tools": [WEATHER]}
+        r = client.responses.create(**kw)
+        assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+        assert r.output[0].content[0].text == "it is a weather question" and "<think>" not in r.output_text
+        seen = list(client.responses.create(**kw, stream=True))
+        thought = "".join(e.delta for e in seen if e.type == "response.reasoning_text.delta")
+        assert thought == "it is a weather question"
+        done = seen[-1].response
+        assert [o.type for o in done.output] == ["reasoning", "message", "function_call"]
+        assert done.output_text.strip() == "Checking."
+    finally:
+        server.stop()
