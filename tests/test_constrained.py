@@ -274,3 +274,25 @@ def test_the_agents_front_never_batches_a_constrained_call_with_a_free_one(engin
     jsonschema.validate(json.loads(text), ANSWER)
     (alone,) = engine.generate([_prompt(engine)], free)
     assert outs[0][0][0].token_ids == alone[0].token_ids  # greedy: the free call decoded unconstrained
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3_json"])
+def test_forced_calls_are_written_in_the_tool_parsers_format(engine: HFEngine, parser: str) -> None:
+    """Each format that can be forced: every row is calls only, read back whole by that parser, each valid."""
+    from rollout.http.parsers import TOOL_FORMATS
+
+    c = constraint_for(TOOLS, "required", None, parser)
+    (rows,) = engine.generate(
+        [_prompt(engine)], SamplingParams(n=8, max_new_tokens=250, seed=5, constraint=c)
+    )
+    counts = []
+    for r in rows:
+        if r.finish_reason != "stop":
+            continue  # cut by max_tokens
+        text = engine.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        content, calls = TOOL_FORMATS[parser].parse(text, SCHEMAS)
+        assert calls and not (content or "").strip(), text
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        counts.append(len(calls))
+    assert counts and max(counts) >= 2, counts  # parallel calls too: the separator is the parser's

@@ -27,22 +27,41 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xgrammar as xgr
-from xgrammar.structural_tag import GrammarFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+from xgrammar.structural_tag import (
+    GrammarFormat,
+    JSONSchemaFormat,
+    StructuralTag,
+    TagFormat,
+    TagsWithSeparatorFormat,
+)
 
 from rollout.engines.constraint import Constraint, json_schema_constraint
 from rollout.http.schemas import APIError
 
-# How each tool parser's calls are spelled around the arguments: (begin, end) for a function name, and the
-# text between two calls. Hermes: what rollout.http.tools.parse_hermes reads (Qwen 2.5/3, Hermes 2 Pro).
-CallTags = Callable[[str], tuple[str, str]]
-CALL_FORMATS: dict[str, tuple[CallTags, str]] = {
-    "hermes": (
-        lambda name: (f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"),
-        "\n",
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a tool parser's calls are spelled (xgrammar's own spellings for these models): ``tags(name)`` gives
+    the text before and after a call's arguments, ``separator`` the text between two calls, ``style`` how
+    the arguments are written (``json``: compact JSON; ``qwen_xml``: ``<parameter=k>`` blocks)."""
+
+    tags: Callable[[str], tuple[str, str]]
+    separator: str
+    style: str = "json"
+
+
+CALL_FORMATS: dict[str, CallFormat] = {
+    "hermes": CallFormat(
+        lambda name: (f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"), "\n"
     ),
+    "qwen3_coder": CallFormat(
+        lambda name: (f"<tool_call>\n<function={name}>\n", "\n</function>\n</tool_call>"), "\n", "qwen_xml"
+    ),
+    "llama3_json": CallFormat(lambda name: (f'{{"name": {json.dumps(name)}, "parameters": ', "}"), "; "),
 }
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")  # "[03:55:29] /project/cpp/x.cc:4944: "
 
@@ -123,7 +142,7 @@ def _tool_calls(
             f"none (forced calls support: {', '.join(CALL_FORMATS)})",
             param="tool_choice",
         )
-    tags, separator = CALL_FORMATS[parser]
+    call_format = CALL_FORMATS[parser]
     named = tool_choice["function"]["name"] if isinstance(tool_choice, Mapping) else None
     formats = []
     for i, tool in enumerate(tools):
@@ -133,20 +152,29 @@ def _tool_calls(
         schema = fn.get("parameters") or {"type": "object"}  # no parameters: any object
         where = f"tools[{i}].function.parameters"
         _check_schema(schema, where)
-        args = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
-        begin, end = tags(fn["name"])
-        formats.append(TagFormat(begin=begin, content=GrammarFormat(grammar=args), end=end))
+        begin, end = call_format.tags(fn["name"])
+        formats.append(TagFormat(begin=begin, content=_arguments(schema, call_format.style), end=end))
     if not formats:
         raise APIError(400, f"tool_choice: no tool matches {tool_choice!r}", param="tool_choice")
     tag = StructuralTag(
         format=TagsWithSeparatorFormat(
             tags=formats,
-            separator=separator,
+            separator=call_format.separator,
             at_least_one=True,
             stop_after_first=named is not None or not parallel,
         )
     )
     return Constraint("structural_tag", tag.model_dump_json())
+
+
+def _arguments(schema: Any, style: str) -> GrammarFormat | JSONSchemaFormat:
+    """A call's arguments: compact JSON (xgrammar's converter without free whitespace), or the schema in
+    xgrammar's ``qwen_xml`` style."""
+    if style == "json":
+        return GrammarFormat(
+            grammar=str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        )
+    return JSONSchemaFormat(json_schema=schema, style=style)
 
 
 def _check_schema(schema: Any, where: str) -> None:
