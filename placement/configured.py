@@ -113,31 +113,43 @@ def thread_split(cfg: Config, cores: int | None = None) -> tuple[int, int]:
     return per_server, learner or max(1, cores - per_server * servers - aux)
 
 
-def _params(path: str | None) -> tuple[float, float]:
-    """(parameters, KV bytes per token) of a checkpoint from its config.json; zeros when unreadable."""
+def checkpoint_params(path: str | None) -> tuple[float, float, float]:
+    """(total parameters, parameters active per token, KV bytes per token) of a checkpoint from its
+    config.json; zeros when unreadable. A mixture of experts (``num_experts`` or ``num_local_experts``)
+    holds every expert but runs ``num_experts_per_tok`` of them (plus its router and any shared expert)
+    per token: memory scales with the total, compute with the active count. Dense: the two are equal."""
     if path is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     try:
         c = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     h, layers, vocab = c.get("hidden_size", 0), c.get("num_hidden_layers", 0), c.get("vocab_size", 0)
     inter = c.get("intermediate_size", 4 * h)
     kv_heads = c.get("num_key_value_heads", c.get("num_attention_heads", 1))
     head_dim = c.get("head_dim") or h // max(1, c.get("num_attention_heads", 1))
-    params = layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h
-    return float(params), float(2 * layers * kv_heads * head_dim * 2)  # K and V, 2 bytes each
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    if experts:
+        expert = 3 * h * (c.get("moe_intermediate_size") or inter)
+        shared = 3 * h * c.get("shared_expert_intermediate_size", 0) + h * experts  # + the router
+        mlp, active_mlp = experts * expert + shared, c.get("num_experts_per_tok", 1) * expert + shared
+    else:
+        mlp = active_mlp = 3 * h * inter
+    attention, ends = 4 * h * h, 2 * vocab * h
+    total, active = layers * (attention + mlp) + ends, layers * (attention + active_mlp) + ends
+    return float(total), float(active), float(2 * layers * kv_heads * head_dim * 2)  # K and V, 2 bytes each
 
 
 def prior_model(cfg: Config, *, cuda: bool) -> CostModel:
     """Laws from FLOPs and bytes: ~2N FLOPs a token forward, ~6N to train, decode bound by reading the
-    weights once per step of a batch of ``prompts_per_batch * n_samples`` sequences."""
+    weights once per step of a batch of ``prompts_per_batch * n_samples`` sequences. For a mixture of
+    experts N is the actor's active parameters in FLOPs, its total in bytes (:func:`checkpoint_params`)."""
     flops, bandwidth = (CUDA_FLOPS, CUDA_BANDWIDTH) if cuda else (CPU_FLOPS, CPU_BANDWIDTH)
     link, copy = (CUDA_LINK, CUDA_COPY) if cuda else (CPU_LINK, CPU_COPY)
-    n_actor, kv = _params(cfg.model.actor)
-    n_ref = _params(cfg.model.reference or cfg.model.actor)[0]
-    n_critic = _params(cfg.model.critic or cfg.model.actor)[0]
-    n_rm = _params(cfg.model.reward_model)[0]
+    n_actor, active, kv = checkpoint_params(cfg.model.actor)
+    n_ref, active_ref, _ = checkpoint_params(cfg.model.reference or cfg.model.actor)
+    n_critic, active_critic, _ = checkpoint_params(cfg.model.critic or cfg.model.actor)
+    n_rm, active_rm, _ = checkpoint_params(cfg.model.reward_model)
     r = cfg.rollout
     decode_batch = r.prompts_per_batch * r.n_samples
     call = 2e-4 if cuda else 2e-3  # a forward call's fixed cost (launch, Python)
@@ -146,13 +158,13 @@ def prior_model(cfg: Config, *, cuda: bool) -> CostModel:
     weight_bytes = 2 * n_actor
     return CostModel(
         time={
-            "generate": Law(call, max(2 * n_actor / flops, weight_bytes / bandwidth / decode_batch)),
-            "actor_logp": fwd(n_actor),
-            "reference": fwd(n_ref),
-            "critic_values": fwd(n_critic),
-            "reward_model": fwd(n_rm),
-            "actor_train": Law(3 * call, epochs * 6 * n_actor / flops),
-            "critic_train": Law(3 * call, epochs * 6 * n_critic / flops),
+            "generate": Law(call, max(2 * active / flops, weight_bytes / bandwidth / decode_batch)),
+            "actor_logp": fwd(active),
+            "reference": fwd(active_ref),
+            "critic_values": fwd(active_critic),
+            "reward_model": fwd(active_rm),
+            "actor_train": Law(3 * call, epochs * 6 * active / flops),
+            "critic_train": Law(3 * call, epochs * 6 * active_critic / flops),
             "sync": Law(weight_bytes / link, 0.0),  # across devices (NVLink / shm copy)
             "sync_local": Law(weight_bytes / copy, 0.0),  # within a device
             "switch": Law(2 * weight_bytes / (link if cuda else copy), 0.0),  # sleep/wake + offload/reload

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from placement.configured import configured_plan, prior_model, roles_of
+from placement.configured import checkpoint_params, configured_plan, prior_model, roles_of
 from placement.cost import CostModel, Prediction, Workload
 from placement.planner import rank
 from placement.plans import Roles, validate
@@ -74,6 +74,11 @@ def main(argv: list[str]) -> int:
         + "".join(f", {r}" for r in ("reference", "critic", "reward_model") if getattr(roles, r))
     )
     print(f"# {source}")
+    total, active, _ = checkpoint_params(cfg.model.actor)
+    if active < total:  # a mixture of experts: memory is priced by the total, compute by the active count
+        print(
+            f"# actor: {total:,.0f} parameters in memory, {active:,.0f} active per token (mixture of experts)"
+        )
     print(format_ranking(preds, roles, mine, args.top))
     return 0
 

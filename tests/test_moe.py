@@ -273,3 +273,30 @@ def test_synced_hf_engine_equals_the_learners_moe(
     ids = torch.tensor([[5, 9, 14, 20, 7]])
     with torch.no_grad():
         torch.testing.assert_close(engine.model(ids).logits, learner(ids).logits, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------- planner
+
+
+def test_planner_prices_compute_by_active_and_memory_by_total_parameters(tmp_path: Path) -> None:
+    """A MoE checkpoint's config.json by hand: h=8, 2 layers, vocab 10, 4 experts of width 4, top-1."""
+    import json
+
+    from placement.configured import CPU_FLOPS, checkpoint_params, prior_model
+
+    c = {"hidden_size": 8, "num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 2}
+    moe_dir, dense_dir = tmp_path / "moe", tmp_path / "dense"
+    for d, extra in (
+        (moe_dir, {"num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 4}),
+        (dense_dir, {"intermediate_size": 4}),
+    ):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**c, **extra}))
+    # attention 4*8*8 = 256 a layer; an expert 3*8*4 = 96; router 8*4 = 32; embedding + head 2*10*8 = 160
+    total, active, _ = checkpoint_params(str(moe_dir))
+    assert (total, active) == (2 * (256 + 4 * 96 + 32) + 160, 2 * (256 + 96 + 32) + 160)
+    assert checkpoint_params(str(dense_dir))[:2] == (2 * (256 + 96) + 160,) * 2
+    raw = raw_config({"actor": moe_dir}, "redis://unused", "plan", tmp_path)
+    model = prior_model(load_config(None, raw=raw), cuda=False)
+    assert model.time["actor_train"].beta == pytest.approx(6 * active / CPU_FLOPS)  # ppo_epochs 1
+    assert model.memory["actor"].alpha == 16 * total
