@@ -282,6 +282,7 @@ CASES = [
     ),
     (reader("hermes", "think", inside=True), "need weather</think>\n\nIt is 21 °C."),
     (reader(None, "think"), "<think>\ncut off mid-thought </thi"),
+    (reader(None, "think", inside=True), "<think>\nopened twice</think>answer"),  # the template opened it too
     (reader(None, "think"), "  no thinking here  "),
     (
         reader("qwen3_coder", "think"),
@@ -503,3 +504,43 @@ def test_harmony_end_to_end_keeps_its_special_tokens() -> None:
         )  # fmt: skip
     finally:
         server.stop()
+
+
+PIECES = [
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<function=get_weather>", "</function>",
+    "<parameter=days>", "</parameter>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|channel|>", "analysis",
+    "final", "commentary to=functions.get_weather", "<|message|>", "<|end|>", "<|call|>", "<|start|>assistant",
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}', '[{"name": "search", "arguments": {}}]',
+    '{"city": "Rome"}', "{", "}", "[", ";", "<", "|", "\n", " ", "  ", "3", "text", "東京", "🙂",
+]  # fmt: skip
+READERS = [
+    reader("hermes", "think"), reader("qwen3_coder", "think", inside=True), reader("llama3_json"),
+    reader("mistral"), reader("harmony", "harmony"), reader(None, "think"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("r", READERS)
+def test_random_text_never_raises_and_streams_as_whole(r: ChatReader) -> None:
+    """Text stitched at random from the formats' markers and JSON: reading never raises, and the stream
+    joins to the whole for a random chunking."""
+    rng = random.Random(0)
+    for _ in range(150):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 14)))
+        whole = r.read(text)
+        stream, sent, calls = r.stream(), {"reasoning_content": "", "content": ""}, []
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 4)))
+        for c in [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]:
+            for d in stream.feed(c):
+                ((key, value),) = d.items()
+                sent[key] += value
+        for d in stream.finish():
+            ((key, value),) = d.items()
+            if key == "tool_calls":
+                calls += value
+            else:
+                sent[key] += value
+        assert (sent["reasoning_content"], sent["content"], calls) == (
+            whole.reasoning or "",
+            whole.content or "",
+            whole.calls,
+        ), text

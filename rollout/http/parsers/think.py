@@ -28,9 +28,9 @@ def split(text: str, *, inside: bool = False, final: bool = True) -> tuple[str |
     body = text.lstrip()
     if body.startswith(THINK):
         start = len(text) - len(body) + len(THINK)
+    elif not final and THINK.startswith(body):  # "", "<", "<th", ...: not yet known
+        return "", ""
     elif not inside:
-        if not final and THINK.startswith(body):  # "", "<", "<th", ...: not yet known
-            return "", ""
         return None, text
     end = text.find(END, start)
     if end >= 0:
