@@ -22,6 +22,7 @@ from learner.checkpoint import LearnerState
 from learner.checkpoint_async import AsyncCheckpointer, to_host
 from learner.models import init_distributed
 from tandem.config import load_config
+from tandem.net import free_port
 from tests.test_learner import (
     REPO,
     group,
@@ -183,7 +184,7 @@ def test_a_failed_write_is_never_committed(tmp_path, monkeypatch) -> None:
 def test_sigkill_during_a_slow_write_trains_every_trajectory_once(
     tiny_ckpt, redis_server, redis_client, run_id, tmp_path
 ) -> None:
-    """Checkpoints every step, each write held 1 s: the learner waits for the previous write at each step
+    """Checkpoints every step, each write held 1 s: a checkpoint due while the previous one writes waits
     (counted), and a kill -9 right after step 3 lands in the middle of checkpoint 3's write. Resume falls
     back to checkpoint 2; the records show every trajectory trained into the surviving model once."""
 
@@ -214,8 +215,8 @@ def test_sigkill_during_a_slow_write_trains_every_trajectory_once(
     committed = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["version"]
     assert committed < done_before  # killed while the newest checkpoint was still writing
     rows = history(redis_client, run_id)
-    waits = [r["checkpoint/wait_s"] for r in rows if r["learner/version"] >= 2]
-    assert waits and all(w > 0.3 for w in waits)  # each checkpoint waited for the previous write
+    # A step shorter than the write waits for it when its own checkpoint is due (a longer one finds it done).
+    assert max(r["checkpoint/wait_s"] for r in rows) > 0.3
     assert all(r["checkpoint/stall_s"] >= r["checkpoint/wait_s"] for r in rows)
 
     env = {**learner_env(), checkpoint_async.WRITE_DELAY_ENV: "0.2"}
@@ -229,3 +230,47 @@ def test_sigkill_during_a_slow_write_trains_every_trajectory_once(
     assert sorted(flat) == sorted(ids)  # none lost
     assert buffer.trajectories_pending() == 0
     assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["version"] == steps
+
+
+@pytest.mark.slow
+def test_two_ranks_under_zero_2_commit_together(
+    tiny_ckpt, redis_server, redis_client, run_id, tmp_path
+) -> None:
+    """Two torchrun ranks, ZeRO-2 (each rank writes its own optimizer partition), a checkpoint every step
+    whose writes are held 0.5 s: every checkpoint commits once both ranks' files are written, the run ends
+    with the last one committed and every trajectory acked, and both partitions of it load."""
+    steps = 3
+    learner = {
+        "total_steps": steps,
+        "checkpoint_interval": 1,
+        "checkpoint_async": True,
+        "zero_stage": 2,
+        "micro_batch_size": 2,
+        "num_ranks": 2,
+        "save_hf_final": False,
+    }
+    algorithm = {"advantage": "grpo", "minibatch_size": 4}
+    raw = raw_config(tiny_ckpt, redis_server.url, run_id, tmp_path, learner=learner, algorithm=algorithm)
+    cfg_path = write_config(raw, tmp_path / "learner.yaml")
+    buffer = ReplayBuffer.from_config(redis_client, load_config(cfg_path), "test-producer")
+    ids = [i for g in range(2 * steps) for i in buffer.put(group(g, 4))]
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "learner.train", "--config", str(cfg_path), "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    env = {**learner_env(), checkpoint_async.WRITE_DELAY_ENV: "0.5"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    assert sorted(i for v in lineage(run_dir).values() for i in v) == sorted(ids)
+    assert buffer.trajectories_pending() == 0
+    ckpt = run_dir / "checkpoints"
+    assert json.loads((ckpt / "latest.json").read_text())["version"] == steps
+    tag = ckpt / "actor" / f"v{steps:08d}"
+    assert sorted(p.name for p in tag.glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    for rank in (0, 1):
+        assert (ckpt / "state" / f"v{steps:08d}" / f"rng_rank{rank}.json").exists()
+    assert [r["learner/version"] for r in history(redis_client, run_id)] == [1, 2, 3]
