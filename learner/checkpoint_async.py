@@ -24,7 +24,7 @@ import copy
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from learner.checkpoint import LearnerState
 WRITE_DELAY_ENV = "TANDEM_CHECKPOINT_WRITE_DELAY_S"
 
 
-def to_host(obj: Any, reuse: list[torch.Tensor] = (), out: list[torch.Tensor] | None = None) -> Any:
+def to_host(obj: Any, reuse: Sequence[torch.Tensor] = (), out: list[torch.Tensor] | None = None) -> Any:
     """A copy of a state dict whose tensors are host-memory copies: training may change the originals in
     place the moment this returns. Containers are rebuilt; other leaves deep-copied.
 
