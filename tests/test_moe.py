@@ -185,7 +185,7 @@ def test_learner_logs_router_load_and_trains_the_aux_loss(
 
 @pytest.mark.presets
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_moe_zero3_two_ranks_on_cpu(
+def test_moe_zero_stages_on_two_cpu_ranks(
     tiny_moe, redis_server, redis_client, run_id, tmp_path, zero_stage: int
 ) -> None:
     """ZeRO-3 on 2 CPU ranks trains the tiny Qwen3-MoE for 20 steps, its MoE blocks registered as leaf
