@@ -209,10 +209,14 @@ def test_an_unconstrained_row_batched_with_a_constrained_one_is_unaffected(engin
         batched[name] = engine.generate([_prompt(engine)], sampling, between_steps=hook)
 
     threads = [threading.Thread(target=run, args=a) for a in (("plain", plain), ("json", constrained))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    engine.gather_s = 1.0  # an idle engine waits this long for other calls before its first step
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.gather_s = 0.05
     assert max(widths) == 2  # the two calls did share decode steps
     (together,) = batched["plain"]  # type: ignore[misc]
     assert together[0].token_ids == alone[0].token_ids
