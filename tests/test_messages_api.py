@@ -422,3 +422,53 @@ def test_thinking_blocks_from_the_servers_reasoning_parser() -> None:
         assert (final.content[1].text.strip(), final.content[2].input) == ("Checking.", {"city": "Paris"})
     finally:
         server.stop()
+
+
+# ------------------------------------------------- a real model, its call forced by constrained decoding
+
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}  # a call short enough for max_tokens
+ADD = {
+    "name": "add",
+    "description": "The sum of two integers.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"a": DIGIT, "b": DIGIT},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_a_real_model_forced_to_call_then_answering(tmp_path) -> None:
+    """A tiny random model on the hf engine: a named ``tool_choice`` makes its reply one valid call
+    (constrained decoding, docs/environments.md §10.8), the call's result goes back as a ``tool_result``,
+    and the model's next reply, free, is its answer, plain and streamed."""
+    from toy.tiny import make_tiny
+
+    path = make_tiny(tmp_path, tokenizer="bytes", hidden=32, layers=1)["actor"]
+    engine = HFEngine(str(path))
+    app = create_app(
+        engine, engine.tokenizer, model_name=MODEL, http=HTTPConfig(), metrics=ServerMetrics(engine)
+    )
+    server = HTTPServer(app, "127.0.0.1", 0).start()
+    try:
+        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "add 2 and 3"}]
+        kw = {"model": MODEL, "max_tokens": 120, "tools": [ADD]}
+        r = client.messages.create(**kw, messages=messages, tool_choice={"type": "tool", "name": "add"})
+        assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
+        (call,) = r.content
+        assert call.name == "add" and set(call.input) == {"a", "b"}
+        assert all(isinstance(v, int) and not isinstance(v, bool) for v in call.input.values())
+        result = str(call.input["a"] + call.input["b"])
+        messages += [
+            {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]},
+        ]
+        r = client.messages.create(**kw, messages=messages, tool_choice={"type": "none"})
+        assert r.stop_reason in ("end_turn", "max_tokens") and all(b.type == "text" for b in r.content)
+        with client.messages.stream(**kw, messages=messages[:1], tool_choice={"type": "any"}) as stream:
+            final = stream.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[-1].name == "add"
+    finally:
+        server.stop()

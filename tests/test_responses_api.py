@@ -308,3 +308,49 @@ def test_reasoning_items_from_the_servers_reasoning_parser() -> None:
         assert done.output_text.strip() == "Checking."
     finally:
         server.stop()
+
+
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}  # a call short enough for max_tokens
+ADD = {
+    "type": "function",
+    "name": "add",
+    "description": "The sum of two integers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": DIGIT, "b": DIGIT},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_a_real_model_forced_to_call_then_answering(tmp_path) -> None:
+    """A tiny random model on the hf engine: ``tool_choice: required`` makes its reply one valid call
+    (constrained decoding, docs/environments.md §10.8), its output goes back as a ``function_call_output``
+    item, and the model's next reply, free, is its answer; streamed as well."""
+    from toy.tiny import make_tiny
+
+    path = make_tiny(tmp_path, tokenizer="bytes", hidden=32, layers=1)["actor"]
+    engine = HFEngine(str(path))
+    app = create_app(
+        engine, engine.tokenizer, model_name=MODEL, http=HTTPConfig(), metrics=ServerMetrics(engine)
+    )
+    server = HTTPServer(app, "127.0.0.1", 0).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+        kw = {"model": MODEL, "tools": [ADD], "max_output_tokens": 120, "parallel_tool_calls": False}
+        r = client.responses.create(**kw, input="add 2 and 3", tool_choice="required")
+        (call,) = r.output
+        assert call.type == "function_call" and call.name == "add"
+        args = json.loads(call.arguments)
+        assert set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+        items = [{"role": "user", "content": "add 2 and 3"}, call.model_dump(exclude_none=True),
+                 {"type": "function_call_output", "call_id": call.call_id, "output": str(args["a"] + args["b"])}]  # fmt: skip
+        r = client.responses.create(**kw, input=items, tool_choice="none")
+        assert r.status in ("completed", "incomplete") and [o.type for o in r.output] in ([], ["message"])
+        *_, last = client.responses.create(**kw, input="add 2 and 3", tool_choice="required", stream=True)
+        assert last.type == "response.completed" and [o.type for o in last.response.output] == [
+            "function_call"
+        ]
+    finally:
+        server.stop()
