@@ -620,8 +620,7 @@ class RolloutLoop:
                 "rollout/duplicates_refused": self.duplicates,
                 "rollout/uniform_groups_dropped": self.uniform_dropped,
                 "rollout/engine_errors": self.engine_errors,
-                "reward/errors": self.scoring.rewards.errors,  # calls that raised (their samples scored 0)
-                "reward/timeouts": self.scoring.rewards.timeouts,  # calls past reward.timeout_s (scored 0)
+                **self.scoring.rewards.metrics(),  # reward/errors, reward/timeouts (samples scored 0), judge/...
                 "rollout/version": self.engine.version,
                 "rollout/response_len": tokens / len(trajs),
                 # What sets a batch's decode time, whatever its devices (the planner's L, §11.2).

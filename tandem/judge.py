@@ -204,3 +204,15 @@ async def judge(
         api=api,
     )
     return await j.score(prompt, completion, record)
+
+
+def metrics() -> dict[str, float]:
+    """Requests sent and answers taken from the cache, over every judge of this process (reward metrics)."""
+    judges = list(JUDGES.values())
+    return {
+        "judge/calls": float(sum(j.calls for j in judges)),
+        "judge/cache_hits": float(sum(j.cache_hits for j in judges)),
+    }
+
+
+judge.metrics = metrics  # type: ignore[attr-defined]  # read by RewardFunctions.metrics

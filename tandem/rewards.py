@@ -209,6 +209,15 @@ class RewardFunctions:
         zero = 0.0 if parse is named_parts else [0.0] * len(args[1])
         return parse(f.name, zero)
 
+    def metrics(self) -> dict[str, float]:
+        """Failures so far, and what each plug-in reports of itself: a function's ``metrics()`` attribute
+        (the judge's calls and cache hits)."""
+        out = {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts)}
+        for f in self.fns + self.group_fns:
+            if callable(own := getattr(f.fn, "metrics", None)):
+                out |= own()
+        return out
+
     def report(self, name: str, kind: str, what: str, exc_info: BaseException | None = None) -> None:
         """Log the first failure of each kind per function (later ones are only counted)."""
         if (name, kind) in self._reported:

@@ -95,7 +95,7 @@ def test_a_hanging_async_reward_costs_only_its_sample() -> None:
     assert hang == (0.0, {"hangs_on_marker": 0.0, "exact": 0.0})  # kept, scored 0 by the hung part
     assert b == (1.0, {"hangs_on_marker": 1.0, "exact": 0.0})
     assert c[0] == 1.0
-    assert (rf.timeouts, rf.errors) == (1, 0)
+    assert rf.metrics() == {"reward/timeouts": 1.0, "reward/errors": 0.0}  # what the server logs
     rf.close()
 
 

@@ -106,6 +106,7 @@ def test_the_judge_scores_caches_and_limits_concurrency(endpoint: tuple[str, See
     j = only_judge()
     assert len(seen.bodies) == j.calls == 6  # the duplicates asked nothing
     assert j.cache_hits == 6
+    assert rf.metrics() == {"reward/errors": 0, "reward/timeouts": 0, "judge/calls": 6, "judge/cache_hits": 6}
     assert seen.peak == 2  # concurrent, and never more than max_concurrency
     assert seen.bodies[0]["messages"][0]["content"].startswith("Count the letter a.")
     assert seen.keys == {"Bearer sk-from-env"}  # the key came from the environment
