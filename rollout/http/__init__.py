@@ -6,5 +6,7 @@ validation, the error shape), :mod:`rollout.http.middleware` (body limit, bearer
 :mod:`rollout.http.chat_prompt` (chat messages and tools through the chat template),
 :mod:`rollout.http.parsers` (reasoning and tool calls read from a completion's text, docs/environments.md
 §10.8), :mod:`rollout.http.tools` (the Hermes-style prompt for templates without tools) and
-:mod:`rollout.http.serve` (the uvicorn thread).
+:mod:`rollout.http.serve` (the uvicorn thread); Anthropic's Messages API and OpenAI's Responses API as
+translations onto the chat path, :mod:`rollout.http.messages_api` and :mod:`rollout.http.responses_api`
+over :mod:`rollout.http.surface` (docs/environments.md §10.10).
 """

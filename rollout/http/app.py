@@ -3,6 +3,8 @@
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (non-streaming and SSE streaming,
 ``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``logprobs``; on chat,
 function calling with ``tools``, ``tool_choice`` and ``parallel_tool_calls``, docs/environments.md §10.8),
+``POST /v1/messages`` and ``POST /v1/responses`` (Anthropic's Messages API and OpenAI's Responses API,
+each translated onto the chat path in a module of its own, docs/environments.md §10.10),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text from the server's own registry),
 and ``POST /v1/sessions/{id}/finish`` (a black-box agent's session as a trajectory, docs/environments.md §10.6:
 calls carrying an ``X-Session-Id`` header or a ``session_id`` field are generated from the session's exact
