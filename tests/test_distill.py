@@ -59,7 +59,7 @@ def test_reward_and_loss_match_a_naive_loop() -> None:
             if mask[b, t]:
                 want_loss += coef * 0.5 * d * d / n
                 want_grad[b, t] = coef * d / n  # d/dlogp of ½(logp − t)²: the reverse KL's gradient weight
-    assert float(loss) == pytest.approx(want_loss, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(want_loss, abs=1e-6)
     torch.testing.assert_close(logp.grad, want_grad)
     assert not rewards.requires_grad
 
