@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from transformers import PreTrainedTokenizerBase
 
-from buffer.admission import Admission
+from buffer.admission import Admission, extra_segments
 from buffer.schema import Trajectory
 from buffer.streams import ClaimHeartbeat, ReplayBuffer, TakenPrompt
 from rollout.engines.base import Completion, Engine, OnPrompt, SamplingParams
@@ -533,8 +533,13 @@ class RolloutLoop:
         for k, taken in enumerate(prompts):
             group_id = uuid.uuid4().hex
             group = episodes[k * n : (k + 1) * n]
+            # every segment of the n episodes (docs/environments.md §10.6): one group, one append
             groups.append(
-                [e.trajectory(taken.prompt.prompt_id, group_id, server, self.scoring.clip) for e in group]
+                [
+                    t
+                    for e in group
+                    for t in e.trajectories(taken.prompt.prompt_id, group_id, server, self.scoring.clip)
+                ]
             )
         for e in episodes:
             for name, value in e.metrics().items():
@@ -552,7 +557,7 @@ class RolloutLoop:
         dropped = [i for i, k in enumerate(keep) if not k]
         if dropped:
             self.buffer.ack_prompts([prompts[i].id for i in dropped])
-            self.admission.refund(sum(len(groups[i]) for i in dropped))
+            self.admission.refund(sum(len(groups[i]) - extra_segments(groups[i]) for i in dropped))
             self.uniform_dropped += len(dropped)
         return [p for p, k in zip(prompts, keep, strict=True) if k], [
             g for g, k in zip(groups, keep, strict=True) if k
@@ -567,13 +572,20 @@ class RolloutLoop:
         self.scoring.score_reference(groups)
         with self.timers("time/put"):
             appended = []
+            # An agent episode's segments past its first were not admitted with the group's n: they take
+            # admission now, so the counter keeps counting what the stream holds (§10.6).
+            extra = [extra_segments(g) for g in groups]
+            if sum(extra):
+                self.admission.charge(sum(extra))
             ids = self.buffer.put_groups(
                 [(group, taken.id) for taken, group in zip(prompts, groups, strict=True)]
             )
-            for taken, group, got in zip(prompts, groups, ids, strict=True):
+            for taken, group, got, more in zip(prompts, groups, ids, extra, strict=True):
                 if got:
                     appended.append(group)
                 else:
+                    if more:
+                        self.admission.refund(more)
                     self.duplicates += 1
                     log.warning(
                         "server-%d: prompt %s was answered by another server; group dropped",

@@ -83,6 +83,15 @@ class VLLMConfig(ServerConfig):
     )
 
 
+class SessionConfig(Section):
+    """Agent sessions on the HTTP API, and the agent runner's (docs/environments.md §10.6)."""
+
+    on_rewrite: Literal["split", "refuse"] = Field(
+        "split",
+        description="A session call whose prompt does not extend what the model sampled so far (a thinking model's chat template that drops earlier reasoning): split starts a new segment of the same episode, trained as its own token-exact trajectory with the episode's reward; refuse answers 400.",
+    )
+
+
 class HTTPConfig(Section):
     enabled: bool = Field(True, description="Serve the OpenAI-compatible HTTP API from each rollout server.")
     host: str = Field("127.0.0.1", description="Bind address; loopback by default.")
@@ -114,6 +123,9 @@ class HTTPConfig(Section):
         description="How reasoning is split from the content on /v1/chat/completions, as reasoning_content "
         "(think: <think>...</think>, Qwen3 / DeepSeek-R1; harmony: gpt-oss's analysis channel); "
         "null leaves it in the content.",
+    )
+    session: SessionConfig = Field(
+        default_factory=SessionConfig, description="Agent sessions (X-Session-Id calls)."
     )
 
     @model_validator(mode="after")
