@@ -233,6 +233,7 @@ def test_sigkill_during_a_slow_write_trains_every_trajectory_once(
 
 
 @pytest.mark.slow
+@pytest.mark.faults  # a minute of torchrun: beside the other exactly-once audits (make test-faults)
 def test_two_ranks_under_zero_2_commit_together(
     tiny_ckpt, redis_server, redis_client, run_id, tmp_path
 ) -> None:
