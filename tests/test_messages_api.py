@@ -465,7 +465,9 @@ def test_a_real_model_forced_to_call_then_answering(tmp_path) -> None:
             {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]},
         ]
-        r = client.messages.create(**kw, messages=messages, tool_choice={"type": "none"})
+        r = client.messages.create(
+            **{**kw, "max_tokens": 16}, messages=messages, tool_choice={"type": "none"}
+        )  # free
         assert r.stop_reason in ("end_turn", "max_tokens") and all(b.type == "text" for b in r.content)
         with client.messages.stream(**kw, messages=messages[:1], tool_choice={"type": "any"}) as stream:
             final = stream.get_final_message()
