@@ -184,7 +184,12 @@ def test_stop_sequences_and_system_blocks(client: anthropic.Anthropic, engine: S
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 100}
     # this client sends no sampling fields of its own; older ones did, and the server takes them
     r = client.messages.create(**kw, stop_sequences=[" four"], extra_body={"temperature": 0.0, "top_k": 3})
-    assert (r.stop_reason, r.content[0].text) == ("end_turn", "one two three")
+    assert (r.stop_reason, r.stop_sequence, r.content[0].text) == ("stop_sequence", " four", "one two three")
+    with client.messages.stream(**kw, stop_sequences=["six", " t"]) as stream:  # " t" occurs first
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == ("stop_sequence", " t", "one")
+    r = client.messages.create(**kw, stop_sequences=["seven"])  # never met: the model's own end
+    assert (r.stop_reason, r.stop_sequence) == ("end_turn", None)
     r = client.messages.create(**kw, system=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
     assert engine.prompts[-1].startswith("system: ab\nuser: count")
 

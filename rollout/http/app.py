@@ -336,6 +336,12 @@ class API:
         text, hit = cut_at_stop(self.decode(c.token_ids), stop)
         return text, "stop" if hit or c.finish_reason == "stop" else "length"
 
+    def matched_stop(self, token_ids: list[int], stop: list[str]) -> str | None:
+        """The stop string the completion ended at (the first to occur), or None: vLLM's ``stop_reason``."""
+        text = self.decode(token_ids)
+        found = [(text.find(s), k, s) for k, s in enumerate(stop) if s and s in text]
+        return min(found)[2] if found else None
+
     def token_entries(
         self, tokens: list[int], logprobs: list[float], limit_chars: int | None = None
     ) -> list[tuple[str, float, int]]:
@@ -428,7 +434,8 @@ class API:
                     self.token_entries(c.token_ids, c.logprobs, len(text)), bool(req.top_logprobs)
                 )
             message, finish = self.chat_message(text, finish, tools)
-            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish,
+                            "stop_reason": self.matched_stop(c.token_ids, sampling.stop)})  # fmt: skip
         return {**head, "choices": choices, "usage": self.usage([prompt], out, sampling.n)}
 
     @staticmethod
@@ -492,7 +499,8 @@ class API:
             message, finish = self.chat_message(returned, finish, tools)
             if message.get("tool_calls"):
                 self.sessions.remember_tool_turn(session, [x["id"] for x in message["tool_calls"]], returned)
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": self.matched_stop(c.token_ids, sampling.stop)}  # fmt: skip
             return {**head, "object": "chat.completion", "choices": [choice]}
         choice = {"index": 0, "text": returned, "logprobs": None, "finish_reason": finish}
         return {**head, "object": "text_completion", "choices": [choice]}
@@ -614,7 +622,9 @@ class API:
                     d = {"tool_calls": [{"index": k, **_openai_call(c)} for k, c in calls]}
                 yield chunk(row, held[row], **d)
                 held[row] = []
-            yield chunk(row, held[row] or None, reason)
+            last = chunk(row, held[row] or None, reason)
+            last["choices"][0]["stop_reason"] = self.matched_stop(ch.tokens, sampling.stop)
+            yield last
         if usage:
             out = [[Completion(ch.tokens, ch.logprobs, "stop", []) for ch in choices]]
             yield {**head, "choices": [], "usage": self.usage([prompt], out, sampling.n)}

@@ -7,9 +7,9 @@ blocks content; an assistant's ``tool_use`` blocks its ``tool_calls`` (``input``
 (``disable_parallel_tool_use``: ``parallel_tool_calls`` false); ``stop_sequences`` stop strings. The chat
 path generates (sessions and the ``X-Session-Id`` header included), and its completion becomes a message:
 ``thinking`` (when the chat message carries ``reasoning_content``), ``text`` and ``tool_use`` blocks,
-``stop_reason`` ``tool_use``, ``end_turn`` or ``max_tokens``, and the usage. A stream is the chat stream
-translated into Anthropic's events. Tool-use ids are the chat path's call ids, so a session replays an
-echoed ``tool_use`` as the text the model sampled.
+``stop_reason`` ``tool_use``, ``end_turn``, ``max_tokens`` or ``stop_sequence`` (with the sequence), and
+the usage. A stream is the chat stream translated into Anthropic's events. Tool-use ids are the chat path's
+call ids, so a session replays an echoed ``tool_use`` as the text the model sampled.
 
 Refused with 400 naming the field: a block type other than ``text``, ``tool_use``, ``tool_result`` and
 ``thinking`` (images, documents), a tool that is not a custom tool (Anthropic's server tools), and a
@@ -242,9 +242,18 @@ def message(chat: dict[str, Any], model: str) -> dict[str, Any]:
     return {
         **_head(model, chat["id"]),
         "content": content,
-        "stop_reason": STOP_REASONS[choice["finish_reason"]],
+        **stop(choice),
         "usage": {"input_tokens": chat["usage"]["prompt_tokens"], "output_tokens": chat["usage"]["completion_tokens"]},
     }  # fmt: skip
+
+
+def stop(choice: dict[str, Any]) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` of a chat choice; the chat path names the stop string it met
+    in ``stop_reason`` (vLLM's field), which is Anthropic's ``stop_sequence``."""
+    hit = choice.get("stop_reason") if choice["finish_reason"] == "stop" else None
+    if isinstance(hit, str):
+        return {"stop_reason": "stop_sequence", "stop_sequence": hit}
+    return {"stop_reason": STOP_REASONS[choice["finish_reason"]], "stop_sequence": None}
 
 
 def _head(model: str, chat_id: str) -> dict[str, Any]:
@@ -265,7 +274,8 @@ async def events(
     ``content_block_start``, its deltas and a ``content_block_stop``, then ``message_delta`` (stop reason,
     usage) and ``message_stop``; an in-band chat error becomes an ``error`` event."""
     blocks = _Blocks()
-    usage, reason, started = {"input_tokens": 0, "output_tokens": 0}, "end_turn", False
+    usage, started = {"input_tokens": 0, "output_tokens": 0}, False
+    reason = {"stop_reason": "end_turn", "stop_sequence": None}
     async for chunk in chunks:
         if "error" in chunk:
             yield (
@@ -286,12 +296,12 @@ async def events(
             for event in blocks.feed(choice["delta"]):
                 yield event
             if choice["finish_reason"] is not None:
-                reason = STOP_REASONS[choice["finish_reason"]]
+                reason = stop(choice)
     for event in blocks.close():
         yield event
     yield (
         "message_delta",
-        {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None}, "usage": usage},
+        {"type": "message_delta", "delta": reason, "usage": usage},
     )
     yield "message_stop", {"type": "message_stop"}  # fmt: skip
 
