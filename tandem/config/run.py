@@ -138,7 +138,9 @@ class LoggingConfig(Section):
         ge=0,
         description="Every this many learner steps, samples_count trained prompts, completions and rewards go to <run dir>/samples.jsonl and a wandb table (samples); 0 disables.",
     )
-    samples_count: int = Field(4, ge=1, description="Trajectories drawn from the batch each samples_interval.")
+    samples_count: int = Field(
+        4, ge=1, description="Trajectories drawn from the batch each samples_interval."
+    )
     console: bool = Field(True, description="Show the live progress view in launch.py.")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Python log level of every process."
