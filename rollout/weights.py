@@ -100,6 +100,7 @@ class EngineWeights:
                 self._wake(update)
             else:
                 self.engine.update_weights(update)
+            self.subscriber.applied()  # the previous version's files may be retired now
             self.held_path = update.path or self.held_path
         self.metrics.weight_update_seconds.observe(span.seconds)
         log.info("server-%d: weights v%d applied in %.3fs", self.server_index, update.version, span.seconds)

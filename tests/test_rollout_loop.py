@@ -210,6 +210,9 @@ class TriggerSubscriber:
             self.publish()
         return self.inner.poll(timeout)
 
+    def applied(self) -> None:
+        self.inner.applied()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -259,32 +259,37 @@ def test_shm_garbage_collection_waits_for_live_subscribers_and_recycles_files(re
         pub.publish(weights(v).items(), v)
         fast.poll()
     assert slow.poll().version == 1
+    assert slow.poll() is None  # v1 is in use from this poll on: v0 may go
     for v in range(2, 5):
         pub.publish(weights(v).items(), v)
         fast.poll()
     assert pub.versions_on_disk() == pub._versions == [1, 2, 3, 4]  # slow still holds v1
 
     assert slow.poll().version == 4
-    pub.publish(weights(5).items(), 5)  # v1..v3 retire; two of their files stay in the free pool
-    assert pub.versions_on_disk() == pub._versions == [4, 5]
+    pub.publish(weights(5).items(), 5)  # slow may still be reading v1 until it polls again: kept
+    assert pub.versions_on_disk() == pub._versions == [1, 2, 3, 4, 5]
+    assert slow.poll().version == 5 and fast.poll().version == 5
+    assert slow.poll() is None and fast.poll() is None  # both use v5 now
+    pub.publish(weights(6).items(), 6)  # v1..v4 retire; two of their files stay in the free pool
+    assert pub.versions_on_disk() == pub._versions == [5, 6]
     assert redis_client.get(weights_key(run_id, "manifest", 2)) is None
     free = {p.stat().st_ino for p in (tmp_path / ".free").iterdir()}
     assert len(free) == 2  # no more than one version's shards
-    pub.publish(weights(6).items(), 6)
-    assert {p.stat().st_ino for p in (tmp_path / "v00000006").glob("*.safetensors")} == free  # rewritten
-    assert_bit_identical(received(fast.poll()), weights(6))
+    pub.publish(weights(7).items(), 7)
+    assert {p.stat().st_ino for p in (tmp_path / "v00000007").glob("*.safetensors")} == free  # rewritten
+    assert_bit_identical(received(fast.poll()), weights(7))
 
     # A subscriber whose heartbeat expired no longer pins anything.
     stale = ShmSubscriber(redis_client, run_id, "stale", live_s=0.2)
-    assert stale.poll().version == 6
+    assert stale.poll().version == 7 and stale.poll() is None
     slow.close()
     fast.close()
-    for v in range(7, 9):
+    for v in range(8, 10):
         pub.publish(weights(v).items(), v)
-    assert pub.versions_on_disk() == pub._versions == [6, 7, 8]  # stale (live) holds v6
+    assert pub.versions_on_disk() == pub._versions == [7, 8, 9]  # stale (live) holds v7
     time.sleep(0.3)
-    pub.publish(weights(9).items(), 9)
-    assert pub.versions_on_disk() == pub._versions == [8, 9]
+    pub.publish(weights(10).items(), 10)
+    assert pub.versions_on_disk() == pub._versions == [9, 10]
 
 
 def test_shm_progress_notes_only_for_shards_worth_checking_early(redis_client, run_id, tmp_path, monkeypatch):
@@ -432,6 +437,7 @@ def test_shm_mappings_are_reused_across_versions_and_dropped_with_their_files(re
     for v in range(6):
         pub.publish(weights(v).items(), v)
         assert_bit_identical(received(sub.poll()), weights(v))
+        sub.applied()  # as a server does once the engine holds it
         for f in (tmp_path / f"v{v:08d}").glob("*.safetensors"):
             st = f.stat()
             mm = sub._maps._maps[st.st_dev, st.st_ino]
@@ -469,6 +475,7 @@ def test_shm_run_that_releases_memory_keeps_only_the_held_version(redis_client, 
     for v in range(4):
         pub.publish(weights(v).items(), v)  # the learner's step ends: v joins the version the server holds
         assert_bit_identical(received(sub.poll()), weights(v))  # the server wakes and loads v
+        sub.applied()  # ... applies it,
         sub.release()  # ... generates, sleeps
         pub.trim()  # the learner takes the batch: now it trains
         assert pub.versions_on_disk() == [v]

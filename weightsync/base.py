@@ -172,8 +172,13 @@ class Subscriber(Protocol):
     def poll(self, timeout: float = 0.0) -> Update | None:
         """The newest version above ``version``, or None if none arrived within ``timeout`` s.
 
-        Handing out an Update records its version as this subscriber's (for GC and the console).
+        Handing out an Update makes its version this subscriber's; the registry (GC, the console) names it
+        once ``applied`` says the caller holds it, or at the latest at the next poll.
         """
+        ...
+
+    def applied(self) -> None:
+        """The caller holds the version handed out last: the one before may be retired."""
         ...
 
     def release(self) -> None:
@@ -287,6 +292,10 @@ class BaseSubscriber:
 
     def latest_version(self) -> int:
         return latest_version(self.client, self.run)
+
+    def applied(self) -> None:
+        """The caller applied the version handed out last and no longer reads the views of the one before
+        (a publisher that rewrites retired files in place may now retire it)."""
 
     def release(self) -> None:
         pass

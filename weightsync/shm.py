@@ -22,7 +22,8 @@ in the same pass as its copy (chunk by chunk, while the bytes are in cache).
 
 Retired versions' files are rewritten in place and both sides keep their mappings across versions
 (:mod:`weightsync.shm_files` says why). A version is retired once it is not among the newest ``keep_versions`` and every live subscriber holds a
-newer one (their views are only valid until their next poll, see :class:`~weightsync.base.Update`).
+newer one: a subscriber names the version it was handed in the registry only once its caller has applied it
+(``applied``, or at the latest its next poll), so no decode step still reads pages that get rewritten.
 
 safetensors is written by hand (an 8-byte header length, a JSON header, the raw bytes) so tensors go from
 their own memory straight into the file with one copy; tensors are ordered by element size within a shard
@@ -452,6 +453,7 @@ class ShmSubscriber(RegisteredSubscriber):
         self._early_token: str | None = None
         self._early_notes = 0  # progress notes of that write consumed so far
         self.early_bytes = 0  # of the version handed out last, bytes verified while it was being written
+        self._unreported = False  # a version handed out that the registry does not name yet
 
     def poll(self, timeout: float = 0.0) -> Update | None:
         """The newest version, if one is out; meanwhile, checksum what a publisher has finished writing.
@@ -461,7 +463,10 @@ class ShmSubscriber(RegisteredSubscriber):
         """
         deadline = time.monotonic() + timeout
         while True:
-            self._heartbeat(self._version)
+            # The version handed out last is in use from here on (its caller applied it before this poll),
+            # so its predecessor may now be retired: say so at once.
+            self._heartbeat(self._version, force=self._unreported)
+            self._unreported = False
             latest, writing = self.client.mget(
                 weights_key(self.run, "latest"), weights_key(self.run, "writing")
             )
@@ -476,6 +481,11 @@ class ShmSubscriber(RegisteredSubscriber):
                 return None
             if not verified:
                 self._announcements.wait(left)
+
+    def applied(self) -> None:
+        if self._unreported:
+            self._heartbeat(self._version, force=True)
+            self._unreported = False
 
     def release(self) -> None:
         """Unmap every file: a sleeping server's mappings would pin retired versions' pages (a publisher
@@ -525,8 +535,10 @@ class ShmSubscriber(RegisteredSubscriber):
         if self._maps.grew or time.monotonic() - self._retained_at > RETAIN_S:
             self._maps.retain_existing(root.parent)
             self._retained_at = time.monotonic()
-        self._version = version
-        self._heartbeat(version, force=True)
+        # The registry keeps naming the version held before until the caller has applied this one
+        # (``applied``, or at the latest the next poll): a decode step on another thread may still read the
+        # old views, and a publisher that retired them now could rewrite those pages under that step.
+        self._version, self._unreported = version, True
         metas = [TensorMeta(e.name, e.dtype, e.shape, e.checksum) for e in entries]
         views = {f: mm for f, (_, mm) in maps.items()}
         return Update(version, metas, lambda: tensor_views(entries, views), path=str(root))
