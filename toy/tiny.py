@@ -129,11 +129,18 @@ def tiny_config(
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_pos,
         tie_word_embeddings=True,
-        pad_token_id=SPECIALS.index(PAD),
-        bos_token_id=SPECIALS.index(BOS),
-        eos_token_id=SPECIALS.index(EOS),
+        **_special_ids(),
         torch_dtype="float32",
     )
+
+
+def _special_ids() -> dict[str, int]:
+    """The model config's ids of the tokenizer's special tokens (the order of ``SPECIALS``)."""
+    return {
+        "pad_token_id": SPECIALS.index(PAD),
+        "bos_token_id": SPECIALS.index(BOS),
+        "eos_token_id": SPECIALS.index(EOS),
+    }
 
 
 def tiny_moe_config(
@@ -169,9 +176,7 @@ def tiny_moe_config(
         head_dim=head_dim,
         max_position_embeddings=max_pos,
         tie_word_embeddings=True,
-        pad_token_id=SPECIALS.index(PAD),
-        bos_token_id=SPECIALS.index(BOS),
-        eos_token_id=SPECIALS.index(EOS),
+        **_special_ids(),
         torch_dtype="float32",
     )
 

@@ -4,6 +4,7 @@ the middle of model text within the request limits."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,24 @@ def tail_start(text: str, marker: str) -> int:
 
 
 Split = Callable[[str, Allowed], tuple[str, list[ParsedCall]]]
+
+
+def split_blocks(
+    text: str, block: re.Pattern[str], call: Callable[[str, Allowed], ParsedCall | None], allowed: Allowed
+) -> tuple[str, list[ParsedCall]]:
+    """``(text outside the valid calls, calls)`` of a format whose calls are ``block`` matches (group 1 the
+    body, read by ``call``); a block whose body is no valid call stays in the text."""
+    calls: list[ParsedCall] = []
+    outside: list[str] = []
+    pos = 0
+    for m in block.finditer(text):
+        if (parsed := call(m.group(1), allowed)) is None:
+            continue
+        outside.append(text[pos : m.start()])
+        pos = m.end()
+        calls.append(parsed)
+    outside.append(text[pos:])
+    return "".join(outside), calls
 
 
 @dataclass(frozen=True)

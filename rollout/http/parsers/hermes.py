@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from rollout.http import limits
-from rollout.http.parsers.calls import Allowed, ParsedCall, ToolFormat, make_call
+from rollout.http.parsers.calls import Allowed, ParsedCall, ToolFormat, make_call, split_blocks
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -19,17 +19,7 @@ _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 def split(text: str, allowed: Allowed) -> tuple[str, list[ParsedCall]]:
     """``(text outside the valid calls, calls)``."""
-    calls: list[ParsedCall] = []
-    outside: list[str] = []
-    pos = 0
-    for m in _BLOCK.finditer(text):
-        if (call := _call(m.group(1), allowed)) is None:
-            continue
-        outside.append(text[pos : m.start()])
-        pos = m.end()
-        calls.append(call)
-    outside.append(text[pos:])
-    return "".join(outside), calls
+    return split_blocks(text, _BLOCK, _call, allowed)
 
 
 def _call(body: str, allowed: Allowed) -> ParsedCall | None:
