@@ -21,6 +21,7 @@ first; the wait is counted in ``checkpoint/wait_s``.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import time
@@ -38,6 +39,12 @@ from learner.checkpoint import LearnerState
 
 # Seconds the writer sleeps before writing: tests use it to kill a learner in the middle of a write.
 WRITE_DELAY_ENV = "TANDEM_CHECKPOINT_WRITE_DELAY_S"
+# A write still going after this long is taken as hung (a dead network mount): the learner stops with an
+# error naming the folder, rather than waiting for ever. Progress is logged every PROGRESS_S meanwhile.
+WRITE_TIMEOUT_S = 6 * 3600.0
+PROGRESS_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 def to_host(obj: Any, reuse: Sequence[torch.Tensor] = (), out: list[torch.Tensor] | None = None) -> Any:
@@ -134,8 +141,10 @@ class Written:
 class AsyncCheckpointer:
     """Snapshot now, write on a thread, commit at a later step boundary; one write in flight at a time."""
 
-    def __init__(self, ckpt_dir: Path, *, keep: int = 2, group: Any = None) -> None:
-        self.ckpt_dir, self.keep, self.group = ckpt_dir, keep, group
+    def __init__(
+        self, ckpt_dir: Path, *, keep: int = 2, group: Any = None, timeout_s: float = WRITE_TIMEOUT_S
+    ) -> None:
+        self.ckpt_dir, self.keep, self.group, self.timeout_s = ckpt_dir, keep, group, timeout_s
         self.in_flight: Written | None = None
         self.engine_names: list[str] = []
         self.write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
@@ -193,10 +202,23 @@ class AsyncCheckpointer:
         nothing was in flight) and the seconds waited for the writer."""
         if self.in_flight is None:
             return None, 0.0
-        start = clock()
-        self.in_flight.thread.join()
-        waited = clock() - start
-        return self._commit(), waited
+        start, written = clock(), self.in_flight
+        while written.thread.is_alive():
+            written.thread.join(timeout=min(PROGRESS_S, self.timeout_s))
+            waited = clock() - start
+            if written.thread.is_alive() and waited >= self.timeout_s:
+                raise TimeoutError(
+                    f"checkpoint v{written.state.version}: still writing to {self.ckpt_dir} after "
+                    f"{waited:.0f} s; the previous committed checkpoint stays the one to resume from"
+                )
+            if written.thread.is_alive():
+                log.warning(
+                    "checkpoint v%d: waiting for its write to %s (%.0f s)",
+                    written.state.version,
+                    self.ckpt_dir,
+                    waited,
+                )
+        return self._commit(), clock() - start
 
     def _commit(self) -> LearnerState:
         written, self.in_flight = self.in_flight, None

@@ -257,7 +257,7 @@ def load_models(cfg: Config, device: torch.device) -> Models:
             _causal_lm(cfg.model.reference or cfg.model.actor, cfg, dtype).eval().requires_grad_(False)
         )
         reference.to("cpu" if cfg.placement.reference == "learner_cpu" else device)
-    distill = getattr(cfg.algorithm, "distill", None)
+    distill = cfg.distill
     teacher = None
     if distill is not None:
         check_same_tokenizer(

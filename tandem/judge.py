@@ -168,19 +168,12 @@ async def judge(
     *,
     base_url: str | None = None,
     model: str | None = None,
-    rubric: str = DEFAULT_RUBRIC,
-    api_key_env: str = "TANDEM_JUDGE_API_KEY",
-    max_concurrency: int = 8,
-    score_max: float = 10.0,
-    temperature: float = 0.0,
-    max_tokens: int = 8,
-    cache_size: int = 100_000,
-    request_timeout_s: float = 60.0,
-    api: str = "chat",
     serve: str | None = None,
+    **settings: Any,
 ) -> float:
     """The reward function: the judge's score of ``completion``, in [0, 1]. With ``serve`` (a checkpoint
-    directory) the judge is that model, served by this process's own standalone server."""
+    directory) the judge is that model, served by this process's own standalone server. ``settings`` are
+    :class:`Judge`'s (rubric, score_max, max_concurrency, ...); a name it lacks is a TypeError naming it."""
     if serve is not None:
         base_url = await asyncio.to_thread(serve_locally, serve)
         model = model or Path(serve).name
@@ -190,19 +183,7 @@ async def judge(
         raise ValueError(
             "judge: give kwargs base_url and model (or $TANDEM_JUDGE_BASE_URL, $TANDEM_JUDGE_MODEL)"
         )
-    j = judge_for(
-        base_url=base_url,
-        model=model,
-        rubric=rubric,
-        api_key_env=api_key_env,
-        max_concurrency=max_concurrency,
-        score_max=score_max,
-        temperature=temperature,
-        max_tokens=max_tokens,
-        cache_size=cache_size,
-        request_timeout_s=request_timeout_s,
-        api=api,
-    )
+    j = judge_for(base_url=base_url, model=model, **settings)
     return await j.score(prompt, completion, record)
 
 

@@ -305,7 +305,7 @@ def test_the_calculator_agent_calls_its_tool_inside_a_run(tools_ckpt, tmp_path, 
     warm-started model would, and answers with the tool's result once the prompt holds it."""
     import re
 
-    from tests.test_tool_calls import ScriptedEngine
+    from tests.scripted_engine import ScriptedEngine
     from toy.tasks.calc_tools import chat_prompt
     from toy.tiny import build_byte_tokenizer
 

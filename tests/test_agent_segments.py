@@ -25,7 +25,7 @@ from buffer.admission import extra_segments
 from buffer.schema import Trajectory, decode_trajectory, encode_trajectory
 from rollout.engines.base import Completion
 from rollout.http.sessions import SessionError, SessionStore, continuation
-from tests.test_tool_calls import ScriptedEngine, serve
+from tests.scripted_engine import ScriptedEngine, serve
 from toy.tasks.calc_agent import TOOLS
 from toy.tasks.calc_think import TEMPLATE
 from toy.tiny import build_byte_tokenizer

@@ -164,6 +164,17 @@ def test_one_write_in_flight_and_the_wait_is_counted(tmp_path) -> None:
     assert writer.wait() == (None, 0.0)
 
 
+def test_a_hung_write_stops_the_wait_with_the_folder_named(tmp_path) -> None:
+    e = engine(0)
+    checkpoint.save(tmp_path, {"actor": e}, LearnerState(1, []))
+    writer = AsyncCheckpointer(tmp_path, timeout_s=0.2)
+    writer.write_delay_s = 1.0  # a write that outlasts the timeout, as a dead network mount would
+    writer.snapshot({"actor": e}, LearnerState(2, ["2-0"]))
+    with pytest.raises(TimeoutError, match=f"checkpoint v2: still writing to {tmp_path}"):
+        writer.wait()
+    assert json.loads((tmp_path / "latest.json").read_text())["version"] == 1
+
+
 def test_a_failed_write_is_never_committed(tmp_path, monkeypatch) -> None:
     e = engine(0)
     checkpoint.save(tmp_path, {"actor": e}, LearnerState(1, []))

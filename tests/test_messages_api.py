@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import anthropic
 import httpx
@@ -20,19 +21,27 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from buffer.schema import Trajectory
 from rollout.engines.hf import HFEngine
 from rollout.http.app import create_app
 from rollout.http.messages_api import events, message
 from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
-from tests.test_tool_calls import CALL, ScriptedEngine, byte_tokenizer, serve, weather_agent_reply
+from tests.scripted_engine import (
+    ANSWER,
+    CALL,
+    MODEL,
+    RESULT,
+    ScriptedEngine,
+    Served,
+    byte_tokenizer,
+    serve,
+    serving,
+    weather_agent_reply,
+)
 from toy.tasks import calc_agent_anthropic
 
 KEY = "messages-test-key"
-MODEL = "tiny"
-ANSWER = "it is 21 degrees in paris."
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city.",
@@ -40,35 +49,27 @@ WEATHER = {
 }
 TIME = {"name": "get_time", "input_schema": {"type": "object"}}
 TIME_CALL = '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
-RESULT = "<tool_response>\n21\n</tool_response>"
 
 
 @pytest.fixture(scope="module")
-def served():
-    engine = ScriptedEngine(byte_tokenizer())
-    sunk: list[Trajectory] = []
-    server = serve(engine, sink=sunk.append, api_key=KEY)
-    yield engine, f"http://127.0.0.1:{server.port}", sunk
-    server.stop()
+def served() -> Iterator[Served]:
+    with serving(KEY) as served:
+        yield served
 
 
 @pytest.fixture
-def engine(served) -> ScriptedEngine:
-    engine = served[0]
-    engine.reply = weather_agent_reply
-    engine.prompts.clear()
-    engine.completions.clear()
-    return engine
+def engine(served: Served) -> ScriptedEngine:
+    return served.engine.reset(weather_agent_reply)
 
 
 @pytest.fixture
 def client(served) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=served[1], api_key=KEY, timeout=30, max_retries=0)
+    return anthropic.Anthropic(base_url=served.url, api_key=KEY, timeout=30, max_retries=0)
 
 
 def post(served, body: dict, **headers: str) -> httpx.Response:
     headers = {"x-api-key": KEY, **headers}
-    return httpx.post(f"{served[1]}/v1/messages", json=body, headers=headers, timeout=30)
+    return httpx.post(f"{served.url}/v1/messages", json=body, headers=headers, timeout=30)
 
 
 def test_tool_use_then_result_then_answer(client: anthropic.Anthropic, engine: ScriptedEngine) -> None:
@@ -147,7 +148,7 @@ def test_raw_shapes_are_anthropics(served, engine: ScriptedEngine) -> None:
     r = post(served, body)
     assert r.status_code == 200, r.text
     Message.model_validate(r.json())
-    with httpx.stream("POST", f"{served[1]}/v1/messages", json={**body, "stream": True},
+    with httpx.stream("POST", f"{served.url}/v1/messages", json={**body, "stream": True},
                       headers={"x-api-key": KEY}, timeout=30) as s:  # fmt: skip
         lines = [x for x in s.iter_lines() if x]
     names = [x.removeprefix("event: ") for x in lines if x.startswith("event: ")]
@@ -221,14 +222,14 @@ def test_the_api_key_is_taken_either_way(served, engine: ScriptedEngine) -> None
     body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
     assert post(served, body).status_code == 200  # x-api-key
     r = httpx.post(
-        f"{served[1]}/v1/messages", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+        f"{served.url}/v1/messages", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
     )
     assert r.status_code == 200
     r = post(served, body, **{"x-api-key": "wrong"})
     assert r.status_code == 401 and r.json()["type"] == "error"
     assert r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=served[1], api_key="wrong", max_retries=0).messages.create(**body)
+        anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0).messages.create(**body)
 
 
 @pytest.mark.parametrize(
@@ -274,7 +275,7 @@ def test_the_client_reports_a_bad_block(client: anthropic.Anthropic, engine) -> 
 def test_a_session_records_what_the_chat_api_records(served, client: anthropic.Anthropic, engine) -> None:
     """The same agent turn (call, result, answer) in two sessions, once on the Messages API and once on
     the chat API: the two trajectories hold the same tokens, mask and behaviour logprobs."""
-    url, sunk = served[1], served[2]
+    url, sunk = served.url, served.sunk
     compact = (
         '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'  # not re-serialisable
     )
@@ -381,7 +382,7 @@ def test_streamed_reasoning_is_a_thinking_block_before_the_text() -> None:
 def test_the_anthropic_calculator_agent_earns_its_reward(served, engine: ScriptedEngine) -> None:
     """toy/tasks/calc_agent_anthropic.py, handed an OpenAI client on a session as a run hands it: its
     calls reach the session, the tool's result reaches the model, and the right sum is rewarded."""
-    url = served[1]
+    url = served.url
     auth = {"Authorization": f"Bearer {KEY}"}
     call = '<tool_call>{"name": "add", "arguments": {"a": 37, "b": 48}}</tool_call>'
     engine.reply = lambda p: "85" if "<tool_response>\n85\n</tool_response>" in p else call

@@ -21,7 +21,8 @@ from rollout.http.parsers import TOOL_FORMATS, ChatReader, ParsedCall, harmony, 
 from rollout.http.parsers import think as think_format
 from rollout.http.parsers.qwen3_coder import typed
 from tandem.config import HTTPConfig
-from tests.test_tool_calls import AUTH, KEY, MODEL, ScriptedEngine, byte_tokenizer, serve
+from tests.scripted_engine import MODEL, ScriptedEngine, byte_tokenizer, serve
+from tests.test_tool_calls import AUTH, KEY
 from toy.tiny import CHAT_TEMPLATE
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}

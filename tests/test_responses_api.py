@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -24,13 +25,21 @@ from rollout.http.responses_api import ResponsesRequest, events
 from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
-from tests.test_tool_calls import CALL, ScriptedEngine, byte_tokenizer, serve, weather_agent_reply
+from tests.scripted_engine import (
+    ANSWER,
+    CALL,
+    MODEL,
+    RESULT,
+    ScriptedEngine,
+    Served,
+    byte_tokenizer,
+    serve,
+    serving,
+    weather_agent_reply,
+)
 from toy.tasks import calc_agent_responses
 
 KEY = "responses-test-key"
-MODEL = "tiny"
-ANSWER = "it is 21 degrees in paris."
-RESULT = "<tool_response>\n21\n</tool_response>"
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -41,29 +50,25 @@ TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object"}
 
 
 @pytest.fixture(scope="module")
-def served():
-    engine = ScriptedEngine(byte_tokenizer())
-    server = serve(engine, api_key=KEY)
-    yield engine, f"http://127.0.0.1:{server.port}"
-    server.stop()
+def served() -> Iterator[Served]:
+    with serving(KEY) as served:
+        yield served
 
 
 @pytest.fixture
-def engine(served) -> ScriptedEngine:
-    engine = served[0]
-    engine.reply = weather_agent_reply
-    engine.prompts.clear()
-    engine.completions.clear()
-    return engine
+def engine(served: Served) -> ScriptedEngine:
+    return served.engine.reset(weather_agent_reply)
 
 
 @pytest.fixture
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[1]}/v1", api_key=KEY, timeout=30, max_retries=0)
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, timeout=30, max_retries=0)
 
 
 def post(served, body: dict, path: str = "/v1/responses") -> httpx.Response:
-    return httpx.post(f"{served[1]}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    return httpx.post(
+        f"{served.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    )
 
 
 def test_function_call_then_output_then_answer(client: openai.OpenAI, engine: ScriptedEngine) -> None:
@@ -149,7 +154,7 @@ def test_raw_shapes_are_the_openai_packages(served, engine: ScriptedEngine) -> N
     r = post(served, body)
     assert r.status_code == 200, r.text
     Response.model_validate(r.json())
-    with httpx.stream("POST", f"{served[1]}/v1/responses", json={**body, "stream": True},
+    with httpx.stream("POST", f"{served.url}/v1/responses", json={**body, "stream": True},
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as s:  # fmt: skip
         lines = [x for x in s.iter_lines() if x]
     names = [x.removeprefix("event: ") for x in lines if x.startswith("event: ")]
@@ -232,7 +237,7 @@ def test_chat_streams_usage_when_asked(served, engine: ScriptedEngine) -> None:
     choices carries the same usage as the call without streaming."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
     plain = post(served, body, "/v1/chat/completions").json()["usage"]
-    client = openai.OpenAI(base_url=f"{served[1]}/v1", api_key=KEY, max_retries=0)
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0)
     *_, last = client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True})
     assert last.choices == [] and last.usage.model_dump(exclude_none=True) == plain
     assert plain["completion_tokens"] == len(engine.completions[0].token_ids)
@@ -267,7 +272,7 @@ def test_the_agents_sdk_responses_calculator_earns_its_reward(served, engine: Sc
     """toy/tasks/calc_agent_responses.py (the Agents SDK's OpenAIResponsesModel), handed an OpenAI client
     on a session as a run hands it: the SDK's loop runs the tool, its result reaches the model, and the
     right sum is rewarded; the session holds both calls."""
-    url, auth = served[1], {"Authorization": f"Bearer {KEY}"}
+    url, auth = served.url, {"Authorization": f"Bearer {KEY}"}
     call = '<tool_call>{"name": "add", "arguments": {"a": 37, "b": 48}}</tool_call>'
     engine.reply = lambda p: "85" if "<tool_response>\n85\n</tool_response>" in p else call
     record = {"prompt": "37+48=", "result": 85}

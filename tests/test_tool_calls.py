@@ -10,30 +10,33 @@ any Unicode text round-trip), its chat template, the app, uvicorn and the client
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from buffer.schema import Trajectory
-from rollout.engines.base import Completion, SamplingParams
 from rollout.engines.hf import HFEngine
 from rollout.http.app import create_app
 from rollout.http.serve import HTTPServer
 from rollout.http.tools import ParsedCall, hermes_messages, parse_hermes
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
-from toy.tiny import CHAT_TEMPLATE
+from tests.scripted_engine import (
+    ANSWER,
+    CALL,
+    MODEL,
+    ScriptedEngine,
+    Served,
+    byte_tokenizer,
+    serve,
+    serving,
+    weather_agent_reply,
+)
 
 KEY = "tool-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MODEL = "tiny"
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-ANSWER = "it is 21 degrees in paris."
 WEATHER = {
     "type": "function",
     "function": {
@@ -134,88 +137,20 @@ def test_hermes_messages_render_tools_calls_and_results() -> None:
 # -------------------------------------------------------------------------------- end to end: the double
 
 
-def byte_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
-    """A real byte-level BPE tokenizer without merges over all 256 bytes: any text round-trips exactly."""
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({ch: len(specials) + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-    )  # fmt: skip
-    fast.chat_template = chat_template
-    return fast
-
-
-class ScriptedEngine:
-    """The engine's test double: it "samples" ``reply(prompt text)``, token by token through ``on_token``,
-    then EOS, with a distinct logprob per token; it keeps every prompt and completion it served."""
-
-    version = 0
-    continuous_batching = False  # serves one call at a time, as hf does
-
-    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
-        self.tokenizer = tokenizer
-        self.reply: Callable[[str], str] = lambda prompt: ""
-        self.prompts: list[str] = []
-        self.completions: list[Completion] = []
-
-    def generate(self, prompts, sampling: SamplingParams, *, between_steps=None, on_token=None):
-        out = []
-        for i, prompt in enumerate(prompts):
-            text = self.tokenizer.decode(prompt)
-            self.prompts.append(text)
-            ids = self.tokenizer(self.reply(text), add_special_tokens=False).input_ids
-            ids = [*ids[: sampling.max_new_tokens - 1], self.tokenizer.eos_token_id]
-            logps = [-0.01 * (j + 1) for j in range(len(ids))]
-            group = []
-            for k in range(sampling.n):
-                for t, lp in zip(ids, logps, strict=True):
-                    if between_steps is not None:
-                        between_steps()
-                    if on_token is not None:
-                        on_token(i * sampling.n + k, t, lp)
-                group.append(Completion(list(ids), list(logps), "stop", [self.version] * len(ids)))
-            self.completions += group
-            out.append(group)
-        return out
-
-
-def serve(engine: ScriptedEngine, sink=None, **http: object) -> HTTPServer:
-    app = create_app(engine, engine.tokenizer, model_name=MODEL, http=HTTPConfig(**http),  # type: ignore[arg-type]
-                     metrics=ServerMetrics(engine), sink=sink)  # fmt: skip
-    return HTTPServer(app, "127.0.0.1", 0).start()
-
-
-def weather_agent_reply(prompt: str) -> str:
-    """The 'model': calls the tool until the prompt holds its result, then answers from it."""
-    return ANSWER if "<tool_response>\n21\n</tool_response>" in prompt else CALL
-
-
 @pytest.fixture(scope="module")
-def served():
-    engine = ScriptedEngine(byte_tokenizer())
-    sunk: list[Trajectory] = []
-    server = serve(engine, sink=sunk.append, api_key=KEY)  # a sink takes finished sessions only with a key
-    yield engine, f"http://127.0.0.1:{server.port}", sunk
-    server.stop()
+def served() -> Iterator[Served]:
+    with serving(KEY) as served:  # a sink takes finished sessions only with a key
+        yield served
 
 
 @pytest.fixture
-def engine(served) -> ScriptedEngine:
-    engine = served[0]
-    engine.reply = weather_agent_reply
-    engine.prompts.clear()
-    engine.completions.clear()
-    return engine
+def engine(served: Served) -> ScriptedEngine:
+    return served.engine.reset(weather_agent_reply)
 
 
 @pytest.fixture
 def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[1]}/v1", api_key=KEY, timeout=30, max_retries=0)
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, timeout=30, max_retries=0)
 
 
 def stream_message(stream) -> tuple[str, list[dict], str, list[str]]:
@@ -362,7 +297,7 @@ def test_malformed_tool_json_from_the_model_is_content(client: openai.OpenAI, en
 )  # fmt: skip
 def test_invalid_tool_requests_get_400_naming_the_field(served, engine, body, param, says) -> None:
     request = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body}
-    r = httpx.post(f"{served[1]}/v1/chat/completions", json=request, headers=AUTH, timeout=30)
+    r = httpx.post(f"{served.url}/v1/chat/completions", json=request, headers=AUTH, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
@@ -431,7 +366,7 @@ def test_a_template_that_renders_tools_is_used_as_it_is() -> None:
 def test_a_session_keeps_the_sampled_tool_call_tokens(served, client: openai.OpenAI, engine) -> None:
     """An agent session with a tool call: the client gets parsed calls, the trajectory gets the sampled
     tokens, tool-call text included, and the agent's echo of the call extends the transcript exactly."""
-    url, sunk = served[1], served[2]
+    url, sunk = served.url, served.sunk
     # written unlike the server's own rendering of a call, which would not extend what was sampled
     compact = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
     engine.reply = lambda p: ANSWER if "<tool_response>\n21\n</tool_response>" in p else compact

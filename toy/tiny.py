@@ -66,28 +66,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     It has the same pipeline as Qwen2's own tokenizer (byte-level pre-tokenisation, BPE), so transformers'
     ``Qwen2Tokenizer`` reloads it faithfully by path, as it would a real Qwen2 checkpoint's.
     """
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    vocab.update({_byte_level(ch): len(SPECIALS) + i for i, ch in enumerate(ALPHABET)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return _byte_level_bpe([_byte_level(ch) for ch in ALPHABET], CHAT_TEMPLATE)
 
 
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+def build_byte_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """Byte-level BPE over all 256 bytes, no merges: any text (JSON tool calls included) round-trips, one
-    token per byte. Its chat template renders tools (:data:`TOOLS_CHAT_TEMPLATE`)."""
+    token per byte. Its chat template renders tools (:data:`TOOLS_CHAT_TEMPLATE`) unless one is given."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    return _byte_level_bpe(alphabet, chat_template or TOOLS_CHAT_TEMPLATE)
+
+
+def _byte_level_bpe(tokens: list[str], chat_template: str) -> PreTrainedTokenizerFast:
+    """The special tokens, then ``tokens`` (byte-level symbols), as a BPE without merges."""
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    vocab.update({ch: len(SPECIALS) + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
+    vocab.update({tok: len(SPECIALS) + i for i, tok in enumerate(tokens)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -99,7 +91,7 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK,
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = TOOLS_CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 

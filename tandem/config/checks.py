@@ -181,7 +181,7 @@ def some_reward_source(cfg: Config) -> None:
 
 
 def distill_has_a_teacher(cfg: Config) -> None:
-    distill = getattr(cfg.algorithm, "distill", None)  # offline recipes have no distill field
+    distill = cfg.distill
     if distill is not None and cfg.model.teacher is None:
         raise ValueError(
             "algorithm.distill needs model.teacher: the checkpoint the actor is distilled toward"

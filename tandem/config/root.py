@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tandem.config.algorithm import OFFLINE_RECIPES, Algorithm, AlgorithmConfig
+from tandem.config.algorithm import OFFLINE_RECIPES, Algorithm, AlgorithmConfig, DistillConfig
 from tandem.config.base import Section
 from tandem.config.checks import checks_for
 from tandem.config.learner import LearnerConfig, WeightSyncConfig
@@ -114,6 +114,12 @@ class Config(Section):
     def critic_own(self) -> bool:
         """The critic scores and trains beside the actor on threads of its own (``placement.critic: own``)."""
         return self.placement.critic == "own" and self.recipe == "ppo" and self.algorithm.advantage == "gae"
+
+    @property
+    def distill(self) -> DistillConfig | None:
+        """On-policy distillation in force (``algorithm.distill``); None off, and for the offline recipes,
+        whose algorithm sections have no such field."""
+        return self.algorithm.distill if isinstance(self.algorithm, AlgorithmConfig) else None
 
     @property
     def own_scorers(self) -> list[str]:
