@@ -51,7 +51,7 @@ test: $(STAMP)
 
 # The slower tiers, each its own target (.ci/run runs them after `make test`):
 # the kill -9 tests (every role, the driver, Redis) with their exactly-once audits (a test marked stages
-# too, such as ten kills of the driver, runs in that tier alone),
+# too runs in that tier alone),
 test-faults: $(STAMP)
 	$(PY) -m pytest -m "faults and not stages" $(XDIST)
 

@@ -1,8 +1,9 @@
 """``python launch.py configs/tiny-vllm.yaml`` with a real vLLM (CPU build): the demo learns, a killed vLLM
-server is replaced, and no prompt is lost.
+server is replaced, and no prompt is lost, all in one run.
 
-Run where vLLM is installed (``make test-vllm``); skipped elsewhere. Each run starts a vLLM server (~45 s on 2
-cores) next to the learner, so these are the slowest tests of the ``vllm`` tier.
+Run where vLLM is installed (``make test-vllm``); skipped elsewhere. The run starts a vLLM server (~45 s on 2
+cores) next to the learner, twice (the kill), so this is the slowest test of the ``vllm`` tier: one attacked
+run shows both what a separate clean run and a separate attacked one would, at the cost of one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from tandem.data import write_prompts
 from tandem.telemetry import read_history
-from tests.test_launch import attach, inspect_redis, leftover_processes, run_dir_of
+from tests.test_launch import attach, inspect_redis, leftover_processes
 from toy.tasks import make_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,38 +77,14 @@ def vllm_server_pids(rollout_pid: int) -> list[int]:
     return pids
 
 
-def test_the_vllm_demo_learns_echo(assets, tmp_path: Path) -> None:
-    proc = subprocess.run(launch_cmd(assets, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = run_dir_of(tmp_path)
-    rows = read_history(run_dir, "learner")
-    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
-    steps = len(rewards)
-    assert steps == 300
-    first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
-    assert first < 0.2 and last >= 0.8, f"reward {first:.3f} -> {last:.3f}"
-    # Weights reached vLLM throughout: each reload is one `/collective_rpc` in vLLM's log. shm hands a server
-    # only the newest version, so a version the learner superseded before the server polled is skipped (a CI
-    # run saw 259 reloads in 300 steps); with max_staleness 2 the server must still reload at least once every
-    # 3 versions, or its data would be refused. And it generated with the last versions.
-    vllm_log = (run_dir / "logs" / "vllm-server0.log").read_text()
-    reloads = vllm_log.count('"POST /collective_rpc HTTP/1.1" 200')
-    assert reloads >= steps / 3, f"{reloads} weight reloads for {steps} steps"
-    server = read_history(run_dir, "server-0")
-    assert max(int(r.get("rollout/version", 0)) for r in server) >= steps - 2
-    assert leftover_processes(run_dir) == []
-    print(f"vLLM demo: reward {first:.3f} -> {last:.3f} over {steps} steps, {reloads} weight reloads")
-
-
-def test_a_killed_vllm_server_is_replaced_and_no_prompt_is_lost(assets, tmp_path: Path) -> None:
-    steps, rows_per_step = 60, 32
-    cmd = launch_cmd(
-        assets,
-        tmp_path,
-        f"learner.total_steps={steps}",
-        "supervision.server_restarts=2",
-        "redis.claim_idle_ms=2000",
-    )
+def test_the_vllm_demo_learns_echo_through_a_killed_server_and_loses_no_prompt(
+    assets, tmp_path: Path
+) -> None:
+    """One run of the demo as a user runs it, attacked early: vLLM is killed under its rollout server at step 3.
+    The server and its vLLM are restarted, the prompts the dead engine held are answered by the successor, and
+    the run still learns the echo task within its 300 steps."""
+    steps, rows_per_step = 300, 32
+    cmd = launch_cmd(assets, tmp_path, "supervision.server_restarts=2", "redis.claim_idle_ms=2000")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -125,7 +102,7 @@ def test_a_killed_vllm_server_is_replaced_and_no_prompt_is_lost(assets, tmp_path
             e["message_id"].decode()
             for e in client.xpending_range(f"{run_dir.name}:prompts", "rollout", "-", "+", 1000, "server-0")
         }
-        assert killed_at < steps - 10, f"the kill landed too late (version {killed_at}) to test a restart"
+        assert killed_at < 30, f"the kill landed too late (version {killed_at}) to test learning after it"
         out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -136,6 +113,20 @@ def test_a_killed_vllm_server_is_replaced_and_no_prompt_is_lost(assets, tmp_path
     vllm_log = (run_dir / "logs" / "vllm-server0.log").read_text()
     assert vllm_log.count("Starting vLLM server") >= 2, vllm_log[-2000:]  # and vLLM with it
     assert leftover_processes(run_dir) == []
+
+    rows = read_history(run_dir, "learner")
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    assert len(rewards) == steps
+    first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
+    assert first < 0.2 and last >= 0.8, f"reward {first:.3f} -> {last:.3f}"
+    # Weights reached vLLM throughout: each reload is one `/collective_rpc` in vLLM's log. shm hands a server
+    # only the newest version, so a version the learner superseded before the server polled is skipped (a CI
+    # run saw 259 reloads in 300 steps); with max_staleness 2 the server must still reload at least once every
+    # 3 versions, or its data would be refused. And it generated with the last versions.
+    reloads = vllm_log.count('"POST /collective_rpc HTTP/1.1" 200')
+    assert reloads >= steps / 3, f"{reloads} weight reloads for {steps} steps"
+    server = read_history(run_dir, "server-0")
+    assert max(int(r.get("rollout/version", 0)) for r in server) >= steps - 2
 
     server, client, run = inspect_redis(run_dir)
     try:
@@ -151,3 +142,6 @@ def test_a_killed_vllm_server_is_replaced_and_no_prompt_is_lost(assets, tmp_path
     finally:
         client.close()
         server.stop()
+    print(
+        f"vLLM demo: reward {first:.3f} -> {last:.3f} over {steps} steps, {reloads} weight reloads, killed at {killed_at}"
+    )
