@@ -38,7 +38,6 @@ from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, write_private
 from tandem.procs import alive
 from tandem.telemetry import ready_key, stop_key
-from tandem.tokenizer_match import check_same_tokenizer
 
 log = logging.getLogger("launch")
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +65,8 @@ def check_inputs(cfg: Config) -> None:
                 f"{field_path}: {p} is not a checkpoint directory (no config.json); {how_to_make(cfg, p)}"
             )
     if cfg.model.teacher is not None:  # distillation: the teacher scores the actor's token ids
+        from tandem.tokenizer_match import check_same_tokenizer  # transformers: not at the launcher's import
+
         check_same_tokenizer(
             cfg.model.actor, cfg.model.teacher, trust_remote_code=cfg.model.trust_remote_code
         )

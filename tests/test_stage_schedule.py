@@ -121,12 +121,19 @@ def test_parallel_and_auto_need_an_rm_stage_that_needs_no_sft_model() -> None:
 
 def test_a_failing_stage_stops_the_other_and_is_named(tmp_path: Path) -> None:
     """Real children: one sleeps, one fails; the sleeper is stopped at once, not orphaned."""
-    sleeper = Job("sft", [sys.executable, "-c", "import time; time.sleep(120)"], tmp_path / "sft.log", 1)
+    # The failing child waits until the sleeper is asleep: a SIGINT that reaches an interpreter still starting
+    # up can be lost, and the sleeper would then be killed only after the 60 s grace.
+    asleep = tmp_path / "asleep"
+    sleeper = Job(
+        "sft", [sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(asleep)!r}).touch(); time.sleep(120)"],
+        tmp_path / "sft.log", 1,
+    )  # fmt: skip
     failing = Job(
-        "rm", [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"], tmp_path / "rm.log", 1
-    )
+        "rm", [sys.executable, "-c", f"import os, sys, time\nwhile not os.path.exists({str(asleep)!r}): time.sleep(0.02)\nsys.exit(3)"],
+        tmp_path / "rm.log", 1,
+    )  # fmt: skip
     t0 = time.time()
-    with pytest.raises(RuntimeError, match=r"^rm: .* exited with 3; stopped sft; log .*rm\.log"):
+    with pytest.raises(RuntimeError, match=r"(?s)^rm: .* exited with 3; stopped sft; log .*rm\.log"):
         run_together([sleeper, failing])
     assert time.time() - t0 < 60
     assert sleeper.proc.poll() is not None and failing.proc.returncode == 3
