@@ -5,7 +5,8 @@ lists, never pickle). Every record carries its schema version ``v``: version 2 a
 ``loss_mask`` (multi-turn episodes, docs/environments.md §10.1); a version-1 trajectory still decodes, as the
 single-turn episode it was (every response token generated). Any other version is refused naming ``v``.
 A trajectory's ``ref_logp`` is an optional key: present only when a rollout server scored the reference
-(``placement.reference: server``), so records without it, older ones included, decode as before.
+(``placement.reference: server``), so records without it, older ones included, decode as before; so is
+``routed_experts``, present only when the engine recorded its MoE routing (``algorithm.routing_replay``).
 :func:`decode_trajectory` and :func:`decode_prompt` are the only places that turn bytes back into records, and they validate types, dtypes, shapes and sizes, raising :class:`SchemaError`
 that names the field. The buffer moves entries that fail here to the dead-letter stream.
 :class:`Turns` is how every producer builds a trajectory's response, a turn at a time.
@@ -53,6 +54,9 @@ class Trajectory:
     ``token_versions[i]`` the policy version that produced it; on environment tokens they are 0 and −1.
     ``ref_logp`` (R,), when a rollout server scored the frozen reference (``placement.reference: server``),
     is log π_ref of each generated token at the sampling temperature, 0 on environment tokens.
+    ``routed_experts`` (P + R − 1, layers, k), when the engine recorded it (``algorithm.routing_replay``),
+    is the expert indices each MoE layer's router chose for each position the engine fed (the prompt, then
+    every response token but the last, which is never fed); uint8, or int32 above 256 experts.
     """
 
     traj_id: str
@@ -70,6 +74,7 @@ class Trajectory:
     meta: dict[str, Any] = field(default_factory=dict)
     loss_mask: np.ndarray | None = None  # None: every response token was generated (single turn)
     ref_logp: np.ndarray | None = None  # None: the learner scores the reference itself (or there is none)
+    routed_experts: np.ndarray | None = None  # None: no routing recorded (dense model, or replay off)
 
     def __post_init__(self) -> None:
         self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32)
@@ -81,6 +86,8 @@ class Trajectory:
         self.loss_mask = np.ascontiguousarray(self.loss_mask, dtype=np.uint8)
         if self.ref_logp is not None:
             self.ref_logp = np.ascontiguousarray(self.ref_logp, dtype=np.float32)
+        if self.routed_experts is not None:
+            self.routed_experts = np.ascontiguousarray(self.routed_experts)
 
     @property
     def generated(self) -> np.ndarray:
@@ -206,6 +213,11 @@ def _logprobs_valid(a: np.ndarray) -> bool:
     return bool(a.min() > -np.inf and a.max() <= 1e-4)
 
 
+def routed_dtype(num_experts: int) -> np.dtype:
+    """The integer dtype ``routed_experts`` travels in: one byte per index up to 256 experts."""
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.int32)
+
+
 def _pack_array(a: np.ndarray) -> list[Any]:
     a = np.ascontiguousarray(a)
     le = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
@@ -267,6 +279,8 @@ def encode_trajectory(t: Trajectory) -> bytes:
     }
     if t.ref_logp is not None:  # optional: absent unless a server scored the reference
         record["ref_logp"] = _pack_array(t.ref_logp)
+    if t.routed_experts is not None:  # optional: absent unless the engine recorded its routing
+        record["routed_experts"] = _pack_array(t.routed_experts)
     return _packb(record, "meta")
 
 
@@ -331,6 +345,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
     prompt = _unpack_array("prompt_tokens", _get(d, "prompt_tokens", list), "int32", max_tokens)
     if len(prompt) == 0:
         raise SchemaError("prompt_tokens", "empty prompt (the first response token has nothing to follow)")
+    routed = _decode_routed_experts(d, len(prompt) + n - 1, max_tokens)
     for name, arr in (("prompt_tokens", prompt), ("response_tokens", resp)):
         if len(arr) and (lo := value_range(arr)[0]) < 0:
             raise SchemaError(name, f"negative token id {lo}")
@@ -362,6 +377,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
         meta=_get(d, "meta", dict),
         loss_mask=loss_mask,
         ref_logp=ref_logp,
+        routed_experts=routed,
     )
 
 
@@ -375,6 +391,34 @@ def _decode_ref_logp(d: dict[str, Any], n: int, max_tokens: int) -> np.ndarray |
     if n and not _logprobs_valid(ref):
         raise SchemaError("ref_logp", "log-probabilities must be finite and <= 0")
     return ref
+
+
+def _decode_routed_experts(d: dict[str, Any], positions: int, max_tokens: int) -> np.ndarray | None:
+    """The optional ``routed_experts``: None when absent; else (positions, layers, k) of uint8 or int32."""
+    if "routed_experts" not in d:
+        return None
+    packed = _get(d, "routed_experts", list)
+    if len(packed) != 3 or packed[0] not in ("|u1", "<i4"):
+        raise SchemaError("routed_experts", "expected [dtype, shape, bytes] of uint8 or int32")
+    dt, shape, raw = packed
+    if not (
+        isinstance(shape, (list, tuple))
+        and len(shape) == 3
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape[1:])
+    ):
+        raise SchemaError("routed_experts", f"shape {shape!r}, expected (positions, layers, k)")
+    if shape[0] != positions:
+        raise SchemaError("routed_experts", f"{shape[0]} positions, expected P + R - 1 = {positions}")
+    size = math.prod(shape)
+    if size > max_tokens * 1024:  # 1024 (layer, k) slots per token is far above any model's
+        raise SchemaError("routed_experts", f"{size} elements exceeds the limit of {max_tokens * 1024}")
+    dtype = np.dtype(dt)
+    if not isinstance(raw, bytes) or len(raw) != size * dtype.itemsize:
+        raise SchemaError("routed_experts", f"byte length does not match shape {shape}")
+    routed = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+    if dtype.kind == "i" and size and routed.min() < 0:
+        raise SchemaError("routed_experts", "negative expert index")
+    return routed
 
 
 def encode_prompt(p: PromptRecord) -> bytes:

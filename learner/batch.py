@@ -28,13 +28,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from buffer.schema import Trajectory, decode_trajectory, encode_trajectory, value_range
+from tandem.vision import VisionInputs, mm_token_type_ids, placeholder_ids
 
 Layout = Literal["pack", "pad"]
 
@@ -78,15 +79,25 @@ class Batch:
         return int(self.seq_lens.sum())
 
 
-def trajectory_problem(t: Trajectory, vocab_size: int) -> str | None:
+def trajectory_problem(
+    t: Trajectory, vocab_size: int, routing: tuple[int, int, int] | None = None
+) -> str | None:
     """Why a well-formed trajectory cannot be trained on by this model, or None.
 
-    The schema checks what any consumer needs; this checks what only the learner knows (its vocabulary):
-    an out-of-range id would otherwise fail inside the embedding, on every retry after a restart.
+    The schema checks what any consumer needs; this checks what only the learner knows (its vocabulary,
+    and with ``routing`` its MoE routers' (layers, k, experts)): an out-of-range id would otherwise fail
+    inside the embedding, on every retry after a restart; so would recorded routing of another model.
     """
     for name, ids in (("prompt_tokens", t.prompt_tokens), ("response_tokens", t.response_tokens)):
         if len(ids) and (hi := value_range(ids)[1]) >= vocab_size:
             return f"{name}: token id {hi} outside the model's vocabulary of {vocab_size}"
+    r = t.routed_experts
+    if r is not None and routing is not None:
+        layers, k, experts = routing
+        if r.shape[1:] != (layers, k):
+            return f"routed_experts: (layers, k) {r.shape[1:]}, the model's routers have {(layers, k)}"
+        if r.size and int(r.max()) >= experts:
+            return f"routed_experts: expert {int(r.max())} outside the model's {experts}"
     return None
 
 
@@ -152,6 +163,41 @@ class MicroBatch:
     targets: Tensor  # (b, R) next-token labels of the response, 0 on padding
     logit_row: Tensor  # (b,) row of input_ids holding sequence i
     logit_start: Tensor  # (b,) column whose logits predict response token 0 of sequence i
+    # (rows * N, layers, k) int64: the engine's routing of every input position in the order the routers see
+    # them (input_ids flattened), -1 where none was recorded (padding, the last token); None: none recorded
+    routed: Tensor | None = None
+    # A vision-language model's image inputs for the rows that have images (:func:`with_vision`): passed to
+    # the forward as keyword arguments. None for a text-only micro-batch.
+    vision: dict[str, Tensor] | None = None
+    suppress: Tensor | None = None  # (k,) a vision-language policy's placeholder ids: never sampled
+
+
+def with_vision(mb: MicroBatch, images: Sequence[VisionInputs | None], config: Any) -> MicroBatch:
+    """``mb`` for a vision-language model (``config``, its config): its rows' image inputs (``images[k]``
+    for row ``k`` of the micro-batch, None for a row without images) as pixel values and grid sizes in row
+    order with the image-token types Qwen2-VL computes its 3-D positions from, and the placeholder ids the
+    policy never samples (every row, images or not: the engine masks them for every prompt).
+
+    Only the ``pad`` layout: the model computes the 3-D positions per row itself, where packed rows would
+    need them restarting per sequence, which nothing builds yet."""
+    if mb.position_ids is not None:
+        raise ValueError("image inputs need learner.layout pad (packed rows have no 3-D positions yet)")
+    if len(images) != len(mb.rows):
+        raise ValueError(f"{len(images)} image inputs for a micro-batch of {len(mb.rows)} rows")
+    device = mb.input_ids.device
+    mb = replace(mb, suppress=torch.tensor(placeholder_ids(config), dtype=torch.long, device=device))
+    present = [v for v in images if v is not None]
+    if not present:
+        return mb
+    vision = VisionInputs.concat(present).to(device)
+    return replace(
+        mb,
+        vision={
+            "pixel_values": vision.pixel_values,
+            "image_grid_thw": vision.image_grid_thw,
+            "mm_token_type_ids": mm_token_type_ids(mb.input_ids, int(config.image_token_id)),
+        },
+    )
 
 
 def micro_batches(
@@ -292,6 +338,7 @@ def _build(batch: Batch, rows: Tensor, layout: Layout, device: torch.device) -> 
             padded[k, : len(seq)] = seq
         input_ids, position_ids = torch.from_numpy(padded), None
         logit_row, logit_start = torch.arange(len(seqs)), prompt_lens - 1
+    routed = _routed(trajs, lens, input_ids.numel(), None if layout == "pack" else input_ids.shape[1])
     return MicroBatch(
         rows=rows,
         input_ids=input_ids.to(device),
@@ -299,7 +346,26 @@ def _build(batch: Batch, rows: Tensor, layout: Layout, device: torch.device) -> 
         targets=torch.from_numpy(targets).to(device),
         logit_row=logit_row.to(device),
         logit_start=logit_start.to(device),
+        routed=None if routed is None else routed.to(device),
     )
+
+
+def _routed(trajs: list[Trajectory], lens: Tensor, total: int, width: int | None) -> Tensor | None:
+    """The micro-batch's recorded routing, laid out as its ``input_ids`` flattened (``MicroBatch.routed``):
+    sequence ``i`` starts at ``i * width`` when padded, after the previous sequences when packed (``width``
+    None); positions it was not recorded for are -1. None when no trajectory carries any."""
+    recorded = [t.routed_experts for t in trajs]
+    first = next((r for r in recorded if r is not None), None)
+    if first is None:
+        return None
+    out = np.full((total, *first.shape[1:]), -1, dtype=np.int64)
+    start = 0
+    for r, n in zip(recorded, lens.tolist(), strict=True):
+        if r is not None:
+            m = min(n, len(r))  # a dropped row reads its first token only
+            out[start : start + m] = r[:m]
+        start += n if width is None else width
+    return torch.from_numpy(out)
 
 
 def response_view(per_position: Tensor, mb: MicroBatch) -> Tensor:

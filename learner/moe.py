@@ -4,7 +4,7 @@
   ranks of one forward pass fetch different parameters in a different order and the prefetcher's trace no
   longer matches; :func:`set_leaf_modules` registers each MoE block as a ZeRO-3 leaf
   (``deepspeed.utils.set_z3_leaf_modules``): all its parameters are gathered at once, on every rank.
-- **The blocks are found generically**: transformers declares each MoE model's router class as the
+- **The blocks are found generically** (:mod:`tandem.routers`): transformers declares each MoE model's router class as the
   ``router_logits`` output recorder (``_can_record_outputs``), the same hook ``output_router_logits=True``
   uses; the MoE block is the router's parent module (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``,
   ``GptOssMLP``). A dense model has no router: every function here is a no-op on it.
@@ -25,25 +25,11 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from tandem.routers import router_class, routers
+
 # Above this many (layer, expert) pairs only the per-layer summaries are logged, not every expert's load
 # (Qwen3-30B-A3B has 48 x 128).
 PER_EXPERT_LIMIT = 256
-
-
-def router_class(model: nn.Module) -> type[nn.Module] | None:
-    """The router module class transformers records ``router_logits`` from, or None for a dense model."""
-    for m in model.modules():
-        recorder = getattr(type(m), "_can_record_outputs", None) or {}
-        spec = recorder.get("router_logits")
-        if spec is not None:
-            return getattr(spec, "target_class", spec)
-    return None
-
-
-def routers(model: nn.Module) -> list[nn.Module]:
-    """Every router of ``model``, in layer order."""
-    cls = router_class(model)
-    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
 
 
 def moe_block_classes(model: nn.Module) -> list[type[nn.Module]]:

@@ -105,6 +105,8 @@ class OnlineRuntime(Runtime):
         self, cfg: Config, run_dir: str | Path, *, resume: bool = False, layout: Layout = "pad"
     ) -> None:
         super().__init__(cfg, run_dir, resume=resume, layout=layout)
+        # (layers, k, experts) of a MoE actor's routers, to screen recorded routing; None for a dense one
+        self.routing_shape: tuple[int, int, int] | None = None
         self.pending: list[str] = []  # trained on, not yet in a committed checkpoint, so not acked
         self.acked: list[acked_ranges.Range] = []  # every id trained into the checkpoint lineage
         self.acked_through = 0  # trajectories (counted over versions) whose ids are acked
@@ -343,7 +345,7 @@ class OnlineRuntime(Runtime):
         )
 
     def unusable(self, t: Trajectory) -> str | None:
-        return trajectory_problem(t, self.models.vocab_size)
+        return trajectory_problem(t, self.models.vocab_size, self.routing_shape)
 
     # ------------------------------------------------------------------------------ weights and commits
 

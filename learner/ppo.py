@@ -48,6 +48,7 @@ from learner.losses import (
 from learner.models import Models, load_models, output_head, policy_logits, policy_logprobs, values, visiting
 from learner.online import OnlineRuntime, peak_memory_gb
 from learner.passes import Pass, beside, run_passes
+from learner.routing_replay import RoutingReplay
 from learner.runtime import Stats, log
 from placement.configured import critic_threads
 from tandem.config import Config
@@ -143,11 +144,30 @@ class PPOLearner(OnlineRuntime):
             )
         self.models: Models | None = None
         self.router_tap: moe.RouterTap | None = None  # a mixture-of-experts actor's routers
+        # Its routing replay: forces recorded routing with algorithm.routing_replay=rollout, and counts
+        # moe/routing_flips against any recorded routing either way.
+        self.routing_replay: RoutingReplay | None = None
 
     def load_models(self) -> Models:
         models = load_models(self.cfg, self.device)
-        self.router_tap = moe.RouterTap.of(models.actor.module)
+        actor = models.actor.module
+        self.router_tap = moe.RouterTap.of(actor)
+        replay = self.cfg.algorithm.routing_replay == "rollout"
+        if replay and not moe.is_moe(actor):
+            raise ValueError(
+                f"algorithm.routing_replay=rollout needs a mixture-of-experts actor; {self.cfg.model.actor} "
+                "has no router: set algorithm.routing_replay=off"
+            )
+        self.routing_replay = RoutingReplay.of(actor, force=replay)
+        if self.routing_replay is not None:
+            r = moe.routers(actor)
+            self.routing_shape = (len(r), self.routing_replay.k, int(r[0].num_experts))
         return models
+
+    def replaying(self, mb: MicroBatch, *, count: bool = True) -> contextlib.AbstractContextManager[None]:
+        """The actor's forward (and backward) inside: routed as the engine routed ``mb``'s tokens."""
+        replay = self.routing_replay
+        return contextlib.nullcontext() if replay is None else replay.replaying(mb.routed, count=count)
 
     def smoke_test(self) -> None:
         """One tiny forward of every model (on every rank: a collective under ZeRO-3)."""
@@ -309,7 +329,8 @@ class PPOLearner(OnlineRuntime):
         if prox_logp is not None:
 
             def actor_pass(mb: MicroBatch) -> None:
-                prox_logp[mb.rows] = self.logprobs(m.actor, mb, batch.mask[mb.rows])[0]
+                with self.replaying(mb):
+                    prox_logp[mb.rows] = self.logprobs(m.actor, mb, batch.mask[mb.rows])[0]
 
             passes.append(("time/actor_logp", actor_pass))
         if ref_logp is not None:
@@ -492,7 +513,7 @@ class PPOLearner(OnlineRuntime):
         units = num_tokens if units is None else units  # the minibatch's aggregation_units
         mask = batch.mask[rows]  # (b, R)
         tap = self.router_tap  # a MoE actor's router logits of this forward pass, for moe_terms
-        with tap.recording() if tap else contextlib.nullcontext():
+        with tap.recording() if tap else contextlib.nullcontext(), self.replaying(mb):
             # (b, R) each; the entropy carries gradient only when it is in the loss
             logp, entropy = self.logprobs(
                 self.models.actor, mb, mask, entropy=True, entropy_grad=a.entropy_coef > 0
@@ -549,18 +570,23 @@ class PPOLearner(OnlineRuntime):
         if tap:
             loss = loss + self.moe_terms(tap, mb, batch, n / num_tokens, stats)
         # DeepSpeed averages gradients over ranks; the loss is already a mean over the whole minibatch.
-        self.models.actor.backward(loss * self.world)
+        with self.replaying(mb, count=False):  # a gradient-checkpointing recompute routes alike
+            self.models.actor.backward(loss * self.world)
 
     def moe_terms(
         self, tap: moe.RouterTap, mb: MicroBatch, batch: Batch, share: Tensor, stats: Stats
     ) -> Tensor | float:
-        """Router metrics of the micro-batch's forward pass (``moe/...``, over its tokens) into ``stats``; the
+        """Router metrics of the micro-batch's forward pass (``moe/...``, over its tokens, and
+        ``moe/routing_flips`` over its recorded token-layer slots) into ``stats``; the
         load-balancing loss with ``learner.moe_aux_loss_coef`` > 0 (else 0), weighted by the micro-batch's
         ``share`` of the minibatch's response tokens so the accumulated term is the minibatch's mean."""
         padded = mb.position_ids is None
         valid = moe.token_mask(mb.input_ids, batch.seq_lens[mb.rows] if padded else None)
         tokens = mb.input_ids.new_tensor(mb.input_ids.numel()) if valid is None else valid.sum()
         stats.add_means(moe.router_metrics(tap.layers, tap.k, valid), tokens)
+        if self.routing_replay is not None:  # 0 slots without recorded routing: left out of the metrics
+            flips, slots = self.routing_replay.take_flips()
+            stats.add("moe/routing_flips", flips.to(tokens.device), slots.to(tokens.device))
         coef = self.cfg.learner.moe_aux_loss_coef
         if coef == 0:
             return 0.0

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -35,11 +34,6 @@ ROUTER_STYLES = {
     "MixtralTopKRouter": "softmax",
     "GptOssTopKRouter": "topk_softmax",
 }
-
-
-def routed_dtype(num_experts: int) -> np.dtype:
-    """The smallest integer dtype the wire carries expert indices in."""
-    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.int32)
 
 
 def forced_routing(
@@ -97,14 +91,18 @@ class RoutingReplay:
         self.routed: Tensor | None = None  # (T, layers, k) int64, -1 where not recorded
         self.flips = torch.zeros(())  # token-layer slots whose own top-k differs from the record
         self.slots = torch.zeros(())  # recorded token-layer slots seen
+        self._counting = False  # from entering replaying() to take_flips(): not a backward's recompute
         self._handles = [
             r.register_forward_hook(self._hook_for(i, r), with_kwargs=False) for i, r in enumerate(found)
         ]
 
     @classmethod
     def of(cls, model: nn.Module, *, force: bool = True) -> RoutingReplay | None:
-        """Hooks on ``model``'s routers, or None for a dense model."""
-        return cls(model, force=force) if routers(model) else None
+        """Hooks on ``model``'s routers, or None for a dense model (or, not forcing, a router not known)."""
+        found = routers(model)
+        if not found or (not force and type(found[0]).__name__ not in ROUTER_STYLES):
+            return None
+        return cls(model, force=force)
 
     def _hook_for(self, layer: int, router: nn.Module) -> Callable[..., object]:
         norm = bool(getattr(router, "norm_topk_prob", True))
@@ -121,9 +119,10 @@ class RoutingReplay:
                     f"{own.shape[0]} tokens"
                 )
             valid = recorded[:, 0] >= 0
-            with torch.no_grad():
-                self.flips = self.flips + (flipped(own, recorded) & valid).sum().cpu()
-                self.slots = self.slots + valid.sum().cpu()
+            if self._counting:
+                with torch.no_grad():
+                    self.flips = self.flips + (flipped(own, recorded) & valid).sum()
+                    self.slots = self.slots + valid.sum()
             if not self.force or not bool(valid.any()):
                 return None
             indices = torch.where(valid[:, None], recorded, own)
@@ -135,25 +134,29 @@ class RoutingReplay:
         return hook
 
     @contextlib.contextmanager
-    def replaying(self, routed: Tensor | None) -> Iterator[None]:
+    def replaying(self, routed: Tensor | None, *, count: bool = True) -> Iterator[None]:
         """Force ``routed`` (T, layers, k), T the tokens of the enclosed forward passes in the order the
-        routers see them (``input_ids`` flattened), on every position not -1; None forces nothing."""
+        routers see them (``input_ids`` flattened), on every position not -1; None forces nothing.
+        ``count``: routing flips are counted afresh (off around a backward, whose recompute would count
+        the same tokens again)."""
         if routed is not None and tuple(routed.shape[1:]) != (self.layers, self.k):
             raise ValueError(
                 f"routing replay: recorded routing of {tuple(routed.shape[1:])} (layers, k), the model has "
                 f"{(self.layers, self.k)}"
             )
-        self.routed = routed
+        self.routed, self._counting = routed, count
+        if count:
+            self.flips, self.slots = torch.zeros(()), torch.zeros(())
         try:
             yield
         finally:
             self.routed = None
 
-    def take_flips(self) -> float | None:
-        """``moe/routing_flips`` since the last call (None when nothing recorded was seen), and reset."""
-        slots, flips = float(self.slots), float(self.flips)
-        self.flips, self.slots = torch.zeros(()), torch.zeros(())
-        return flips / slots if slots else None
+    def take_flips(self) -> tuple[Tensor, Tensor]:
+        """(flipped slots, recorded slots) of the forward passes since entering :meth:`replaying`; later
+        forwards of the same context (a gradient-checkpointing recompute) are not counted."""
+        self._counting = False
+        return self.flips, self.slots
 
     def close(self) -> None:
         for h in self._handles:

@@ -117,7 +117,7 @@ class GroupScorer:
     ) -> Trajectory:
         turn = Turns()
         turn.add(c.token_ids, c.logprobs, c.versions, generated=True)
-        return turn.as_trajectory(
+        traj = turn.as_trajectory(
             p.tokens,
             prompt_id=p.prompt_id,
             group_id=group_id,
@@ -127,3 +127,5 @@ class GroupScorer:
             server_id=self.server_id,
             meta={"version": c.versions[0]},
         )
+        traj.routed_experts = c.routed_experts  # algorithm.routing_replay: the engine's routing
+        return traj

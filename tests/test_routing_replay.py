@@ -3,11 +3,25 @@ learner's forward forced to the engine's routing (learner/routing_replay.py, doc
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
 import torch
-from transformers import Qwen3MoeConfig
+from torch import Tensor
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from learner.routing_replay import flipped, forced_routing
+from buffer.schema import SchemaError, Trajectory, decode_trajectory, encode_trajectory, routed_dtype
+from learner import moe
+from learner.batch import MicroBatch, make_batch, micro_batches, response_view, trajectory_problem
+from learner.losses import logprobs_from_logits
+from learner.models import policy_logits
+from learner.routing_replay import RoutingReplay, flipped, forced_routing
+from rollout.engines.base import SamplingParams
+from rollout.engines.hf import HFEngine
+from tandem.config import ConfigError, load_config
 
 
 def router(norm: bool, *, experts: int = 4, k: int = 2, hidden: int = 8) -> Qwen3MoeTopKRouter:
@@ -54,3 +68,144 @@ def test_forced_routing_passes_the_gradient_to_the_router() -> None:
 def test_flipped_ignores_order() -> None:
     own = torch.tensor([[0, 1], [2, 3], [1, 0]])
     assert flipped(own, torch.tensor([[1, 0], [2, 1], [0, 1]])).tolist() == [False, True, False]
+
+
+# -------------------------------------------------------------------- the engine records, the learner replays
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from toy.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-moe-r3"), arch="qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def rolled(tiny_moe: dict[str, Path]) -> list[Trajectory]:
+    """Two prompts x 2 samples from the hf engine recording its routing, through the wire and back."""
+    engine = HFEngine(str(tiny_moe["actor"]), device="cpu", seed=0, record_routing=True)
+    try:
+        assert engine.prefix_cache is None  # a cached prefix would never be routed again
+        prompts = [[1, 5, 9, 12, 7, 3, 20, 4], [1, 30, 31]]
+        out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3))
+    finally:
+        engine.close()
+    trajs = []
+    for i, (p, group) in enumerate(zip(prompts, out, strict=True)):
+        for j, c in enumerate(group):
+            r = c.routed_experts
+            assert r is not None and r.dtype == np.uint8
+            assert r.shape == (len(p) + len(c.token_ids) - 1, 2, 2)  # every fed position, 2 layers, top-2
+            t = Trajectory(
+                traj_id=f"{i}-{j}",
+                group_id=str(i),
+                prompt_id=str(i),
+                prompt_tokens=p,
+                response_tokens=c.token_ids,
+                behav_logp=c.logprobs,
+                token_versions=c.versions,
+                reward=0.0,
+                routed_experts=r,
+            )
+            trajs.append(decode_trajectory(encode_trajectory(t)))
+    return trajs
+
+
+def captured(model: torch.nn.Module) -> list[list[Tensor]]:
+    """The indices each router returns (after any replay hook), per forward pass, in layer order."""
+    out: list[list[Tensor]] = []
+
+    def hook(module: torch.nn.Module, args: object, output: tuple[Tensor, ...]) -> None:
+        if not out or len(out[-1]) == len(rs):
+            out.append([])
+        out[-1].append(output[2])
+
+    rs = moe.routers(model)
+    for r in rs:
+        r.register_forward_hook(hook)
+    return out
+
+
+def forward(model: torch.nn.Module, replay: RoutingReplay, mb: MicroBatch, force: bool) -> Tensor:
+    """Response log-probabilities (b, R) of ``mb``, with or without the recorded routing."""
+    with torch.no_grad(), replay.replaying(mb.routed if force else None):
+        logits = response_view(policy_logits(model, mb, 1.0), mb)
+    return logprobs_from_logits(logits, mb.targets)
+
+
+def load(path: Path, *, perturb: float = 0.0) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # the trainer's numerics differing from the engine's, in the routers only
+        for r in moe.routers(model):
+            r.weight.add_(perturb * r.weight.std() * torch.randn(r.weight.shape, generator=g))
+    return model
+
+
+def test_the_wire_carries_routed_experts(rolled: list[Trajectory]) -> None:
+    t = rolled[0]
+    assert t.routed_experts is not None and t.routed_experts.shape[1:] == (2, 2)
+    plain = dataclasses.replace(t, routed_experts=None)
+    back = decode_trajectory(encode_trajectory(plain))
+    assert back.routed_experts is None and encode_trajectory(back) == encode_trajectory(plain)
+    wide = dataclasses.replace(t, routed_experts=t.routed_experts.astype(routed_dtype(300)))
+    assert np.array_equal(decode_trajectory(encode_trajectory(wide)).routed_experts, t.routed_experts)
+    short = dataclasses.replace(t, routed_experts=t.routed_experts[:-1])
+    with pytest.raises(SchemaError, match="routed_experts"):
+        decode_trajectory(encode_trajectory(short))
+    assert "routed_experts" in (trajectory_problem(t, 10_000, (3, 2, 8)) or "")
+    assert "outside the model's 1" in (trajectory_problem(t, 10_000, (2, 2, 1)) or "")
+    assert trajectory_problem(t, 10_000, (2, 2, 8)) is None
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_replay_routes_as_the_engine_did(
+    rolled: list[Trajectory], tiny_moe: dict[str, Path], layout: str
+) -> None:
+    batch = make_batch(rolled, 0)
+    (mb,) = micro_batches(batch, torch.arange(len(batch)), len(batch), layout, torch.device("cpu"))
+    assert mb.routed is not None and mb.routed.shape == (mb.input_ids.numel(), 2, 2)
+    recorded = mb.routed
+    valid = recorded[:, 0, 0] >= 0
+    assert int(valid.sum()) == sum(len(t.routed_experts) for t in rolled)
+    mask = batch.mask[mb.rows].bool()
+
+    # The engine's own weights: its routing is the learner's, and replay changes nothing, bit for bit.
+    same = load(tiny_moe["actor"])
+    replay, seen = RoutingReplay(same), captured(same)
+    plain = forward(same, replay, mb, force=False)
+    assert torch.equal(torch.stack(seen[-1], 1)[valid], recorded[valid])
+    assert torch.equal(forward(same, replay, mb, force=True), plain)
+    assert replay.take_flips()[0] == 0
+
+    # Perturbed routers flip some tokens' experts in every layer, and the log-probabilities move.
+    moved = load(tiny_moe["actor"], perturb=0.3)
+    replay, seen = RoutingReplay(moved), captured(moved)
+    plain = forward(moved, replay, mb, force=False)
+    own = torch.stack(seen[-1], 1)  # (T, layers, k)
+    per_layer = [int(flipped(own[valid, i], recorded[valid, i]).sum()) for i in range(2)]
+    assert all(n > 0 for n in per_layer), per_layer
+    print(f"flipped slots per layer {per_layer} of {int(valid.sum())} tokens")
+    replayed = forward(moved, replay, mb, force=True)
+    flips, slots = replay.take_flips()
+    assert int(flips) == sum(per_layer) and int(slots) == 2 * int(valid.sum())
+    assert not torch.allclose(plain[mask], replayed[mask], atol=1e-4)
+    # With replay every router chose exactly the recorded experts, for every recorded token and layer.
+    assert torch.equal(torch.stack(seen[-1], 1)[valid], recorded[valid])
+    # ... and its weights are the learner's own softmax over them, so the router still gets a gradient.
+    with replay.replaying(mb.routed):
+        logits = response_view(policy_logits(moved, mb, 1.0), mb)
+    logprobs_from_logits(logits, mb.targets)[mask].sum().backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in moe.routers(moved))
+
+
+def test_routing_replay_is_refused_where_nothing_records_it(tiny_ckpt: dict[str, Path]) -> None:
+    raw = {"model": {"actor": "x"}, "data": {"prompts": "y"}, "reward": {"functions": [{"path": "a:b"}]},
+           "rollout": {"engine": "vllm"}, "algorithm": {"routing_replay": "rollout"}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"algorithm\.routing_replay=rollout needs rollout\.engine=hf"):
+        load_config(None, raw=raw)
+    raw["rollout"]["engine"] = "hf"
+    assert load_config(None, raw=raw).algorithm.routing_replay == "rollout"
+    with pytest.raises(ValueError, match="recording routing needs a mixture-of-experts model"):
+        HFEngine(str(tiny_ckpt["actor"]), device="cpu", record_routing=True)  # a dense model
+    assert RoutingReplay.of(load(tiny_ckpt["actor"])) is None

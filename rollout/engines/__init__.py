@@ -40,6 +40,7 @@ def make_engine(cfg: Config, model_path: str, *, server_index: int = 0, device: 
             gather_s=gather_ms / 1000,
             # Colocated and releasing memory, the shm version's pages are the engine's weights (§11.1).
             zero_copy=cfg.releases_memory,
+            record_routing=cfg.algorithm.routing_replay == "rollout",
         )
     return cls(cfg, model_path, server_index=server_index, device=device)
 

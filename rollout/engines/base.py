@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from weightsync.base import Update
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from rollout.engines.constraint import Constraint
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -56,6 +58,9 @@ class Completion:
     logprobs: list[float]  # behaviour logprob of each token in token_ids
     finish_reason: FinishReason
     versions: list[int]  # policy version that produced each token (same length as token_ids)
+    # (P + R - 1, layers, k): the experts each MoE layer routed every fed position to (prompt, then each
+    # generated token but the last, which is never fed); only from an engine recording routing (hf)
+    routed_experts: np.ndarray | None = None
 
 
 OnPrompt = Callable[[int, list[Completion]], None]

@@ -26,6 +26,15 @@ One call's failure is its own: rows are sampled group by group, and a group that
 logits, a sampler error) is sampled again call by call; a call that still fails ends with
 :class:`SamplingFailed` and its rows leave the batch, while the other calls' rows decode on. Only a
 failed forward, whose KV cache is then unknown, fails every call in the batch.
+
+A vision-language checkpoint (Qwen2-VL; ``vision_config`` in its config) loads as one, with its
+:class:`tandem.vision.VisionProcessor` as ``self.vision``. Its text prompts take the path above; a call
+whose prompts carry images (``generate(..., images=...)``: each prompt's pixel values and grid sizes, its
+token ids already holding the expanded placeholders) decodes in a loop of its own
+(:meth:`HFEngine._generate_vision`): the images' 3-D (M-RoPE) positions are computed once at prefill and
+each generated token's position is offset by them, which the running batch's 1-D positions cannot carry.
+It holds the lock per step like the batch, so weight updates still land between steps, but it does not
+share steps with other calls and keeps nothing in the prefix cache.
 """
 
 from __future__ import annotations
@@ -37,15 +46,18 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     DynamicCache,
     DynamicLayer,
     PreTrainedTokenizerBase,
 )
 
+from buffer.schema import routed_dtype
 from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnPrompt, OnToken, SamplingParams
 from rollout.engines.constraint import Grammars, advance
 from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
@@ -53,6 +65,15 @@ from rollout.engines.hf_batch import WAIT_POLL_S, Entry, Request, RunningBatch, 
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
 from rollout.engines.sampling import sample_tokens
 from tandem.config import RolloutConfig
+from tandem.routers import routers
+from tandem.vision import (
+    SUPPRESSED_LOGIT,
+    VisionInputs,
+    VisionProcessor,
+    is_vision_checkpoint,
+    mm_token_type_ids,
+    placeholder_ids,
+)
 from weightsync.adapters import apply_adapter, is_adapter_tensor
 from weightsync.base import Update, WeightSyncError
 
@@ -87,21 +108,35 @@ class HFEngine:
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         zero_copy: bool = False,
         gather_s: float = 0.0,
+        record_routing: bool = False,
     ) -> None:
         """``zero_copy``: a full update's tensors become the weights rather than being copied into them
         (:meth:`update_weights`); for a colocated engine that sleeps before each new version. ``gather_s``:
         how long a call that finds the engine idle waits for others to join it before the first step
-        (episodes' turns and agents' calls; 0 for a single-turn run, whose batch arrives whole)."""
+        (episodes' turns and agents' calls; 0 for a single-turn run, whose batch arrives whole).
+        ``record_routing``: each completion carries the experts every MoE router chose for each fed position
+        (``Completion.routed_experts``, for routing replay); it turns the prefix cache off, since a cached
+        prefix is never routed again."""
         self.device = resolve_device(str(device) if device is not None else None)
         self.zero_copy = zero_copy
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             model_path, trust_remote_code=trust_remote_code
         )
-        self.model = AutoModelForCausalLM.from_pretrained(
+        # A vision-language checkpoint: its processor for image prompts, its class for the vision tower.
+        self.vision: VisionProcessor | None = None
+        auto = AutoModelForCausalLM
+        if is_vision_checkpoint(model_path):
+            self.vision = VisionProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            auto = AutoModelForImageTextToText
+        self.model = auto.from_pretrained(
             model_path, dtype=resolve_dtype(dtype, self.device), trust_remote_code=trust_remote_code
         )
         self.model.to(self.device).eval().requires_grad_(False)
-        self.max_positions: int | None = self.model.config.max_position_embeddings
+        self.text_config = self.model.config.get_text_config()  # the config itself for a causal LM
+        # A vision-language policy never writes an image placeholder (tandem/vision.py SUPPRESSED_LOGIT).
+        ids = placeholder_ids(self.model.config)
+        self._suppress = torch.tensor(ids, device=self.device) if ids else None
+        self.max_positions: int | None = self.text_config.max_position_embeddings
         eos = self.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = {i for i in [*eos_ids, self.tokenizer.eos_token_id] if i is not None}
@@ -125,9 +160,38 @@ class HFEngine:
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
         self._released: set[str] = set()  # what sleep() freed and wake_up() has not restored
         self._unfilled = False  # weights re-allocated by wake_up, not yet filled by a full update
-        self.prefix_cache = self._make_prefix_cache(prefix_cache_mb)
+        self._routing: list[torch.Tensor] = []  # one forward's chosen experts, (rows * t, k) per router
+        self._routing_hooks = self._record_routing() if record_routing else []
+        self.record_routing = bool(self._routing_hooks)
+        self.prefix_cache = self._make_prefix_cache(0.0 if self.record_routing else prefix_cache_mb)
         self._grammars: Grammars | None = None  # built at the first constrained call
         self.prefilled_tokens = 0  # real tokens fed by prefills (cached prefixes not counted)
+
+    def _record_routing(self) -> list[torch.utils.hooks.RemovableHandle]:
+        """A forward hook on each router (found as learner/moe.py finds them) keeping its top-k indices."""
+        found = routers(self.model)
+        if not found:
+            raise ValueError(
+                "hf engine: recording routing needs a mixture-of-experts model; this one has no router"
+            )
+
+        self._routed_dtype = routed_dtype(int(found[0].num_experts))
+
+        def hook(module: torch.nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> None:
+            self._routing.append(output[2])  # (router_logits, router_scores, router_indices)
+
+        return [r.register_forward_hook(hook) for r in found]
+
+    def _take_routing(self, entries: list[Entry], fed: torch.Tensor) -> None:
+        """Append each entry's routed experts of the forward just run: ``fed`` (B, t) marks its real positions."""
+        layers, self._routing = self._routing, []
+        if not self.record_routing:
+            return
+        b, t = fed.shape
+        routed = torch.stack(layers, dim=1).reshape(b, t, len(layers), -1)  # (B, t, layers, k)
+        routed, fed = routed.cpu().numpy().astype(self._routed_dtype), fed.bool().cpu().numpy()
+        for i, e in enumerate(entries):
+            e.routing.append(routed[i][fed[i]])
 
     def _make_prefix_cache(self, mb: float) -> PrefixCache | None:
         """None when ``mb`` is 0, or when a layer's cache is not plain (a sliding window keeps only its
@@ -179,14 +243,23 @@ class HFEngine:
         between_steps: BetweenSteps | None = None,
         on_token: OnToken | None = None,
         on_prompt: OnPrompt | None = None,
+        images: Sequence[VisionInputs | None] | None = None,
     ) -> list[list[Completion]]:
+        """``images``: a vision-language model's inputs for each prompt that has images (None for one that
+        has none); its token ids hold the expanded image placeholders (:meth:`VisionProcessor.encode`)."""
         self._check(prompts, sampling)
         if 0 < sampling.temperature < GREEDY_BELOW:  # logits / 1e-300 are inf and NaN
             sampling = dataclasses.replace(sampling, temperature=0.0)
-        rows = [list(p) for p in prompts for _ in range(sampling.n)]
         generator = self._rng
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        if images is not None or self.vision is not None:  # (a text model's text call: no cost)
+            with_images = self._check_images(prompts, images, sampling)
+            if with_images is not None:
+                return self._generate_vision(
+                    prompts, with_images, sampling, generator, between_steps, on_token, on_prompt
+                )
+        rows = [list(p) for p in prompts for _ in range(sampling.n)]
         request = Request(rows, sampling, generator, self._stop_ids(sampling), on_token, on_prompt)
         if sampling.constraint is not None:
             request.grammar = self._compile(sampling)
@@ -195,11 +268,7 @@ class HFEngine:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
-        if self._released or self._unfilled:
-            raise RuntimeError(
-                "hf engine: its weights are released (placement.release_memory, asleep while the learner "
-                "trains); wake_up and a full weight update come before generate"
-            )
+        self._check_awake()
         if sampling.n < 1 or sampling.max_new_tokens < 1:
             raise ValueError(
                 f"n and max_new_tokens must be >= 1 (got {sampling.n}, {sampling.max_new_tokens})"
@@ -210,7 +279,7 @@ class HFEngine:
             or sampling.top_k < 0
         ):
             raise ValueError("temperature must be finite and >= 0, top_p in (0, 1], top_k >= 0")
-        vocab = self.model.config.vocab_size
+        vocab = self.text_config.vocab_size
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
@@ -222,11 +291,135 @@ class HFEngine:
                     f"exceeds the model's context of {self.max_positions}"
                 )
 
+    def _check_awake(self) -> None:
+        if self._released or self._unfilled:
+            raise RuntimeError(
+                "hf engine: its weights are released (placement.release_memory, asleep while the learner "
+                "trains); wake_up and a full weight update come before generate"
+            )
+
+    def _check_images(
+        self,
+        prompts: list[list[int]],
+        images: Sequence[VisionInputs | None] | None,
+        sampling: SamplingParams,
+    ) -> Sequence[VisionInputs | None] | None:
+        """``images`` when some prompt has images, None when none has. Each prompt's placeholder tokens
+        must be as many as its images fill: a placeholder without pixels would be read as a plain token."""
+        given = images is not None and any(v is not None for v in images)
+        if self.vision is None:
+            if given:
+                raise ValueError("this model has no vision tower: its prompts cannot carry images")
+            return None
+        images = images if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image inputs for {len(prompts)} prompts")
+        token = self.vision.image_token_id
+        for i, (p, v) in enumerate(zip(prompts, images, strict=True)):
+            want = 0 if v is None else v.placeholders(self.vision.merge_size)
+            if (have := sum(t == token for t in p)) != want:
+                raise ValueError(f"prompt {i} has {have} image placeholder tokens; its images fill {want}")
+        if given and sampling.constraint is not None:
+            raise ValueError("constrained decoding of prompts with images is not supported")
+        return images if given else None
+
+    def _generate_vision(
+        self,
+        prompts: list[list[int]],
+        images: Sequence[VisionInputs | None],
+        sampling: SamplingParams,
+        generator: torch.Generator,
+        between_steps: BetweenSteps | None,
+        on_token: OnToken | None,
+        on_prompt: OnPrompt | None,
+    ) -> list[list[Completion]]:
+        """Prompts with images, decoded together in a loop of their own (module docs): a prefill with the
+        pixel values and 3-D positions, then one token per step at position ``length + delta + step``,
+        ``delta`` being how far the images moved the row's next position. Rows that finish early ride
+        along (masked out of nothing, their tokens ignored) until the last one does."""
+        n = sampling.n
+        rows = [list(p) for p in prompts for _ in range(n)]
+        row_images = [v for v in images for _ in range(n) if v is not None]
+        vision = VisionInputs.concat(row_images).to(self.device)
+        stop_ids = self._stop_ids(sampling)
+        ids, mask = self._left_pad(rows)
+        padded = not bool(mask.all())
+        assert self.vision is not None
+        types = mm_token_type_ids(ids, self.vision.image_token_id)
+        model = self.model.model
+        positions, deltas = model.get_rope_index(ids, types, vision.image_grid_thw, attention_mask=mask)
+        next_pos = mask.sum(-1) + deltas.squeeze(-1)  # (B,): the first generated token's position
+        cache = DynamicCache(config=self.model.config)
+        out: list[Completion] = [Completion([], [], "length", []) for _ in rows]
+        done = [False] * len(rows)
+        reported = [False] * len(prompts)
+        with self._lock:
+            self._check_awake()  # asleep since the call began? checked under the lock
+            logits = self._forward_vision(
+                ids,
+                mask if padded else None,
+                positions,
+                cache,
+                pixel_values=vision.pixel_values,
+                image_grid_thw=vision.image_grid_thw,
+                mm_token_type_ids=types,
+            )
+            version = self._version
+        step = 0
+        while True:
+            tokens, logps = _checked_sample(logits, sampling, generator)
+            for j, (token, logp) in enumerate(zip(tokens.tolist(), logps.tolist(), strict=True)):
+                if done[j]:
+                    continue
+                stopped = self._append(out[j], token, logp, version, stop_ids, sampling.stop)
+                if on_token is not None:
+                    on_token(j, token, logp)
+                done[j] = stopped or len(out[j].token_ids) >= sampling.max_new_tokens
+            for i in range(len(prompts)):
+                if not reported[i] and all(done[i * n : (i + 1) * n]):
+                    reported[i] = True
+                    if on_prompt is not None:
+                        on_prompt(i, out[i * n : (i + 1) * n])
+            if all(done):
+                break
+            if between_steps is not None:
+                between_steps()  # may apply a weight update: the next step uses the new weights
+            self._running.wait()  # pause() holds generation here until resume()
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+            pos = (next_pos + step).view(1, -1, 1).expand(3, -1, 1)
+            step += 1
+            with self._lock:
+                self._check_awake()
+                logits = self._forward_vision(tokens[:, None], mask if padded else None, pos, cache)
+                version = self._version
+        return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _forward_vision(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        **vision: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits of the last position, given 3-D positions ``(3, B, t)`` (so the model keeps no rope
+        state between calls). Shapes: ids (B, t), mask (B, T_total) -> (B, V)."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **vision,
+        )
+        return self._suppressed(out.logits[:, -1].float())
+
     def _compile(self, sampling: SamplingParams) -> object:
         """The call's constraint compiled against this tokenizer (rollout/engines/constraint.py); an invalid
         one is a ``ValueError``."""
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+            self._grammars = Grammars(self.tokenizer, self.text_config.vocab_size, self.eos_token_ids)
         assert sampling.constraint is not None
         try:
             return self._grammars.compile(sampling.constraint)
@@ -301,6 +494,7 @@ class HFEngine:
             if running:
                 ids, mask, positions, cache = batch.decode_inputs()
                 picks.append(self._sample(batch.entries, self._forward(ids, mask, positions, cache)))
+                self._take_routing(batch.entries, torch.ones_like(ids))
             if batch.pending:
                 joining, batch.pending = batch.pending, []
                 # Under the lock: the cached KV and this forward see the same weights.
@@ -313,6 +507,7 @@ class HFEngine:
                 # No padding (one GRPO group, or an episode round's rows hitting alike): plain causal
                 # attention, and transformers builds no 4-D mask.
                 logits = self._forward(ids, None if bool(mask.all()) else mask, positions, cache)
+                self._take_routing(joining, mask[:, mask.shape[1] - ids.shape[1] :])
                 tokens, logps = self._sample(joining, logits)
                 picks.append((tokens, logps))
                 with self._caches_lock:
@@ -339,6 +534,8 @@ class HFEngine:
             if not stopped and len(c.token_ids) < s.max_new_tokens:
                 keep.append(j)
                 continue
+            if e.routing:
+                c.routed_experts = np.concatenate(e.routing)
             row = e.request.rows[e.row]
             self._keep_prefix(row + c.token_ids[:-1], e.hashes, batch.cache, batch.mask[j], j, e.epoch)
             e.request.row_done(e.row)
@@ -468,6 +665,7 @@ class HFEngine:
         """Logits of the last position; ``mask`` None when no row is padded (causal attention).
 
         Shapes: ids/positions (B, t), mask (B, T_total) -> (B, V)."""
+        self._routing = []  # what a failed forward left
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -476,7 +674,13 @@ class HFEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1].float()
+        return self._suppressed(out.logits[:, -1].float())
+
+    def _suppressed(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (B, V) with a vision-language model's placeholder tokens at SUPPRESSED_LOGIT."""
+        if self._suppress is not None:
+            logits[:, self._suppress] = SUPPRESSED_LOGIT
+        return logits
 
     # ------------------------------------------------------------------------------------------- weights
 
@@ -597,11 +801,18 @@ class HFEngine:
 
 
 def _sample_rows(logits: torch.Tensor, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sample_tokens`` for rows of one sampling group, refusing NaN or +inf logits (CUDA's sampler would
-    assert on them and poison the device; -inf is a masked token) and a non-finite behaviour logprob."""
+    """``sample_tokens`` for rows of one sampling group (:func:`_checked_sample`)."""
+    return _checked_sample(logits, request.sampling, request.generator)
+
+
+def _checked_sample(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_tokens``, refusing NaN or +inf logits (CUDA's sampler would assert on them and poison the
+    device; -inf is a masked token) and a non-finite behaviour logprob."""
     if not bool((logits < float("inf")).all()):
         raise ValueError("the model's logits hold NaN or +inf")
-    tokens, logps = sample_tokens(logits, request.sampling, request.generator)
+    tokens, logps = sample_tokens(logits, sampling, generator)
     if not bool(torch.isfinite(logps).all()):
         raise ValueError("a sampled token has a non-finite logprob")
     return tokens, logps

@@ -102,6 +102,7 @@ class Entry:
     hashes: list[int]  # the row's prefix hashes (empty without a prefix cache)
     epoch: int  # the prefix cache's epoch when the row was prefilled
     matcher: Any = None  # the row's xgrammar GrammarMatcher when its call is constrained
+    routing: list[Any] = field(default_factory=list)  # (t, layers, k) arrays per forward, when recorded
 
     @property
     def completion(self) -> Completion:

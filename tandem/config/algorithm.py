@@ -198,6 +198,13 @@ class AlgorithmConfig(Section):
         False,
         description="gae: whiten advantages over the batch's valid tokens (the critic's returns are not).",
     )
+    routing_replay: Literal["off", "rollout"] = Field(
+        "off",
+        description="Routing replay (R3) for a mixture-of-experts actor: rollout has the hf engine record "
+        "the experts each router chose for every token and the learner's forward route through exactly "
+        "those (weights still from its own router logits), so a routing flip between engine and trainer "
+        "cannot change the experts a token is scored by. hf engine, single-turn runs only.",
+    )
     prox_forward: Literal["auto", "always"] = Field(
         "auto",
         description="auto skips the no-grad proximal forward when a batch gets exactly one optimizer step "

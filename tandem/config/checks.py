@@ -225,6 +225,22 @@ def adapter_sync_needs_hf(cfg: Config) -> None:
         )
 
 
+def routing_replay_is_recorded(cfg: Config) -> None:
+    if cfg.algorithm.routing_replay == "off":
+        return
+    if cfg.rollout.engine != "hf":
+        raise ValueError(
+            f"algorithm.routing_replay=rollout needs rollout.engine=hf (got {cfg.rollout.engine}): only the "
+            "hf engine records the experts its routers chose; recording in vLLM and SGLang is not built"
+        )
+    if cfg.env.path is not None or cfg.agent.path is not None:
+        raise ValueError(
+            "algorithm.routing_replay=rollout records single-turn trajectories only: a multi-turn episode's "
+            "earlier turns are routed by other forward passes than its last; unset env.path / agent.path "
+            "or set algorithm.routing_replay=off"
+        )
+
+
 def sync_interval_within_staleness(cfg: Config) -> None:
     interval, bound = cfg.algorithm.sync_interval, cfg.max_staleness
     if cfg.auto_staleness:  # admission may hold the bound at its lowest
@@ -266,6 +282,7 @@ ONLINE_CHECKS: tuple[Check, ...] = (
     overlong_buffer_fits_the_response,
     token_sum_norm_bounds_the_response,
     adapter_sync_needs_hf,
+    routing_replay_is_recorded,
     sync_interval_within_staleness,
     micro_batches_divide_the_minibatch,
 )
