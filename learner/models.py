@@ -61,6 +61,7 @@ from tandem.logprobs import plain_output_head, temper
 from tandem.net import free_port
 from tandem.prebuild import prepare_extensions
 from tandem.tokenizer_match import check_same_tokenizer
+from tandem.vision import SUPPRESSED_LOGIT
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,11 @@ def load_models(cfg: Config, device: torch.device) -> Models:
 
 def policy_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
     """float32 logits of the tempered policy at every position. Shape: (rows, N, V)."""
-    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+    logits = model(
+        input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **(mb.vision or {})
+    ).logits
+    if mb.suppress is not None:  # a vision-language policy's placeholders, as its engine samples
+        logits = logits.index_fill(-1, mb.suppress, SUPPRESSED_LOGIT)
     return temper(logits, temperature)  # as the rollout servers' reference does (rollout/reference.py)
 
 
@@ -320,13 +325,17 @@ def policy_logprobs(
     Shape: mask (b, R) -> logp (b, R), entropy (b, R), float32.
     """
     chunk = chunk_tokens(head.out_features, chunk_logits)
+    bias = head.bias
+    if mb.suppress is not None:  # a vision-language policy's placeholders, as in policy_logits
+        base = bias if bias is not None else head.weight.new_zeros(head.out_features)
+        bias = base.index_fill(0, mb.suppress, SUPPRESSED_LOGIT)
 
     def forward(h: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         return chunked_logprobs_entropy(
             h,
             head.weight,
             labels,
-            bias=head.bias,
+            bias=bias,
             temperature=temperature,
             chunk=chunk,
             with_entropy=with_entropy,
@@ -355,6 +364,7 @@ def response_head(
         use_cache=False,
         output_hidden_states=True,
         logits_to_keep=1,
+        **(mb.vision or {}),  # a vision-language row's images (learner/batch.py with_vision)
     )
     hidden = response_view(out.hidden_states[-1], mb)  # (b, R, H): after the final norm
     valid = mask.bool()

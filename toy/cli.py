@@ -51,7 +51,8 @@ def _warmstart(args: argparse.Namespace) -> int:
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-tiny",
-        help="build a tiny Qwen2 (or Qwen3-MoE) actor + scalar-head critic/reward model with a tokenizer",
+        help="build a tiny Qwen2 (or Qwen3-MoE) actor + scalar-head critic/reward model with a tokenizer "
+        "(qwen2-vl: a vision-language actor with its image processor)",
     )
     p.add_argument("out")
     p.add_argument("--seed", type=int, default=0)
@@ -77,9 +78,10 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--arch",
-        choices=["qwen2", "qwen3-moe"],
+        choices=["qwen2", "qwen3-moe", "qwen2-vl"],
         default="qwen2",
-        help="qwen2: dense; qwen3-moe: mixture of experts, 8 experts, top-2 (head_dim 32 unless given)",
+        help="qwen2: dense; qwen3-moe: mixture of experts, 8 experts, top-2; qwen2-vl: vision-language, "
+        "byte-level tokenizer, 56x56 images, actor only (head_dim 32 unless given, for both)",
     )
     p.set_defaults(fn=_make_tiny)
 

@@ -1,5 +1,5 @@
-"""Tiny checkpoints built locally: a Qwen2-architecture causal LM (or a Qwen3-MoE one), a character tokenizer, a
-scalar-head model.
+"""Tiny checkpoints built locally: a Qwen2-architecture causal LM (or a Qwen3-MoE one, or a Qwen2-VL
+vision-language one), a character tokenizer, a scalar-head model.
 
 Nothing here touches a hub. The models are random-weight but real Hugging Face checkpoints saved with
 ``save_pretrained``, so every engine and the learner load them by path exactly as they would a 7B model.
@@ -7,6 +7,7 @@ Nothing here touches a hub. The models are random-weight but real Hugging Face c
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
     Qwen3MoeForSequenceClassification,
@@ -173,7 +176,119 @@ def tiny_moe_config(
     )
 
 
-ARCHS = ("qwen2", "qwen3-moe")
+# The Qwen2-VL tokens the model config names, added to the byte-level tokenizer as special tokens.
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+VL_SPECIALS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+# A message's content is a string or a list of parts; an image part becomes one placeholder between the
+# vision markers (the processor expands it to the image's patch count), as Qwen2-VL's own template does.
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif p['type'] == 'text' %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+VL_IMAGE_SIDE = 56  # pixels: 56x56 is 4x4 patches of 14, merged 2x2 into 4 image tokens
+PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
+
+
+def build_vl_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with Qwen2-VL's vision tokens after its bytes, and a template placing images."""
+    tok = build_byte_tokenizer(VL_CHAT_TEMPLATE)
+    tok.add_tokens(VL_SPECIALS, special_tokens=True)
+    return tok
+
+
+def tiny_vl_config(
+    vocab_size: int, token_ids: dict[str, int], *, hidden: int = 64, layers: int = 2, head_dim: int = 32
+) -> Qwen2VLConfig:
+    """A Qwen2-VL at toy size: the text model as :func:`tiny_config` with ``head_dim`` 32 (vLLM's CPU
+    attention needs at least that), a one-block vision tower of width 32 whose merger projects to
+    ``hidden``. M-RoPE splits the head's 16 rotary frequencies 4/6/6 over time, height and width (Qwen2-VL's
+    own 16/24/24 at head_dim 128, scaled)."""
+    if head_dim <= 0 or hidden % head_dim or head_dim % 8:
+        raise ValueError(f"head_dim {head_dim} must divide hidden {hidden} and be a multiple of 8")
+    heads = hidden // head_dim
+    half = head_dim // 2
+    section = [half // 4, (half - half // 4) // 2]
+    section.append(half - sum(section))
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+        "tie_word_embeddings": True,
+        **_special_ids(),
+    }
+    vision = {
+        "depth": 1,
+        "embed_dim": 32,
+        "num_heads": 1,
+        "mlp_ratio": 2,
+        "hidden_size": hidden,  # the merger's output: the text model's width
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": TEMPORAL_PATCH,
+    }
+    return Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=token_ids[IMAGE_PAD],
+        video_token_id=token_ids[VIDEO_PAD],
+        vision_start_token_id=token_ids[VISION_START],
+        vision_end_token_id=token_ids[VISION_END],
+        tie_word_embeddings=True,
+        **_special_ids(),
+        torch_dtype="float32",
+    )
+
+
+def make_tiny_vl(out: Path, *, seed: int, hidden: int, layers: int, head_dim: int | None) -> dict[str, Path]:
+    """``actor/``: a random-init Qwen2-VL with its tokenizer and an image processor sized for 56x56 images.
+
+    No critic: Qwen2-VL has no sequence-classification head in transformers (GRPO runs need none). The
+    image processor is the PIL one (transformers' default needs torchvision); ``processor_config.json``
+    and ``video_preprocessor_config.json`` complete the processor files, so ``AutoProcessor`` loads them
+    where torchvision is installed (tandem itself reads them with :class:`tandem.vision.VisionProcessor`).
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = build_vl_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VL_SPECIALS}
+    cfg = tiny_vl_config(len(tokenizer), ids, hidden=hidden, layers=layers, head_dim=head_dim or 32)
+    torch.manual_seed(seed)
+    actor = Qwen2VLForConditionalGeneration(cfg)
+    path = out / "actor"
+    actor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    pixels = VL_IMAGE_SIDE * VL_IMAGE_SIDE
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=pixels,
+        max_pixels=pixels,
+        patch_size=PATCH,
+        merge_size=MERGE,
+        temporal_patch_size=TEMPORAL_PATCH,
+    )
+    image_processor.save_pretrained(path)
+    sizes = {"shortest_edge": pixels, "longest_edge": pixels}
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "size": sizes, "patch_size": PATCH}
+    video |= {"merge_size": MERGE, "temporal_patch_size": TEMPORAL_PATCH}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    processor = {"processor_class": "Qwen2VLProcessor", "chat_template": VL_CHAT_TEMPLATE}
+    (path / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    return {"actor": path}
+
+
+ARCHS = ("qwen2", "qwen3-moe", "qwen2-vl")
 
 
 def make_tiny(
@@ -196,10 +311,15 @@ def make_tiny(
     a model with a real vocabulary's head cost at a tiny model's trunk cost. ``tokenizer="bytes"``: the
     byte-level tokenizer whose template renders tools (:func:`build_byte_tokenizer`), for tool calling.
     ``arch="qwen3-moe"``: a mixture-of-experts model, 8 experts, top-2 (:func:`tiny_moe_config`).
+    ``arch="qwen2-vl"``: a vision-language actor only, byte-level tokenizer (:func:`make_tiny_vl`).
     """
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} is not one of {ARCHS}")
     out = Path(out_dir)
+    if arch == "qwen2-vl":
+        if vocab_size is not None:
+            raise ValueError("--vocab-size is not supported for qwen2-vl")
+        return make_tiny_vl(out, seed=seed, hidden=hidden, layers=layers, head_dim=head_dim)
     tokenizer = build_byte_tokenizer() if tokenizer == "bytes" else build_tokenizer()
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
