@@ -1,4 +1,5 @@
-"""The prompt dataset: JSONL records with a prompt field (and optional answer / metadata).
+"""The prompt dataset: JSONL records with a prompt field (and optional answer / metadata, and ``images``:
+paths relative to the file or inline ``data:image/...;base64,`` strings, read by :mod:`tandem.vision`).
 
 Loading validates every line up front and names the file and line of the first problem, so a broken
 dataset fails before any process starts. A caller that sets bad records aside (``data.on_bad_record:
@@ -111,6 +112,8 @@ def prompt_records(
             bad.append(Rejected(lineno, f"field {prompt_field!r} must be a non-empty string", ""))
         elif problem := unicode_problem(text):
             bad.append(Rejected(lineno, f"field {prompt_field!r} is not valid text: {problem}", ""))
+        elif "images" in rec and (problem := _images_problem(rec["images"], p.parent)):
+            bad.append(Rejected(lineno, problem, ""))
         else:
             rec.setdefault("id", f"{p.stem}-{lineno}")
             records.append((lineno, rec))
@@ -122,6 +125,13 @@ def prompt_records(
     if not records:
         raise DatasetError(f"prompt file {p}: no usable records ({len(bad)} set aside)")
     return records
+
+
+def _images_problem(value: Any, base: Path) -> str | None:
+    # PIL only for a dataset with images: the launcher imports this module.
+    from tandem.vision import images_problem
+
+    return images_problem(value, base)
 
 
 def load_prompts(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:

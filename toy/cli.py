@@ -28,15 +28,16 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _make_data(args: argparse.Namespace) -> int:
-    from tandem.data import write_prompts
-    from toy.tasks import make_records, write_demonstrations, write_preferences
+    from toy.tasks import write_demonstrations, write_preferences, write_prompt_file
 
+    if args.task == "colour" and args.kind != "prompts":
+        raise SystemExit("make-data colour: only --kind prompts (its records carry images)")
     if args.kind == "sft":
         p = write_demonstrations(args.task, args.out, args.n, seed=args.seed)
     elif args.kind == "prefs":
         p = write_preferences(args.task, args.out, args.n, seed=args.seed)
     else:
-        p = write_prompts(args.out, make_records(args.task, args.n, seed=args.seed))
+        p = write_prompt_file(args.task, args.out, args.n, seed=args.seed)
     print(f"{args.n} {args.task} {args.kind} records: {p}")
     return 0
 
@@ -90,7 +91,11 @@ def _add_make_data(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-data", help="write a toy task's prompts, demonstrations or preference pairs as JSONL"
     )
-    p.add_argument("task", choices=["echo", "reverse", "calc", "calc-agent"])
+    p.add_argument(
+        "task",
+        choices=["echo", "reverse", "calc", "calc-agent", "colour"],
+        help="colour: an image per prompt, PNGs written to OUT-images/ beside OUT",
+    )
     p.add_argument("out")
     p.add_argument(
         "--kind",

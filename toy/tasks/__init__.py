@@ -3,7 +3,8 @@
 A task is a prompt generator (records for the JSONL dataset) plus reward functions
 ``fn(prompt, completion, record) -> float | dict[str, float]`` that return 0 for malformed output and never
 raise. ``echo`` is learned from scratch under RL; ``reverse`` (digit reversal) comes with a supervised
-warm-start on synthetic demonstrations (``python -m toy warmstart``).
+warm-start on synthetic demonstrations (``python -m toy warmstart``). ``colour`` is visual: each prompt
+carries an image, written beside the prompt file (:func:`write_prompt_file`).
 
 Each task also makes offline data for the training stages (docs/stages.md §2): demonstrations (prompt,
 ideal completion) for ``sft``, and preference pairs for ``rm`` and ``dpo`` whose ``chosen`` is the ideal
@@ -20,7 +21,7 @@ from typing import Any
 
 from tandem.data import write_prompts
 from toy import calculator
-from toy.tasks import calc_think, calc_tools, echo, reverse
+from toy.tasks import calc_think, calc_tools, colour, echo, reverse
 
 # calc is multi-turn: its reward is the environment's (toy/calculator.py), not a function here;
 # calc-agent's and calc-agent-think's are the agent's (toy/tasks/calc_agent.py).
@@ -30,6 +31,7 @@ TASKS: dict[str, Any] = {
     "calc": calculator,
     "calc-agent": calc_tools,
     "calc-agent-think": calc_think,
+    "colour": colour,
 }
 
 
@@ -39,6 +41,15 @@ def make_records(task: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
         raise ValueError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
     rng = random.Random(seed)
     return [TASKS[task].make_record(rng, i) for i in range(n)]
+
+
+def write_prompt_file(task: str, path: str | Path, n: int, seed: int = 0) -> Path:
+    """A task's prompt file: its records as JSONL, and, for a task with images (one with a ``write``), the
+    images beside it."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
+    own = getattr(TASKS[task], "write", None)
+    return own(path, n, seed=seed) if own is not None else write_prompts(path, make_records(task, n, seed))
 
 
 def demonstrations(task: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
