@@ -434,8 +434,15 @@ class API:
                     self.token_entries(c.token_ids, c.logprobs, len(text)), bool(req.top_logprobs)
                 )
             message, finish = self.chat_message(text, finish, tools)
-            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish,
-                            "stop_reason": self.matched_stop(c.token_ids, sampling.stop)})  # fmt: skip
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                    "stop_reason": self.matched_stop(c.token_ids, sampling.stop),
+                }
+            )
         return {**head, "choices": choices, "usage": self.usage([prompt], out, sampling.n)}
 
     @staticmethod
@@ -499,8 +506,13 @@ class API:
             message, finish = self.chat_message(returned, finish, tools)
             if message.get("tool_calls"):
                 self.sessions.remember_tool_turn(session, [x["id"] for x in message["tool_calls"]], returned)
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                      "stop_reason": self.matched_stop(c.token_ids, sampling.stop)}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": self.matched_stop(c.token_ids, sampling.stop),
+            }
             return {**head, "object": "chat.completion", "choices": [choice]}
         choice = {"index": 0, "text": returned, "logprobs": None, "finish_reason": finish}
         return {**head, "object": "text_completion", "choices": [choice]}

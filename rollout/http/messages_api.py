@@ -170,9 +170,10 @@ def _blocks(i: int, m: Message) -> list[_Strict]:
         if kind not in _BLOCKS:
             param = f"messages.{i}.content.{j}.type"
             raise APIError(
-                400, f"{param}: {kind!r} blocks are not served here; the types taken are {', '.join(BLOCK_TYPES)}",
+                400,
+                f"{param}: {kind!r} blocks are not served here; the types taken are {', '.join(BLOCK_TYPES)}",
                 param=param,
-            )  # fmt: skip
+            )
         out.append(parsed(_BLOCKS[kind], b, f"messages.{i}.content.{j}"))
     return out
 
@@ -216,9 +217,10 @@ def _result_text(b: ToolResultBlock, param: str) -> str:
     for k, part in enumerate(b.content):
         if part.get("type") != "text":
             raise APIError(
-                400, f"{param}.{k}.type: a tool result holds text blocks only (got {part.get('type')!r})",
+                400,
+                f"{param}.{k}.type: a tool result holds text blocks only (got {part.get('type')!r})",
                 param=f"{param}.{k}.type",
-            )  # fmt: skip
+            )
     return "".join(parsed(TextBlock, p, f"{param}.{k}").text for k, p in enumerate(b.content))
 
 
@@ -243,8 +245,11 @@ def message(chat: dict[str, Any], model: str) -> dict[str, Any]:
         **_head(model, chat["id"]),
         "content": content,
         **stop(choice),
-        "usage": {"input_tokens": chat["usage"]["prompt_tokens"], "output_tokens": chat["usage"]["completion_tokens"]},
-    }  # fmt: skip
+        "usage": {
+            "input_tokens": chat["usage"]["prompt_tokens"],
+            "output_tokens": chat["usage"]["completion_tokens"],
+        },
+    }
 
 
 def stop(choice: dict[str, Any]) -> dict[str, Any]:
@@ -303,7 +308,7 @@ async def events(
         "message_delta",
         {"type": "message_delta", "delta": reason, "usage": usage},
     )
-    yield "message_stop", {"type": "message_stop"}  # fmt: skip
+    yield "message_stop", {"type": "message_stop"}
 
 
 class _Blocks:
@@ -326,7 +331,7 @@ class _Blocks:
             )
             self.open = "tool_use"
             out.append(self._delta({"type": "input_json_delta", "partial_json": c["function"]["arguments"]}))
-        return out  # fmt: skip
+        return out
 
     def close(self) -> list[tuple[str, dict[str, Any]]]:
         if self.open is None:

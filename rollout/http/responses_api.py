@@ -93,8 +93,11 @@ class ResponsesRequest(SamplingFields):
 def chat_fields(req: ResponsesRequest) -> dict[str, Any]:
     """The chat request ``req`` stands for, as fields of :class:`ChatRequest`; what a stateless server
     cannot serve gets 400 naming the field."""
-    for name, refused in (("previous_response_id", req.previous_response_id is not None),
-                          ("conversation", req.conversation is not None), ("store", req.store is True)):  # fmt: skip
+    for name, refused in (
+        ("previous_response_id", req.previous_response_id is not None),
+        ("conversation", req.conversation is not None),
+        ("store", req.store is True),
+    ):
         if refused:
             raise APIError(
                 400,
@@ -149,9 +152,10 @@ def _add_item(messages: list[dict[str, Any]], i: int, item: dict[str, Any]) -> N
     if kind not in ITEM_TYPES:
         param = f"input.{i}.type"
         raise APIError(
-            400, f"{param}: {kind!r} items are not served here; the types taken are {', '.join(ITEM_TYPES)}",
+            400,
+            f"{param}: {kind!r} items are not served here; the types taken are {', '.join(ITEM_TYPES)}",
             param=param,
-        )  # fmt: skip
+        )
     if kind == "reasoning":  # earlier reasoning is dropped, as chat templates drop it
         return
     if kind == "function_call":
@@ -173,7 +177,7 @@ def _add_item(messages: list[dict[str, Any]], i: int, item: dict[str, Any]) -> N
                 "content": _text(o.output, f"input.{i}.output", "input_text"),
             }
         )
-        return  # fmt: skip
+        return
     m = parsed(MessageItem, item, f"input.{i}")
     messages.append({"role": m.role, "content": _text(m.content, f"input.{i}.content", _PART_TYPES[m.role])})
 
@@ -186,9 +190,10 @@ def _text(content: str | list[dict[str, Any]], param: str, part_type: str) -> st
     for k, part in enumerate(content):
         if part.get("type") != part_type or not isinstance(part.get("text"), str):
             raise APIError(
-                400, f"{param}.{k}: takes {part_type} parts with text only (got {part.get('type')!r})",
+                400,
+                f"{param}.{k}: takes {part_type} parts with text only (got {part.get('type')!r})",
                 param=f"{param}.{k}",
-            )  # fmt: skip
+            )
         out.append(part["text"])
     return "".join(out)
 
@@ -209,12 +214,24 @@ def output_items(m: dict[str, Any], status: str = "completed") -> list[dict[str,
 
 def _reasoning(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}] if text else []
-    return {"id": item_id or f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [], "content": content, "status": status}  # fmt: skip
+    return {
+        "id": item_id or f"rs_{uuid.uuid4().hex}",
+        "type": "reasoning",
+        "summary": [],
+        "content": content,
+        "status": status,
+    }
 
 
 def _message(text: str | None, status: str, item_id: str | None = None) -> dict[str, Any]:
     parts = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"id": item_id or f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": status, "content": parts}  # fmt: skip
+    return {
+        "id": item_id or f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": parts,
+    }
 
 
 def _call(c: dict[str, Any], status: str, arguments: str | None = None) -> dict[str, Any]:
@@ -229,7 +246,13 @@ def _call(c: dict[str, Any], status: str, arguments: str | None = None) -> dict[
     }
 
 
-def response(req: ResponsesRequest, rid: str, output: list[dict[str, Any]], usage: dict[str, int] | None, finish: str | None) -> dict[str, Any]:  # fmt: skip
+def response(
+    req: ResponsesRequest,
+    rid: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, int] | None,
+    finish: str | None,
+) -> dict[str, Any]:
     """The response object; ``finish`` None: still in progress; ``length``: incomplete."""
     status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
     return {
@@ -241,7 +264,9 @@ def response(req: ResponsesRequest, rid: str, output: list[dict[str, Any]], usag
         "output": output,
         "instructions": req.instructions,
         "tools": req.tools or [],
-        "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedChoice) else req.tool_choice or "auto",
+        "tool_choice": req.tool_choice.model_dump()
+        if isinstance(req.tool_choice, NamedChoice)
+        else req.tool_choice or "auto",
         "parallel_tool_calls": req.parallel_tool_calls,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -250,14 +275,16 @@ def response(req: ResponsesRequest, rid: str, output: list[dict[str, Any]], usag
         "metadata": req.metadata or {},
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "usage": None if usage is None else {
+        "usage": None
+        if usage is None
+        else {
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"],
         },
-    }  # fmt: skip
+    }
 
 
 def answer(req: ResponsesRequest, chat: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +295,9 @@ def answer(req: ResponsesRequest, chat: dict[str, Any]) -> dict[str, Any]:
     return response(req, f"resp_{uuid.uuid4().hex}", output, chat["usage"], finish)
 
 
-async def events(req: ResponsesRequest, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[tuple[str, dict[str, Any]]]:  # fmt: skip
+async def events(
+    req: ResponsesRequest, chunks: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """The chat stream's chunks as the Responses' stream: ``response.created``, ``response.in_progress``,
     for each output item ``response.output_item.added``, its parts and deltas and
     ``response.output_item.done``, then ``response.completed`` (``response.incomplete`` at the token
@@ -285,7 +314,7 @@ async def events(req: ResponsesRequest, chunks: AsyncIterator[dict[str, Any]]) -
                 "status": "failed",
                 "error": {"code": "server_error", "message": e["message"]},
             }
-            yield out.event("response.failed", response=failed)  # fmt: skip
+            yield out.event("response.failed", response=failed)
             return
         usage = chunk.get("usage") or usage
         for choice in chunk["choices"]:
@@ -340,7 +369,7 @@ class _Items:
             out.append(self.event("response.function_call_arguments.done", **at, arguments=item["arguments"]))
             out.append(self.event("response.output_item.done", output_index=at["output_index"], item=item))
             self.done.append(item)
-        return out  # fmt: skip
+        return out
 
     def close(self) -> list[tuple[str, dict[str, Any]]]:
         """Events that close the open item, if any."""
@@ -360,7 +389,7 @@ class _Items:
         out.append(self.event("response.output_item.done", output_index=at["output_index"], item=item))
         self.done.append(item)
         self.kind = None
-        return out  # fmt: skip
+        return out
 
     def _open(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
         if self.kind == kind:
@@ -377,7 +406,7 @@ class _Items:
         if kind == "message":
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out.append(self.event("response.content_part.added", **self._at(), content_index=0, part=part))
-        return out  # fmt: skip
+        return out
 
     def _at(self) -> dict[str, Any]:
         return {"item_id": self.item_id, "output_index": len(self.done)}
