@@ -6,7 +6,8 @@ lists, never pickle). Every record carries its schema version ``v``: version 2 a
 single-turn episode it was (every response token generated). Any other version is refused naming ``v``.
 A trajectory's ``ref_logp`` is an optional key: present only when a rollout server scored the reference
 (``placement.reference: server``), so records without it, older ones included, decode as before; so is
-``routed_experts``, present only when the engine recorded its MoE routing (``algorithm.routing_replay``).
+``routed_experts``, present only when the engine recorded its MoE routing (``algorithm.routing_replay``),
+and ``pixel_values`` with ``image_grid_thw``, present only for a vision-language prompt with images.
 :func:`decode_trajectory` and :func:`decode_prompt` are the only places that turn bytes back into records, and they validate types, dtypes, shapes and sizes, raising :class:`SchemaError`
 that names the field. The buffer moves entries that fail here to the dead-letter stream.
 :class:`Turns` is how every producer builds a trajectory's response, a turn at a time.
@@ -57,6 +58,10 @@ class Trajectory:
     ``routed_experts`` (P + R − 1, layers, k), when the engine recorded it (``algorithm.routing_replay``),
     is the expert indices each MoE layer's router chose for each position the engine fed (the prompt, then
     every response token but the last, which is never fed); uint8, or int32 above 256 experts.
+    ``pixel_values`` (patches, dim) float32 and ``image_grid_thw`` (images, 3) int32, for a prompt with
+    images on a vision-language model, are the processor outputs the engine generated from
+    (tandem/vision.py), so the learner's forward sees the same pixels; ``prompt_tokens`` then hold the
+    expanded image placeholders. Each of a group's samples carries its own copy.
     """
 
     traj_id: str
@@ -75,6 +80,8 @@ class Trajectory:
     loss_mask: np.ndarray | None = None  # None: every response token was generated (single turn)
     ref_logp: np.ndarray | None = None  # None: the learner scores the reference itself (or there is none)
     routed_experts: np.ndarray | None = None  # None: no routing recorded (dense model, or replay off)
+    pixel_values: np.ndarray | None = None  # None: a text prompt (both image fields or neither)
+    image_grid_thw: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32)
@@ -88,6 +95,11 @@ class Trajectory:
             self.ref_logp = np.ascontiguousarray(self.ref_logp, dtype=np.float32)
         if self.routed_experts is not None:
             self.routed_experts = np.ascontiguousarray(self.routed_experts)
+        if (self.pixel_values is None) != (self.image_grid_thw is None):
+            raise ValueError("pixel_values and image_grid_thw come together")
+        if self.pixel_values is not None:
+            self.pixel_values = np.ascontiguousarray(self.pixel_values, dtype=np.float32)
+            self.image_grid_thw = np.ascontiguousarray(self.image_grid_thw, dtype=np.int32)
 
     @property
     def generated(self) -> np.ndarray:
@@ -281,6 +293,9 @@ def encode_trajectory(t: Trajectory) -> bytes:
         record["ref_logp"] = _pack_array(t.ref_logp)
     if t.routed_experts is not None:  # optional: absent unless the engine recorded its routing
         record["routed_experts"] = _pack_array(t.routed_experts)
+    if t.pixel_values is not None:  # optional: absent unless the prompt had images
+        record["pixel_values"] = _pack_array(t.pixel_values)
+        record["image_grid_thw"] = _pack_array(t.image_grid_thw)
     return _packb(record, "meta")
 
 
@@ -346,6 +361,7 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
     if len(prompt) == 0:
         raise SchemaError("prompt_tokens", "empty prompt (the first response token has nothing to follow)")
     routed = _decode_routed_experts(d, len(prompt) + n - 1, max_tokens)
+    pixels, grid = _decode_images(d, max_tokens)
     for name, arr in (("prompt_tokens", prompt), ("response_tokens", resp)):
         if len(arr) and (lo := value_range(arr)[0]) < 0:
             raise SchemaError(name, f"negative token id {lo}")
@@ -378,6 +394,8 @@ def decode_trajectory(data: bytes, max_tokens: int = MAX_TOKENS) -> Trajectory:
         loss_mask=loss_mask,
         ref_logp=ref_logp,
         routed_experts=routed,
+        pixel_values=pixels,
+        image_grid_thw=grid,
     )
 
 
@@ -419,6 +437,51 @@ def _decode_routed_experts(d: dict[str, Any], positions: int, max_tokens: int) -
     if dtype.kind == "i" and size and routed.min() < 0:
         raise SchemaError("routed_experts", "negative expert index")
     return routed
+
+
+def _unpack_2d(name: str, packed: Any, wire: str, width: int | None, max_elements: int) -> np.ndarray:
+    """A 2-D array of ``wire`` dtype (``width`` columns when given), at most ``max_elements``."""
+    if not isinstance(packed, (list, tuple)) or len(packed) != 3 or packed[0] != wire:
+        raise SchemaError(name, f"expected [dtype, shape, bytes] of {wire}")
+    _, shape, raw = packed
+    if not (
+        isinstance(shape, (list, tuple))
+        and len(shape) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)
+        and (width is None or shape[1] == width)
+    ):
+        raise SchemaError(
+            name,
+            f"shape {shape!r}, expected two positive dimensions"
+            + (f", the second {width}" if width is not None else ""),
+        )
+    size = math.prod(shape)
+    if size > max_elements:
+        raise SchemaError(name, f"{size} elements exceeds the limit of {max_elements}")
+    dtype = np.dtype(wire)
+    if not isinstance(raw, bytes) or len(raw) != size * dtype.itemsize:
+        raise SchemaError(name, f"byte length does not match shape {shape}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+
+
+def _decode_images(d: dict[str, Any], max_tokens: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The optional ``pixel_values`` (patches, dim) and ``image_grid_thw`` (images, 3): both absent, or
+    both present with each image's t·h·w patches adding up to the rows of ``pixel_values``. A cap in
+    elements as for ``routed_experts`` (a hostile shape claim); ``run.max_traj_bytes`` bounds the entry."""
+    if "pixel_values" not in d and "image_grid_thw" not in d:
+        return None, None
+    for name in ("pixel_values", "image_grid_thw"):
+        if name not in d:
+            raise SchemaError(name, "missing (pixel_values and image_grid_thw come together)")
+    grid = _unpack_2d("image_grid_thw", d["image_grid_thw"], "<i4", 3, max_tokens)
+    pixels = _unpack_2d("pixel_values", d["pixel_values"], "<f4", None, max_tokens * 1024)
+    if grid.min() <= 0:
+        raise SchemaError("image_grid_thw", "every image's (t, h, w) must be positive")
+    if (patches := int(grid.astype(np.int64).prod(-1).sum())) != len(pixels):
+        raise SchemaError("pixel_values", f"{len(pixels)} patches, the grid sizes say {patches}")
+    if not np.isfinite(pixels).all():
+        raise SchemaError("pixel_values", "values must be finite")
+    return pixels, grid
 
 
 def encode_prompt(p: PromptRecord) -> bytes:

@@ -120,6 +120,24 @@ class VisionInputs:
             torch.cat([p.pixel_values for p in parts]), torch.cat([p.image_grid_thw for p in parts])
         )
 
+    @staticmethod
+    def of(trajectory: Any) -> VisionInputs | None:
+        """A trajectory's images (``pixel_values``, ``image_grid_thw``; buffer/schema.py), None without."""
+        import torch
+
+        if trajectory.pixel_values is None:
+            return None
+        return VisionInputs(
+            torch.from_numpy(trajectory.pixel_values), torch.from_numpy(trajectory.image_grid_thw).long()
+        )
+
+    def arrays(self) -> dict[str, Any]:
+        """As a trajectory's fields: ``pixel_values`` float32 (patches, dim), ``image_grid_thw`` int32."""
+        return {
+            "pixel_values": self.pixel_values.detach().cpu().float().numpy(),
+            "image_grid_thw": self.image_grid_thw.detach().cpu().int().numpy(),
+        }
+
     def placeholders(self, merge_size: int) -> int:
         """Image placeholder tokens these images fill in the token ids."""
         return int((self.image_grid_thw.prod(-1) // merge_size**2).sum())

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-from buffer.schema import Trajectory
+from buffer.schema import Trajectory, decode_trajectory, encode_trajectory
 from learner.batch import make_batch, micro_batches, response_view, with_vision
 from learner.models import output_head, policy_logits, policy_logprobs
 from rollout.engines.base import SamplingParams
@@ -65,24 +65,25 @@ def generate(engine: HFEngine, colours: list[tuple[int, int, int]], texts: list[
 def learner_logprobs(
     engine: HFEngine, prompts: list[list[int]], images: list[VisionInputs], out, chunked: bool
 ) -> list[np.ndarray]:
-    """The sampled tokens' logprobs through the learner's batch and forward (pad layout), per row."""
-    trajs, row_images = [], []
+    """The sampled tokens' logprobs through the learner's batch and forward (pad layout), per row. Each
+    row's images travel as the trajectory's wire fields, through the codec."""
+    trajs = []
     for i, (p, completions) in enumerate(zip(prompts, out, strict=True)):
         for j, c in enumerate(completions):
-            trajs.append(
-                Trajectory(
-                    f"t{i}-{j}",
-                    f"g{i}",
-                    f"p{i}",
-                    np.array(p),
-                    np.array(c.token_ids),
-                    np.array(c.logprobs),
-                    np.array(c.versions),
-                    0.0,
-                    finish_reason=c.finish_reason,
-                )
+            t = Trajectory(
+                f"t{i}-{j}",
+                f"g{i}",
+                f"p{i}",
+                np.array(p),
+                np.array(c.token_ids),
+                np.array(c.logprobs),
+                np.array(c.versions),
+                0.0,
+                finish_reason=c.finish_reason,
+                **images[i].arrays(),
             )
-            row_images.append(images[i])
+            trajs.append(decode_trajectory(encode_trajectory(t)))
+    row_images = [VisionInputs.of(t) for t in trajs]
     batch = make_batch(trajs, version=0)
     model = engine.model
     assert engine.vision is not None
