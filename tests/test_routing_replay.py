@@ -209,3 +209,40 @@ def test_routing_replay_is_refused_where_nothing_records_it(tiny_ckpt: dict[str,
     with pytest.raises(ValueError, match="recording routing needs a mixture-of-experts model"):
         HFEngine(str(tiny_ckpt["actor"]), device="cpu", record_routing=True)  # a dense model
     assert RoutingReplay.of(load(tiny_ckpt["actor"])) is None
+
+
+def test_the_learner_replays_and_counts_flips(
+    rolled: list[Trajectory], tiny_moe: dict[str, Path], tiny_ckpt: dict[str, Path], tmp_path: Path
+) -> None:
+    """PPOLearner with routing_replay=rollout: its proximal pass routes through the recorded experts, its
+    training step logs moe/routing_flips; a dense actor is refused naming the field."""
+    from learner.ppo import PPOLearner
+    from tests.test_learner import raw_config
+
+    sizes = {"batch_size": 4, "minibatch_size": 4, "routing_replay": "rollout"}
+    raw = raw_config(tiny_moe, "redis://unused", "r3", tmp_path, algorithm=sizes, rollout={"n_samples": 2})
+    learner = PPOLearner(load_config(None, raw=raw), tmp_path)
+    learner.models = learner.load_models()
+    assert learner.routing_shape == (2, 2, 8)
+    module = learner.models.actor.module
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for r in moe.routers(module):
+            r.weight.add_(0.3 * r.weight.std() * torch.randn(r.weight.shape, generator=g))
+    batch = make_batch(rolled, 0)
+    bare = make_batch([dataclasses.replace(t, routed_experts=None) for t in rolled], 0)
+    replayed, plain = learner.score(batch)[0], learner.score(bare)[0]
+    mask = batch.mask.bool()
+    assert not torch.allclose(replayed[mask], plain[mask], atol=1e-4)
+    flips = learner.train(batch)["moe/routing_flips"]
+    assert 0 < flips < 1
+    assert "moe/routing_flips" not in learner.train(bare)  # nothing recorded: no metric
+
+    raw = raw_config(
+        tiny_ckpt, "redis://unused", "r3d", tmp_path / "d", algorithm=sizes, rollout={"n_samples": 2}
+    )
+    dense = PPOLearner(load_config(None, raw=raw), tmp_path / "d")
+    with pytest.raises(
+        ValueError, match=r"algorithm\.routing_replay=rollout needs a mixture-of-experts actor"
+    ):
+        dense.load_models()
