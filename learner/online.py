@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import redis
 import torch
@@ -167,9 +167,11 @@ class OnlineRuntime(Runtime):
             self.version = self.checkpointed_version = state.version
             self.acked_through = self.version * self.cfg.algorithm.batch_size
             self.acked = state.acked
+            self.restore_recipe_state(state.extra)
             if self.lead:  # their update is in the checkpoint: never train on them again
                 self.reack_lineage()
                 self.admission.recount(self.version, self.buffer)
+                self.publish_bound()  # the checkpoint's bound, before any version opens admission
             log.info("resumed at version %d from %s", self.version, self.ckpt_dir)
         elif self.resume:
             log.warning("--resume: no checkpoint in %s, starting fresh", self.ckpt_dir)
@@ -199,6 +201,20 @@ class OnlineRuntime(Runtime):
         if self.lead:
             self.publish_bound()
         return {"staleness/bound": float(self.staleness.bound)}
+
+    def recipe_state(self) -> dict[str, Any]:
+        """What a resumed run continues from besides weights, optimizer and acks (JSON, in the checkpoint):
+        under ``max_staleness: auto`` the bound in force and its count of healthy steps, so a resume does
+        not fall back to ``staleness_min``."""
+        if self.staleness is None:
+            return {}
+        return {"staleness": {"bound": self.staleness.bound, "healthy": self.staleness.healthy}}
+
+    def restore_recipe_state(self, extra: dict[str, Any]) -> None:
+        """The inverse of :meth:`recipe_state`, from a checkpoint; a key this run does not use is ignored
+        (a checkpoint of a run with other settings)."""
+        if self.staleness is not None and "staleness" in extra:
+            self.staleness = StalenessState(**extra["staleness"])
 
     def engines(self) -> dict[str, object]:
         """The trained engines a checkpoint holds, by name."""
@@ -460,7 +476,7 @@ class OnlineRuntime(Runtime):
             top = max([*ids, *(hi for _, hi in self.acked)])
             waiting = self.buffer.trajectory_ids(acked_ranges.fmt(top))
             acked = acked_ranges.merge(self.acked, ids, map(acked_ranges.parse, waiting))
-        state = checkpoint.LearnerState(self.version, list(self.pending), acked=acked)
+        state = checkpoint.LearnerState(self.version, list(self.pending), self.recipe_state(), acked=acked)
         if self.writer is None:
             checkpoint.save(self.ckpt_dir, self.engines(), state)
             self.committed(state)

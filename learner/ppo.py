@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from learner import moe
 from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
 from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
 from learner.importance import importance_weights, mismatch_metrics
-from learner.kl_control import make_kl_controller
+from learner.kl_control import AdaptiveKLController, make_kl_controller
 from learner.lm_head import use_chunked_head
 from learner.losses import (
     KL_ESTIMATORS,
@@ -147,6 +148,19 @@ class PPOLearner(OnlineRuntime):
         # Its routing replay: forces recorded routing with algorithm.routing_replay=rollout, and counts
         # moe/routing_flips against any recorded routing either way.
         self.routing_replay: RoutingReplay | None = None
+
+    def recipe_state(self) -> dict[str, Any]:
+        """Also the adaptive KL coefficient (``algorithm.kl_target``): a resume goes on from the β it reached,
+        not from ``kl_coef``. A fixed coefficient is the config's, so a resume may change it."""
+        state = super().recipe_state()
+        if isinstance(self.kl_ctl, AdaptiveKLController):
+            state["kl_coef"] = self.kl_ctl.value
+        return state
+
+    def restore_recipe_state(self, extra: dict[str, Any]) -> None:
+        super().restore_recipe_state(extra)
+        if isinstance(self.kl_ctl, AdaptiveKLController) and "kl_coef" in extra:
+            self.kl_ctl.value = float(extra["kl_coef"])
 
     def load_models(self) -> Models:
         models = load_models(self.cfg, self.device)

@@ -143,3 +143,39 @@ def test_the_learner_publishes_each_steps_bound(tiny_ckpt, redis_client, run_id,
         load_config(None, raw=raw_config(tiny_ckpt, "redis://unused", run_id, tmp_path)), tmp_path
     )
     assert plain.steer_staleness({"policy/ess": 0.1}) == {}
+
+
+def test_a_resumed_learner_goes_on_from_the_checkpoints_bound_and_kl_coefficient(
+    tiny_ckpt, redis_client, run_id, tmp_path
+) -> None:
+    """The bound auto staleness reached (and its count of healthy steps), and the adaptive KL coefficient,
+    travel in the checkpoint's recipe state: a resumed learner starts from them, not from staleness_min and
+    kl_coef. A fixed coefficient is not carried (the config's own, which a resume may change)."""
+    from learner.checkpoint import LearnerState, load, save
+    from learner.ppo import PPOLearner
+    from tests.test_checkpoint_async import engine
+    from tests.test_learner import raw_config
+
+    raw = raw_config(tiny_ckpt, "redis://unused", run_id, tmp_path)
+    raw["algorithm"].update(
+        max_staleness="auto", staleness_min=1, staleness_max=3, staleness_patience=2, staleness_ess_target=0.8,
+        kl_coef=0.1, kl_target=0.01,
+    )  # fmt: skip
+    cfg = load_config(None, raw=raw)
+    first = PPOLearner(cfg, tmp_path)
+    first.client = redis_client
+    first.admission = Admission.from_config(redis_client, cfg, "learner")
+    for ess in (0.9, 0.95, 0.9):  # up to 2 after two healthy steps, then one more healthy step at 2
+        first.steer_staleness({"policy/ess": ess})
+    first.kl_ctl.update(current_kl=0.05, n_steps=64)  # far above target: beta grows
+    assert (first.staleness.bound, first.staleness.healthy) == (2, 1) and first.kl_ctl.value > 0.1
+
+    save(tmp_path / "ckpt", {"actor": engine(0)}, LearnerState(7, [], first.recipe_state()))
+    resumed = PPOLearner(cfg, tmp_path)
+    resumed.admission = first.admission
+    resumed.restore_recipe_state(load(tmp_path / "ckpt", {"actor": engine(0)}).extra)
+    assert resumed.staleness == first.staleness and resumed.kl_ctl.value == first.kl_ctl.value
+    assert resumed.steer_staleness({"policy/ess": 0.9})["staleness/bound"] == 3.0  # the count went on
+
+    fixed = load_config(None, raw=raw_config(tiny_ckpt, "redis://unused", run_id, tmp_path))
+    assert PPOLearner(fixed, tmp_path).recipe_state() == {}
