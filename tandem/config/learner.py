@@ -69,6 +69,11 @@ class LearnerConfig(Section):
         description="Keep optimizer state and step on CPU (ZeRO-Offload, zero_stage >= 1): pays on GPU when Adam state does not fit (docs/stages.md §6).",
     )
     num_ranks: int = Field(1, ge=1, description="Learner ranks (processes); >1 launches through torchrun.")
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="Ranks that split one sequence between them (DeepSpeed's Ulysses attention; data-parallel groups become num_ranks / this). Must divide num_ranks. Only 1 runs: values above 1 are refused until the learner is wired for it (docs/design.md §4.12).",
+    )
     take_timeout_s: float = Field(
         600.0, gt=0, description="How long a step waits for a batch before failing with a clear error."
     )
@@ -125,6 +130,23 @@ class LearnerConfig(Section):
         if self.offload_optimizer and self.zero_stage == 0:
             raise SectionCheckError(
                 "learner.offload_optimizer needs learner.zero_stage >= 1 (ZeRO-Offload; DeepSpeed ignores it at stage 0)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel_not_wired(self) -> LearnerConfig:
+        sp = self.sequence_parallel
+        if sp > 1 and self.num_ranks % sp:
+            raise SectionCheckError(
+                f"learner.sequence_parallel ({sp}) must divide learner.num_ranks ({self.num_ranks}): each "
+                "sequence-parallel group is that many ranks"
+            )
+        if sp > 1:
+            # DeepSpeed's Ulysses forward and backward match one rank (tests/test_sequence_parallel.py),
+            # but no recipe deals micro-batches to sequence-parallel groups yet.
+            raise SectionCheckError(
+                f"learner.sequence_parallel={sp} is not yet wired into the learner (docs/design.md §4.12); "
+                "set learner.sequence_parallel: 1"
             )
         return self
 
