@@ -32,6 +32,7 @@ from launcher.backends import available, get_backend
 from launcher.feeder import PromptSet
 from tandem import plugins
 from tandem.config import ConfigError, dump_public_config, load_config
+from tandem.procs import exit_now
 from tandem.telemetry import setup_logging
 
 __all__ = ["main"]
@@ -197,4 +198,4 @@ def attach_main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())  # everything the command started is stopped: skip the interpreter's teardown

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 import torch.distributed as dist
 
 from learner.ppo import reward_part_means
 from learner.runtime import Runtime, Stats
 from tandem.config import load_config
+from tandem.procs import exit_now
 from tandem.telemetry import setup_logging
 
 __all__ = ["RECIPES", "RECIPE_CLASSES", "Stats", "main", "recipe_class", "reward_part_means"]
@@ -58,4 +58,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # its work done and its files closed: skip the interpreter's teardown (tandem/procs.py)

@@ -21,7 +21,6 @@ import logging
 import os
 import random
 import signal
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +42,7 @@ from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from tandem.config import Config, HTTPConfig, load_config
 from tandem.fleet import Beat
-from tandem.procs import exit_with_driver
+from tandem.procs import exit_now, exit_with_driver
 from tandem.telemetry import Telemetry, setup_logging
 
 if TYPE_CHECKING:
@@ -286,7 +285,7 @@ def start_http(
         model_name=model_name,
         http=http_cfg,
         metrics=metrics,
-        max_context=hf_config.max_position_embeddings,
+        max_context=hf_config.get_text_config().max_position_embeddings,  # a VL model: its text part
         aliases=(str(model_path),),
         sink=sink,
         reward_clip=reward_clip,
@@ -332,4 +331,4 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # its work done and its files closed: skip the interpreter's teardown (tandem/procs.py)
