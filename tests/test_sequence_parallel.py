@@ -42,6 +42,8 @@ def test_ulysses_on_two_ranks_matches_one_rank(tiny_ckpt: dict[str, Path], tmp_p
     assert got["grad_keys_equal"]
     assert got["logp_max_abs_diff"] <= 1e-5, got
     assert got["grad_max_abs_diff"] <= 1e-5, got
+    # A forward without position ids passes DeepSpeed's check but is wrong: the learner must pass them.
+    assert got["no_position_ids_logp_max_abs_diff"] > 1e-4, got
 
 
 def test_sequence_parallel_is_refused_naming_the_field() -> None:

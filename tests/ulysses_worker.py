@@ -5,8 +5,10 @@ DeepSpeed's Ulysses attention is registered (it replaces the ``sdpa`` entry of t
 table for the whole process, so the reference has to come first), DeepSpeed's data-loader adapter shards
 the same batch by sequence, and each rank runs its shard. Rank 0 writes both results as JSON.
 
-Usage: ``python -m torch.distributed.run --nproc-per-node 2 tests/ulysses_worker.py MODEL OUT.json [--swap-shards]``
-(``--swap-shards`` gives each rank its neighbour's shard: a wrong shard order the check must catch).
+Usage, from the repository root: ``python -m torch.distributed.run --nproc-per-node 2 -m tests.ulysses_worker
+MODEL OUT.json [--swap-shards] [--packed]``. ``--swap-shards`` gives each rank its neighbour's shard (a wrong
+shard order the check must catch); ``--packed`` packs the two rows into one with restarting position ids
+(the ``pack`` layout, which Ulysses under ``sdpa`` gets wrong: docs/design.md §4.12).
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ def main() -> None:
             dist.all_reduce(p.grad, group=group)
     sp_logp = torch.cat(dist_fn.all_gather(local.detach().contiguous(), group=group), dim=-1)
     sp_grads = grads(model)
+    # Without position ids the model numbers each shard from 0 itself: DeepSpeed's assertion that they
+    # are passed sees those and stays quiet, and the rotary positions of every shard but the first are wrong.
+    with torch.no_grad():
+        logits = model(input_ids=shard["input_ids"], use_cache=False).logits
+    unnumbered = torch.cat(dist_fn.all_gather(token_logprobs(logits, shard["shift_labels"]), group=group), -1)
 
     if rank == 0:
         logp_err = (sp_logp - ref_logp.detach()).abs().max().item()
@@ -125,6 +132,7 @@ def main() -> None:
                 {
                     "logp_max_abs_diff": logp_err,
                     "grad_max_abs_diff": grad_err,
+                    "no_position_ids_logp_max_abs_diff": (unnumbered - ref_logp.detach()).abs().max().item(),
                     "grad_keys_equal": sorted(sp_grads) == sorted(ref_grads),
                     "shard_len": n_local,
                     "ref_logp_abs_mean": ref_logp.abs().mean().item(),
