@@ -65,7 +65,7 @@ def make_publisher(
     """The weight path's publisher on rank 0 of the default group (or without one); else a drain."""
     if torch_dist.is_initialized() and torch_dist.get_rank() != 0:
         return DrainPublisher()
-    ws, run = cfg.weightsync, cfg.run.name
+    ws, run, lora = cfg.weightsync, cfg.run.name, cfg.learner.lora
     if cfg.weight_path == "engine":
         # The engines receive over their own NCCL groups, driven from here (weightsync/engine_push.py).
         from weightsync.engine_push import EnginePublisher
@@ -84,6 +84,7 @@ def make_publisher(
             keep_versions=ws.keep_versions or (1 if cfg.releases_memory else 2),
             recycle=not cfg.releases_memory,
             live_s=ws.timeout_s,
+            peft_adapter=cfg.rollout.engine == "vllm" and lora.rank > 0 and lora.sync == "adapter",
         )
     from weightsync.dist import DistPublisher
 

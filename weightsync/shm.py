@@ -50,6 +50,7 @@ import msgpack
 import redis
 import torch
 
+from weightsync.adapters import PEFT_DIR, is_adapter_tensor, write_peft_adapter
 from weightsync.base import (
     Publisher,
     RegisteredSubscriber,
@@ -161,8 +162,12 @@ class ShmPublisher(Publisher):
         keep_versions: int = 2,
         recycle: bool = True,
         live_s: float = 300.0,
+        peft_adapter: bool = False,
     ) -> None:
         self.client = client
+        # Also write an adapter-only update as a peft directory (``<version>/adapter``), which vLLM loads
+        # as a LoRA (rollout/engines/vllm.py); a full update is written as before.
+        self.peft_adapter = peft_adapter
         self.run = run
         self.root = Path(root)
         self.config_dir = Path(config_dir) if config_dir is not None else None
@@ -201,9 +206,15 @@ class ShmPublisher(Publisher):
         token = os.urandom(8).hex()  # names this one write in its progress notes and its manifest
         self._progress_key = weights_key(self.run, "progress", token)
         self._writing = msgpack.packb([version, token])  # set with the first note, off the copy's path
+        adapter: dict[str, torch.Tensor] = {}
+        if self.peft_adapter:
+            it = _collect_adapter(it, adapter)
         try:
             entries = self._write_shards(it, tmp)
             self._join_notes()
+            if adapter:
+                base = str(self.config_dir) if self.config_dir is not None else None
+                write_peft_adapter(adapter, tmp / PEFT_DIR, base)
         except BaseException:  # publish drains ``it``
             with contextlib.suppress(Exception):
                 self._join_notes()
@@ -416,6 +427,16 @@ class ShmPublisher(Publisher):
         for f in sorted(self._free.iterdir())[self._shards if self.recycle else 0 :]:
             f.unlink(missing_ok=True)
             self._dropped = True
+
+
+def _collect_adapter(
+    it: Iterator[tuple[str, torch.Tensor]], into: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass ``it`` on, keeping a CPU copy of its adapter tensors (small: ``r·(in + out)`` per layer)."""
+    for name, t in it:
+        if is_adapter_tensor(name):
+            into[name] = t.detach().to("cpu", copy=True)
+        yield name, t
 
 
 # --------------------------------------------------------------------------------------------- subscriber
