@@ -36,6 +36,7 @@ from launcher.prepare import how_to_make
 from launcher.run_plan import RunPlan, plan_run
 from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, write_private
+from tandem.config.checks import VISION_CHECKS
 from tandem.procs import alive
 from tandem.telemetry import ready_key, stop_key
 
@@ -71,6 +72,11 @@ def check_inputs(cfg: Config) -> None:
             cfg.model.actor, cfg.model.teacher, trust_remote_code=cfg.model.trust_remote_code
         )
     check_context(cfg)
+    for check in VISION_CHECKS:  # again: a prepare step may have made the actor after the config loaded
+        try:
+            check(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if not Path(cfg.data.prompts).is_file():
         raise ConfigError(f"data.prompts: {cfg.data.prompts} not found; {how_to_make(cfg, cfg.data.prompts)}")
     if cfg.eval.prompts is not None and not Path(cfg.eval.prompts).is_file():

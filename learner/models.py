@@ -28,6 +28,9 @@ What this module owns and why it looks the way it does:
 - **Teacher.** With ``algorithm.distill`` the teacher (``model.teacher``) is a second frozen module loaded
   and placed as the reference is (``algorithm.distill.placement``: learner, or learner_cpu visiting the
   device for each pass), after a check that its tokenizer is the actor's (``tandem/tokenizer_match.py``).
+- **Vision-language actors.** A checkpoint with a vision tower (Qwen2-VL) loads through
+  ``AutoModelForImageTextToText``. With ``model.freeze_vision`` (the default) the tower's parameters take
+  no gradient and no optimizer state; the weights published to the engines still include them.
 - **dtype.** ``model.dtype: auto`` is bfloat16 on GPU and float32 on CPU. Logits are upcast to float32
   before log-probabilities and divided by the sampling temperature, to be comparable to ``behav_logp``.
 - **Chunked head.** :func:`policy_logprobs` gives the same log-probabilities and entropies from the last
@@ -51,7 +54,12 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 
 from learner import moe
 from learner.batch import MicroBatch, response_view
@@ -61,7 +69,7 @@ from tandem.logprobs import plain_output_head, temper
 from tandem.net import free_port
 from tandem.prebuild import prepare_extensions
 from tandem.tokenizer_match import check_same_tokenizer
-from tandem.vision import SUPPRESSED_LOGIT
+from tandem.vision import SUPPRESSED_LOGIT, is_vision_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -186,14 +194,27 @@ def load_critic(cfg: Config, dtype: torch.dtype) -> ValueModel:
 
 
 def _causal_lm(path: str, cfg: Config, dtype: torch.dtype) -> nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
-    )
+    # A vision-language checkpoint (Qwen2-VL) is no AutoModelForCausalLM: its class holds the vision tower.
+    auto = AutoModelForImageTextToText if is_vision_checkpoint(path) else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """A vision-language model's vision encoder (Qwen2-VL's ``model.visual``), None for a text model."""
+    inner = getattr(model, "model", None)
+    for owner in (model, inner):
+        tower = getattr(owner, "visual", None) if owner is not None else None
+        if isinstance(tower, nn.Module):
+            return tower
+    return None
 
 
 def load_policy(cfg: Config, path: str, dtype: torch.dtype) -> nn.Module:
     """A trainable causal LM (the actor of any recipe), with gradient checkpointing when configured."""
     model = _causal_lm(path, cfg, dtype)
+    tower = vision_tower(model)
+    if tower is not None and cfg.model.freeze_vision:  # only the language model trains (the default)
+        tower.requires_grad_(False)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.learner.lora.rank:

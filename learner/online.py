@@ -56,7 +56,15 @@ from buffer.schema import Trajectory
 from buffer.stream_scores import RULES_REWARD, StreamScores
 from buffer.streams import ReplayBuffer, Taken
 from learner import acked_ranges, checkpoint, lora
-from learner.batch import Layout, decode_batch, encode_batch, trajectory_problem
+from learner.batch import (
+    Batch,
+    Layout,
+    MicroBatch,
+    decode_batch,
+    encode_batch,
+    trajectory_problem,
+    with_vision,
+)
 from learner.checkpoint_async import AsyncCheckpointer
 from learner.models import Models
 from learner.runtime import Runtime
@@ -66,6 +74,7 @@ from tandem.config import Config
 from tandem.rewards import total_reward
 from tandem.telemetry import Telemetry
 from tandem.timing import timed
+from tandem.vision import VisionInputs, placeholder_ids
 from weightsync.source import is_zero3, unwrap
 
 log = logging.getLogger("learner")
@@ -138,6 +147,41 @@ class OnlineRuntime(Runtime):
     def load_models(self) -> Models:
         raise NotImplementedError
 
+    def micro(self, batch: Batch, rows: torch.Tensor) -> list[MicroBatch]:
+        """:meth:`Runtime.micro`, and for a vision-language actor each micro-batch with its rows' images
+        (``learner.batch.with_vision``; a row dropped over the token budget reads no image) and the
+        placeholder ids its policy never samples."""
+        mbs = super().micro(batch, rows)
+        config = self.vision_config
+        if config is None:
+            return mbs
+        dropped = batch.dropped
+        return [
+            with_vision(
+                mb,
+                [
+                    None if dropped is not None and dropped[r] else VisionInputs.of(batch.trajs[r])
+                    for r in mb.rows.tolist()
+                ],
+                config,
+            )
+            for mb in mbs
+        ]
+
+    @property
+    def vision_config(self) -> Any:
+        """The actor's model config when it is a vision-language model, else None."""
+        config = getattr(self.models.actor.module, "config", None)
+        return config if config is not None and placeholder_ids(config) else None
+
+    def check_layout(self) -> None:
+        """A vision-language actor trains in the ``pad`` layout only (learner/batch.py with_vision)."""
+        if self.layout == "pack" and self.vision_config is not None:
+            raise ValueError(
+                f"learner/train.py --layout pack: {self.cfg.model.actor} is a vision-language model, whose "
+                "3-D positions are computed per padded row; use --layout pad"
+            )
+
     def smoke_test(self) -> None:
         """A tiny forward of every model, so a broken checkpoint fails at start-up."""
 
@@ -159,6 +203,7 @@ class OnlineRuntime(Runtime):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.trained_log = open(self.run_dir / "trained.jsonl", "a")  # noqa: SIM115 (closed in close())
         self.models = self.load_models()
+        self.check_layout()
         if self.lead and self.cfg.logging.samples_interval:
             self.samples = CompletionSamples(self.cfg, self.models.tokenizer, self.telemetry, self.run_dir)
         self.smoke_test()

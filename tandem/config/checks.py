@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tandem.config.algorithm import OFFLINE_RECIPES
+from tandem.vision import is_vision_checkpoint
 
 if TYPE_CHECKING:
     from tandem.config.root import Config
@@ -241,6 +242,28 @@ def routing_replay_is_recorded(cfg: Config) -> None:
         )
 
 
+def vision_actor_has_no_critic(cfg: Config) -> None:
+    if cfg.algorithm.advantage == "gae" and is_vision_checkpoint(cfg.model.actor):
+        raise ValueError(
+            f"algorithm.advantage=gae trains a critic, and {cfg.model.actor} is a vision-language model, "
+            "for which transformers has no scalar-head (sequence-classification) class: use a group "
+            "estimator (algorithm.advantage: grpo, rloo, ...)"
+        )
+
+
+def vision_actor_is_not_packed(cfg: Config) -> None:
+    if getattr(cfg.algorithm, "packing", False) and is_vision_checkpoint(cfg.model.actor):
+        raise ValueError(
+            f"algorithm.packing: {cfg.model.actor} is a vision-language model, whose 3-D positions are "
+            "computed per padded row; packed rows are not supported: set algorithm.packing: false"
+        )
+
+
+# The checks that read the actor's config.json: at load, where the checkpoint exists already, and again by
+# the launcher once the run's prepare steps have made it (launcher/driver.py check_inputs).
+VISION_CHECKS: tuple[Check, ...] = (vision_actor_has_no_critic, vision_actor_is_not_packed)
+
+
 def sync_interval_within_staleness(cfg: Config) -> None:
     interval, bound = cfg.algorithm.sync_interval, cfg.max_staleness
     if cfg.auto_staleness:  # admission may hold the bound at its lowest
@@ -271,6 +294,7 @@ COMMON_CHECKS: tuple[Check, ...] = (
     split_scoring_is_on_one_cpu_rank,
     token_budget_holds_the_longest_sequence,
     distill_has_a_teacher,
+    vision_actor_is_not_packed,
 )
 OFFLINE_CHECKS: tuple[Check, ...] = (micro_batches_divide_the_batch,)
 ONLINE_CHECKS: tuple[Check, ...] = (
@@ -283,6 +307,7 @@ ONLINE_CHECKS: tuple[Check, ...] = (
     token_sum_norm_bounds_the_response,
     adapter_sync_needs_hf,
     routing_replay_is_recorded,
+    vision_actor_has_no_critic,
     sync_interval_within_staleness,
     micro_batches_divide_the_minibatch,
 )

@@ -97,6 +97,11 @@ class ModelConfig(Section):
     trust_remote_code: bool = Field(
         False, description="Allow custom modelling code shipped inside a checkpoint directory."
     )
+    freeze_vision: bool = Field(
+        True,
+        description="A vision-language actor: keep its vision tower's weights fixed (only the language model "
+        "trains); false trains the tower too. No effect on a text model.",
+    )
 
 
 class DataConfig(Section):
