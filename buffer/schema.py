@@ -189,12 +189,17 @@ class Turns:
 
 @dataclass
 class PromptRecord:
-    """A prompt queued for the rollout servers: its text, token ids and the dataset record (for rewards)."""
+    """A prompt queued for the rollout servers: its text, token ids and the dataset record (for rewards).
+
+    A record with ``images`` has their expanded placeholders in ``tokens``; the rollout server that takes
+    it fills ``vision`` (tandem.vision.VisionInputs) from the images, which stays in that process: it is
+    not encoded."""
 
     prompt_id: str
     text: str
     tokens: np.ndarray
     record: dict[str, Any] = field(default_factory=dict)
+    vision: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)

@@ -6,6 +6,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -41,10 +42,15 @@ class PromptSet:
         )
         if d.chat_template and not tokenizer.chat_template:
             raise ConfigError(f"data.chat_template: the tokenizer of {cfg.model.actor} has no chat template")
+        vision = vision_processor(cfg, [rec for _, rec in records])
+        base = Path(d.prompts).resolve().parent
         kept, tokens = [], []
         for lineno, rec in records:
             try:
-                ids = prompt_token_ids(tokenizer, rec[d.prompt_field], chat_template=d.chat_template)
+                if "images" in rec:  # assert: vision is not None (vision_processor refuses otherwise)
+                    ids = image_prompt_ids(vision, rec, d.prompt_field, base, chat_template=d.chat_template)
+                else:
+                    ids = prompt_token_ids(tokenizer, rec[d.prompt_field], chat_template=d.chat_template)
             except Exception as e:  # whatever the tokenizer raises on is this record's problem
                 field_name, reason = "data.prompts", f"cannot be tokenised: {type(e).__name__}: {e}"
             else:
@@ -79,6 +85,48 @@ class PromptSet:
         path = run_dir / "rejected_prompts.jsonl"
         path.write_text("".join(r.to_json() for r in self.rejected))
         return path
+
+
+def vision_processor(cfg: Config, records: list[dict]) -> Any:
+    """The actor's :class:`tandem.vision.VisionProcessor` when some record has ``images``, else None.
+
+    ConfigError, naming the field, where such records cannot be generated from: an actor without a vision
+    tower, an engine other than hf, multi-turn episodes (env.path, agent.path), or the rollout servers'
+    reference (``placement.reference: server``), which is scored without the images."""
+    if not any("images" in rec for rec in records):
+        return None
+    from tandem.vision import VisionProcessor, is_vision_checkpoint
+
+    where = f"data.prompts: {cfg.data.prompts} has records with images"
+    if not is_vision_checkpoint(cfg.model.actor):
+        raise ConfigError(f"model.actor: {cfg.model.actor} has no vision tower; {where}")
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(
+            f"rollout.engine: only the hf engine generates from images (got {cfg.rollout.engine}); {where}"
+        )
+    if cfg.env.path is not None or cfg.agent.path is not None:
+        raise ConfigError(f"env.path / agent.path: episodes with images are not supported; {where}")
+    if cfg.recipe == "ppo" and cfg.reference_scorer in ("server", "own"):
+        raise ConfigError(
+            f"placement.reference: only the learner scores the reference from the images; {where}"
+        )
+    return VisionProcessor.from_pretrained(cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def image_prompt_ids(
+    vision: Any, rec: dict, prompt_field: str, base: Path, *, chat_template: bool
+) -> list[int]:
+    """A record with images as token ids holding its expanded image placeholders, what the rollout server
+    generates from (:meth:`VisionProcessor.encode`). Its ``images`` paths become absolute in place, so that
+    a rollout server reads them wherever it runs (on the same file system)."""
+    from tandem.vision import load_image
+
+    entries = [e if e[:5].lower() == "data:" else str(base / e) for e in rec["images"]]
+    ids, _ = vision.encode(
+        rec[prompt_field], [load_image(e, base) for e in entries], chat_template=chat_template
+    )
+    rec["images"] = entries
+    return ids
 
 
 class PromptFeeder:

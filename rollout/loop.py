@@ -56,7 +56,7 @@ import redis
 from transformers import PreTrainedTokenizerBase
 
 from buffer.admission import Admission, extra_segments
-from buffer.schema import Trajectory
+from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ClaimHeartbeat, ReplayBuffer, TakenPrompt
 from rollout.engines.base import Completion, Engine, OnPrompt, SamplingParams
 from rollout.envs.base import Task, load_env_factory
@@ -73,6 +73,7 @@ from tandem.data import prompt_screen
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
 from tandem.timing import BusyClock, Timers, Waits
+from tandem.vision import ImageError, VisionProcessor, load_image
 from weightsync.base import Subscriber, WeightSyncError, weights_key
 
 if TYPE_CHECKING:
@@ -136,6 +137,34 @@ def inflight_window(cfg: Config) -> int:
     return r.max_inflight_batches or (1 if r.engine == "hf" else OWN_PROCESS_INFLIGHT)
 
 
+def image_screen(
+    screen: Callable[[PromptRecord], tuple[str, str] | None], vision: VisionProcessor | None
+) -> Callable[[PromptRecord], tuple[str, str] | None]:
+    """``screen``, and for a record with ``images`` their pixel values read and processed into its
+    ``vision`` (what the engine and each trajectory carry). Dead-lettered: a record with images on an
+    engine without a vision processor, an image that cannot be read here, or placeholders in its tokens
+    that its images do not fill."""
+
+    def with_images(record: PromptRecord) -> tuple[str, str] | None:
+        verdict = screen(record)
+        images = record.record.get("images")
+        if verdict is not None or images is None or record.vision is not None:
+            return verdict
+        if vision is None:
+            return "dead", "a record with images, and this engine has no vision processor"
+        try:
+            pixels = vision.pixels([load_image(e, "") for e in images])
+        except (ImageError, TypeError, ValueError) as e:
+            return "dead", f"images: {e}"
+        have = int((record.tokens == vision.image_token_id).sum())
+        if have != (want := pixels.placeholders(vision.merge_size)):
+            return "dead", f"{have} image placeholder tokens; its images fill {want}"
+        record.vision = pixels
+        return None
+
+    return with_images
+
+
 class RolloutLoop:
     def __init__(
         self,
@@ -194,7 +223,10 @@ class RolloutLoop:
         self.env_metrics: dict[str, list[float]] = defaultdict(list)
         self.admission = Admission.from_config(buffer.client, cfg, buffer.consumer)  # and its credits
         # A prompt record this model cannot take (ids out of its vocabulary, too long) is dead-lettered.
-        self.screen = prompt_screen(cfg.model.actor, cfg.data.max_prompt_tokens, len(tokenizer))
+        self.screen = image_screen(
+            prompt_screen(cfg.model.actor, cfg.data.max_prompt_tokens, len(tokenizer)),
+            getattr(engine, "vision", None),
+        )
         self.steps = self.groups = self.duplicates = self.uniform_dropped = 0
         self.engine_errors = 0  # engine calls that failed; their prompts were handed back
         self.failing = 0  # engine calls failed in a row: the next waits a little longer (no hot loop)
@@ -478,11 +510,13 @@ class RolloutLoop:
     ) -> list[list[Completion]]:
         hook = self.weights.poll_inflight if self.cfg.rollout.inflight_updates else None
         with self.timers("time/generate"), self.busy:
+            images = [p.prompt.vision for p in prompts]
             return self.engine.generate(
                 [p.prompt.tokens.tolist() for p in prompts],
                 self.sampling,
                 between_steps=hook,
                 on_prompt=on_prompt,
+                **({"images": images} if any(v is not None for v in images) else {}),
             )
 
     def run_episodes(self, prompts: list[TakenPrompt]) -> list[list[Trajectory]]:

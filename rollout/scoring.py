@@ -128,4 +128,7 @@ class GroupScorer:
             meta={"version": c.versions[0]},
         )
         traj.routed_experts = c.routed_experts  # algorithm.routing_replay: the engine's routing
+        if p.vision is not None:  # the pixels the engine generated from, a copy per sample (§8.4)
+            arrays = p.vision.arrays()
+            traj.pixel_values, traj.image_grid_thw = arrays["pixel_values"], arrays["image_grid_thw"]
         return traj

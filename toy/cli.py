@@ -32,10 +32,16 @@ def _make_data(args: argparse.Namespace) -> int:
 
     if args.task == "colour" and args.kind != "prompts":
         raise SystemExit("make-data colour: only --kind prompts (its records carry images)")
+    if args.inline_images and args.task != "colour":
+        raise SystemExit("make-data --inline-images: only the colour task has images")
     if args.kind == "sft":
         p = write_demonstrations(args.task, args.out, args.n, seed=args.seed)
     elif args.kind == "prefs":
         p = write_preferences(args.task, args.out, args.n, seed=args.seed)
+    elif args.inline_images:
+        from toy.tasks import colour
+
+        p = colour.write(args.out, args.n, seed=args.seed, inline=True)
     else:
         p = write_prompt_file(args.task, args.out, args.n, seed=args.seed)
     print(f"{args.n} {args.task} {args.kind} records: {p}")
@@ -105,6 +111,11 @@ def _add_make_data(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--inline-images",
+        action="store_true",
+        help="colour: each image inside its record as a data:image/png;base64 URL, no folder beside OUT",
+    )
     p.set_defaults(fn=_make_data)
 
 

@@ -55,4 +55,7 @@ def warmstart(
         SFTTrainer(load_config(None, raw=raw), Path(tmp) / "run").run()
         path = Path(out)
         shutil.copytree(Path(tmp) / "run" / "final", path, dirs_exist_ok=True)
+    for extra in Path(model_path).iterdir():  # what the trainer does not write: a VL model's processor
+        if extra.is_file() and not (path / extra.name).exists():
+            shutil.copy2(extra, path / extra.name)
     return path

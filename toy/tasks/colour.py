@@ -11,6 +11,8 @@ file, and each record names its image by a path relative to the file (tandem/dat
 
 from __future__ import annotations
 
+import base64
+import io
 import random
 from pathlib import Path
 from typing import Any
@@ -45,12 +47,20 @@ def draw(record: dict[str, Any]) -> Image.Image:
     return img
 
 
-def write(path: str | Path, n: int, seed: int = 0) -> Path:
-    """``n`` records to ``path`` and their PNGs to ``<stem>-images/`` beside it."""
+def write(path: str | Path, n: int, seed: int = 0, *, inline: bool = False) -> Path:
+    """``n`` records to ``path`` and their PNGs to ``<stem>-images/`` beside it, or with ``inline`` each
+    PNG inside its record as a ``data:image/png;base64,`` URL (one file: what a prepare step can make,
+    since it renames the one path it produces)."""
     p = Path(path)
     folder = f"{p.stem}-images"
     rng = random.Random(seed)
     records = [make_record(rng, i, folder) for i in range(n)]
+    if inline:
+        for r in records:
+            png = io.BytesIO()
+            draw(r).save(png, format="PNG")
+            r["images"] = ["data:image/png;base64," + base64.b64encode(png.getvalue()).decode()]
+        return write_prompts(p, records)
     (p.parent / folder).mkdir(parents=True, exist_ok=True)
     for r in records:
         draw(r).save(p.parent / r["images"][0])
@@ -63,6 +73,18 @@ def reward(prompt: str, completion: str, record: dict[str, Any]) -> float:
     if not isinstance(answer, str) or not isinstance(completion, str):
         return 0.0
     return float(completion.strip().removesuffix(".").strip().lower() == answer)
+
+
+# The prompt as the tiny Qwen2-VL's chat template renders it with one 56x56 image (four placeholders):
+# text-only demonstrations in the rollout prompt's own format (toy.tiny.VL_CHAT_TEMPLATE).
+RENDERED = "user: <|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>" + PROMPT + "\nassistant: "
+
+
+def demonstration(record: dict[str, Any]) -> tuple[str, str]:
+    """A warm start's (prompt, answer): the rendered prompt, its placeholders read without pixels, so the
+    model learns to answer with a colour word (about a third right) and only reinforcement from the
+    images can tell it which."""
+    return RENDERED, record["answer"]
 
 
 def near_miss(rng: random.Random, record: dict[str, Any]) -> str:
