@@ -44,6 +44,13 @@ def test_ulysses_on_two_ranks_matches_one_rank(tiny_ckpt: dict[str, Path], tmp_p
     assert got["grad_max_abs_diff"] <= 1e-5, got
     # A forward without position ids passes DeepSpeed's check but is wrong: the learner must pass them.
     assert got["no_position_ids_logp_max_abs_diff"] > 1e-4, got
+    # An engine given the sequence-parallel groups applies the summed gradient, except ZeRO-3 with its
+    # default reduce-scatter, which averages over the group without DeepSpeed's sequence-parallel factor
+    # (docs/design.md §4.12): if that 1/2 changes, DeepSpeed has, and the design notes must follow.
+    ratio = got["engine_update_ratio"]
+    assert ratio["zero0"] == pytest.approx(1.0, abs=1e-4), ratio
+    assert ratio["zero3_no_reduce_scatter"] == pytest.approx(1.0, abs=1e-4), ratio
+    assert ratio["zero3"] == pytest.approx(0.5, abs=1e-4), ratio
 
 
 def test_sequence_parallel_is_refused_naming_the_field() -> None:

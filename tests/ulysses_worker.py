@@ -71,6 +71,41 @@ def packed() -> dict[str, Tensor]:
     return {"input_ids": ids[None], "position_ids": pos[None], "labels": labels[None]}
 
 
+def engine_update_ratio(
+    model_path: str,
+    mpu: object,
+    shard: dict[str, Tensor],
+    weights: Tensor,
+    total: int,
+    ref: dict[str, Tensor],
+    stage: int,
+    reduce_scatter: bool,
+) -> float:
+    """One SGD step (lr 1, no clipping) of a DeepSpeed engine built with the sequence-parallel ``mpu`` on
+    this rank's shard: the largest ratio of the applied update's norm to the one-rank gradient's, over the
+    parameters (1.0 when the engine sums the shards' gradients as it should)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = {
+        "train_micro_batch_size_per_gpu": shard["input_ids"].shape[0],
+        "zero_optimization": {"stage": stage, "reduce_scatter": reduce_scatter},
+        "zero_allow_untested_optimizer": True,  # plain SGD: the update is the gradient
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False).logits
+    engine.backward(-(token_logprobs(logits, shard["shift_labels"]) * weights).sum() / total)
+    engine.step()
+    ratios = []
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            update = before[name] - p.detach()
+        ratios.append((update.norm() / ref[name].norm()).item())
+    return max(ratios, key=lambda r: abs(r - 1.0))
+
+
 def main() -> None:
     model_path, out, swap = sys.argv[1], Path(sys.argv[2]), "--swap-shards" in sys.argv
     init_distributed(torch.device("cpu"))
@@ -123,6 +158,13 @@ def main() -> None:
     with torch.no_grad():
         logits = model(input_ids=shard["input_ids"], use_cache=False).logits
     unnumbered = torch.cat(dist_fn.all_gather(token_logprobs(logits, shard["shift_labels"]), group=group), -1)
+    # DeepSpeed engines given the sequence-parallel groups reduce the shards' gradients themselves.
+    engine_ratios = {
+        f"zero{stage}{'' if rs else '_no_reduce_scatter'}": engine_update_ratio(
+            model_path, mpu, shard, weights, total, ref_grads, stage, rs
+        )
+        for stage, rs in ((0, True), (3, True), (3, False))
+    }
 
     if rank == 0:
         logp_err = (sp_logp - ref_logp.detach()).abs().max().item()
@@ -133,6 +175,7 @@ def main() -> None:
                     "logp_max_abs_diff": logp_err,
                     "grad_max_abs_diff": grad_err,
                     "no_position_ids_logp_max_abs_diff": (unnumbered - ref_logp.detach()).abs().max().item(),
+                    "engine_update_ratio": engine_ratios,
                     "grad_keys_equal": sorted(sp_grads) == sorted(ref_grads),
                     "shard_len": n_local,
                     "ref_logp_abs_mean": ref_logp.abs().mean().item(),
