@@ -170,7 +170,10 @@ class OnlineRuntime(Runtime):
 
     @property
     def vision_config(self) -> Any:
-        """The actor's model config when it is a vision-language model, else None."""
+        """The actor's model config when it is a vision-language model, else None (also before the models
+        are loaded: a learner built for its batch arithmetic alone, as tests build one)."""
+        if self.models is None:
+            return None
         config = getattr(self.models.actor.module, "config", None)
         return config if config is not None and placeholder_ids(config) else None
 

@@ -121,11 +121,13 @@ def test_parallel_and_auto_need_an_rm_stage_that_needs_no_sft_model() -> None:
 
 def test_a_failing_stage_stops_the_other_and_is_named(tmp_path: Path) -> None:
     """Real children: one sleeps, one fails; the sleeper is stopped at once, not orphaned."""
-    # The failing child waits until the sleeper is asleep: a SIGINT that reaches an interpreter still starting
-    # up can be lost, and the sleeper would then be killed only after the 60 s grace.
+    # The sleeper takes SIGINT as a stage's child does (learner.train and launch.py install their own
+    # handlers): a pytest worker can hand its children SIGINT blocked or ignored, and a sleeper that slept
+    # through it was killed only after the 60 s grace. The failing child waits until the sleeper is asleep.
     asleep = tmp_path / "asleep"
+    take_sigint = "signal.signal(signal.SIGINT, signal.default_int_handler); signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})"
     sleeper = Job(
-        "sft", [sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(asleep)!r}).touch(); time.sleep(120)"],
+        "sft", [sys.executable, "-c", f"import pathlib, signal, time; {take_sigint}; pathlib.Path({str(asleep)!r}).touch(); time.sleep(120)"],
         tmp_path / "sft.log", 1,
     )  # fmt: skip
     failing = Job(
