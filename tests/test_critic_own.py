@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from learner.batch import make_batch
 from placement.configured import configured_plan, critic_threads, thread_split
 from tandem.config import load_config
 from tandem.telemetry import read_history
+from tandem.timing import Timers
 from tests.test_learner import raw_config
 from tests.test_reference_placement import learner_of, mixed_trajectories
 
@@ -32,6 +35,24 @@ def ppo(tiny_ckpt, tmp_path, critic: str):
         learner={"micro_batch_size": 2},
     )  # fmt: skip
     return load_config(None, raw=raw)
+
+
+class SpanTimers(Timers):
+    """Timers that also keep each phase's (name, start, end), to see which phases overlapped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[str, float, float]] = []
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.add(name, end - start)
+            self.spans.append((name, start, end))
 
 
 def test_an_own_critic_trains_to_the_same_numbers_beside_the_actor(tiny_ckpt, tmp_path) -> None:
@@ -53,10 +74,8 @@ def test_an_own_critic_trains_to_the_same_numbers_beside_the_actor(tiny_ckpt, tm
     before = {name: [p.detach().clone() for p in getattr(own.models, name).module.parameters()]
               for name in ("actor", "critic")}  # fmt: skip
     want = serial.train(batch)
-    own.timers.take()
-    start = time.perf_counter()
+    own.timers = SpanTimers()
     got = own.train(batch)
-    wall = time.perf_counter() - start
     assert set(got) == set(want) and "loss/value" in got and "loss/policy" in got
     for k in want:
         assert got[k] == pytest.approx(want[k], abs=1e-5), k
@@ -65,8 +84,16 @@ def test_an_own_critic_trains_to_the_same_numbers_beside_the_actor(tiny_ckpt, tm
         for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
             torch.testing.assert_close(q, p, atol=1e-5, rtol=0, msg=f"{name}.{n}")
         assert any((q != q0).any() for q, q0 in zip(b.parameters(), before[name], strict=True))  # it trained
-    spent = own.timers.take()
-    assert spent["time/actor_train"] + spent["time/critic_train"] > 1.15 * wall  # they ran at once
+    # They ran at once: an actor minibatch and a critic minibatch were in progress at the same moment. (Not a
+    # ratio of times: under a loaded machine two threads at once can take as long as one after the other.)
+    spans = own.timers.spans
+    assert any(
+        a0 < c1 and c0 < a1
+        for name_a, a0, a1 in spans
+        if name_a == "time/actor_train"
+        for name_c, c0, c1 in spans
+        if name_c == "time/critic_train"
+    ), spans
     assert torch.get_num_threads() == 2  # the caller keeps its own thread count
 
 
