@@ -260,6 +260,8 @@ def routing_replay_is_recorded(cfg: Config) -> None:
 
 
 def vision_actor_has_no_critic(cfg: Config) -> None:
+    if cfg.recipe != "ppo":  # the offline recipes' algorithm sections have no advantage estimator
+        return
     if cfg.algorithm.advantage == "gae" and is_vision_checkpoint(cfg.model.actor):
         raise ValueError(
             f"algorithm.advantage=gae trains a critic, and {cfg.model.actor} is a vision-language model, "
