@@ -355,7 +355,7 @@ class HFEngine:
         reported = [False] * len(prompts)
         with self._lock:
             self._check_awake()  # asleep since the call began? checked under the lock
-            logits = self._forward_vision(
+            logits = self._forward(
                 ids,
                 mask if padded else None,
                 positions,
@@ -390,30 +390,9 @@ class HFEngine:
             step += 1
             with self._lock:
                 self._check_awake()
-                logits = self._forward_vision(tokens[:, None], mask if padded else None, pos, cache)
+                logits = self._forward(tokens[:, None], mask if padded else None, pos, cache)
                 version = self._version
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-    def _forward_vision(
-        self,
-        input_ids: torch.Tensor,
-        mask: torch.Tensor | None,
-        positions: torch.Tensor,
-        cache: DynamicCache,
-        **vision: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits of the last position, given 3-D positions ``(3, B, t)`` (so the model keeps no rope
-        state between calls). Shapes: ids (B, t), mask (B, T_total) -> (B, V)."""
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **vision,
-        )
-        return self._suppressed(out.logits[:, -1].float())
 
     def _compile(self, sampling: SamplingParams) -> object:
         """The call's constraint compiled against this tokenizer (rollout/engines/constraint.py); an invalid
@@ -660,9 +639,15 @@ class HFEngine:
         return ids.to(self.device), mask.to(self.device)
 
     def _forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: DynamicCache
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        **vision: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits of the last position; ``mask`` None when no row is padded (causal attention).
+        """Logits of the last position; ``mask`` None when no row is padded (causal attention). ``vision``:
+        a prompt's image inputs, with 3-D positions ``(3, B, t)`` (so the model keeps no rope state).
 
         Shapes: ids/positions (B, t), mask (B, T_total) -> (B, V)."""
         self._routing = []  # what a failed forward left
@@ -673,6 +658,7 @@ class HFEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **vision,
         )
         return self._suppressed(out.logits[:, -1].float())
 

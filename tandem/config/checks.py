@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tandem.config.algorithm import OFFLINE_RECIPES
+from tandem.config.algorithm import OFFLINE_RECIPES, SFTConfig
 from tandem.vision import is_vision_checkpoint
 
 if TYPE_CHECKING:
@@ -271,7 +271,8 @@ def vision_actor_has_no_critic(cfg: Config) -> None:
 
 
 def vision_actor_is_not_packed(cfg: Config) -> None:
-    if getattr(cfg.algorithm, "packing", False) and is_vision_checkpoint(cfg.model.actor):
+    packed = isinstance(cfg.algorithm, SFTConfig) and cfg.algorithm.packing  # only sft has the field
+    if packed and is_vision_checkpoint(cfg.model.actor):
         raise ValueError(
             f"algorithm.packing: {cfg.model.actor} is a vision-language model, whose 3-D positions are "
             "computed per padded row; packed rows are not supported: set algorithm.packing: false"
