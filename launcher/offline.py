@@ -8,13 +8,18 @@ These recipes read no rollouts, so no Redis, prompt feeder or rollout servers st
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from launcher import driver
 from tandem.config import Config, dump_config, dump_public_config, write_private
+from tandem.procs import driver_env
+
+EXIT_GRACE_S = 60.0  # from the learner closing its output (or a Ctrl-C) to its exit, before it is killed
 
 
 def command(config: Path, run_dir: Path, resume: bool) -> list[str]:
@@ -39,18 +44,16 @@ def run(cfg: Config, *, resume: Path | None, fresh: bool, dry_run: bool) -> int:
         f"[launch] run directory: {run_dir} ({cfg.recipe}: the learner alone, no rollout servers)", flush=True
     )
     with (run_dir / "logs" / "learner.log").open("a") as log:
+        # The learner watches this process (driver_env): killed here, it stops soon after (tandem/procs.py).
         proc = subprocess.Popen(
             command(config, run_dir, resume is not None),
             cwd=driver.ROOT,
+            env={**os.environ, **driver_env()},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        assert proc.stdout is not None
-        for line in proc.stdout:  # the console and the log both
-            sys.stdout.write(line)
-            log.write(line)
-        rc = proc.wait()
+        rc = follow(proc, log)
     summary = run_dir / "summary.json"
     if rc == 0 and summary.is_file():
         s = json.loads(summary.read_text())
@@ -65,3 +68,28 @@ def run(cfg: Config, *, resume: Path | None, fresh: bool, dry_run: bool) -> int:
             f"[launch] the {cfg.recipe} learner exited with code {rc}; log in {run_dir / 'logs' / 'learner.log'}"
         )
     return 0 if rc == 0 else 1
+
+
+def follow(proc: subprocess.Popen[str], log: TextIO) -> int:
+    """Copy the learner's output to the console and its log until it exits; its exit code. A learner that
+    closes its output but does not exit, or does not stop within ``EXIT_GRACE_S`` of a Ctrl-C (which reaches
+    it too: it shares this terminal's process group), is killed, so the launcher never waits on it forever."""
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        return proc.wait(timeout=EXIT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        print(
+            f"[launch] the learner did not exit within {EXIT_GRACE_S:g} s of closing its output: killing it"
+        )
+    except KeyboardInterrupt:
+        try:
+            return proc.wait(timeout=EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            print(f"[launch] the learner did not stop within {EXIT_GRACE_S:g} s of Ctrl-C: killing it")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.wait()
