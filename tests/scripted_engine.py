@@ -60,7 +60,9 @@ class ScriptedEngine:
             text = self.tokenizer.decode(prompt)
             self.prompts.append(text)
             ids = self.tokenizer(self.reply(text), add_special_tokens=False).input_ids
-            ids = [*ids[: sampling.max_new_tokens - 1], self.tokenizer.eos_token_id]
+            # the reply and EOS, or cut at max_new_tokens as an engine cuts it
+            finish = "stop" if len(ids) < sampling.max_new_tokens else "length"
+            ids = [*ids, self.tokenizer.eos_token_id] if finish == "stop" else ids[: sampling.max_new_tokens]
             logps = [-0.01 * (j + 1) for j in range(len(ids))]
             group = []
             for k in range(sampling.n):
@@ -69,7 +71,7 @@ class ScriptedEngine:
                         between_steps()
                     if on_token is not None:
                         on_token(i * sampling.n + k, t, lp)
-                group.append(Completion(list(ids), list(logps), "stop", [self.version] * len(ids)))
+                group.append(Completion(list(ids), list(logps), finish, [self.version] * len(ids)))
             self.completions += group
             out.append(group)
         return out

@@ -291,6 +291,9 @@ def test_the_agents_sdk_responses_calculator_earns_its_reward(served, engine: Sc
     assert done["calls"] == 2
     engine.reply = lambda p: "86" if "<tool_response>" in p else call
     assert asyncio.run(episode())[0] == {"correct": 0.0}
+    # a reply cut at max_output_tokens: the SDK raises on the incomplete response; the agent scores it 0
+    engine.reply = lambda p: "8" * 200
+    assert asyncio.run(episode())[0] == {"correct": 0.0}
 
 
 def test_reasoning_items_from_the_servers_reasoning_parser() -> None:

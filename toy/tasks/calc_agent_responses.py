@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents import Agent, MaxTurnsExceeded, ModelSettings, OpenAIResponsesModel, RunConfig, Runner
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
+    ModelSettings,
+    OpenAIResponsesModel,
+    RunConfig,
+    Runner,
+)
 
 from toy.tasks.calc_agent_sdk import ADD
 
@@ -31,5 +39,7 @@ async def agent(
             calculator, record["prompt"], max_turns=max_turns, run_config=RunConfig(tracing_disabled=True)
         )
     except MaxTurnsExceeded:  # still calling tools when the turns ran out: no answer, as the plain agent
+        return {"correct": 0.0}
+    except ModelBehaviorError:  # on Responses the SDK raises for a reply cut at max_output_tokens: no answer
         return {"correct": 0.0}
     return {"correct": float(str(result.final_output).strip() == str(record["result"]))}
