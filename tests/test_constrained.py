@@ -280,7 +280,7 @@ def test_the_agents_front_never_batches_a_constrained_call_with_a_free_one(engin
     assert outs[0][0][0].token_ids == alone[0].token_ids  # greedy: the free call decoded unconstrained
 
 
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3_json", "mistral", "harmony"])
 def test_forced_calls_are_written_in_the_tool_parsers_format(engine: HFEngine, parser: str) -> None:
     """Each format that can be forced: every row is calls only, read back whole by that parser, each valid."""
     from rollout.http.parsers import TOOL_FORMATS

@@ -45,7 +45,7 @@ from rollout.http.schemas import APIError
 
 @dataclass(frozen=True)
 class CallFormat:
-    """How a tool parser's calls are spelled (xgrammar's own spellings for these models): ``tags(name)`` gives
+    """How a tool parser's calls are spelled (xgrammar's own, where it has the model): ``tags(name)`` gives
     the text before and after a call's arguments, ``separator`` the text between two calls, ``style`` how
     the arguments are written (``json``: compact JSON; ``qwen_xml``: ``<parameter=k>`` blocks)."""
 
@@ -62,6 +62,15 @@ CALL_FORMATS: dict[str, CallFormat] = {
         lambda name: (f"<tool_call>\n<function={name}>\n", "\n</function>\n</tool_call>"), "\n", "qwen_xml"
     ),
     "llama3_json": CallFormat(lambda name: (f'{{"name": {json.dumps(name)}, "parameters": ', "}"), "; "),
+    # Mistral's spelling from its v11 tokenizers (Mistral Small 3.2, Devstral, Magistral): one [TOOL_CALLS]
+    # per call, the arguments right after [ARGS]; the parser also reads the older JSON-list spelling.
+    "mistral": CallFormat(lambda name: (f"[TOOL_CALLS]{name}[ARGS]", ""), ""),
+    # gpt-oss: each call a commentary message to functions.NAME (the prompt ends with <|start|>assistant,
+    # so the first header follows directly and later ones start a message of their own).
+    "harmony": CallFormat(
+        lambda name: (f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", "<|call|>"),
+        "<|start|>assistant",
+    ),
 }
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")  # "[03:55:29] /project/cpp/x.cc:4944: "
 
