@@ -36,7 +36,7 @@ from launcher.prepare import how_to_make
 from launcher.run_plan import RunPlan, plan_run
 from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, write_private
-from tandem.config.checks import VISION_CHECKS
+from tandem.config.checks import vision_checks_for
 from tandem.procs import alive
 from tandem.telemetry import ready_key, stop_key
 
@@ -72,7 +72,7 @@ def check_inputs(cfg: Config) -> None:
             cfg.model.actor, cfg.model.teacher, trust_remote_code=cfg.model.trust_remote_code
         )
     check_context(cfg)
-    for check in VISION_CHECKS:  # again: a prepare step may have made the actor after the config loaded
+    for check in vision_checks_for(cfg.recipe):  # again: a prepare step may have made the actor since
         try:
             check(cfg)
         except ValueError as e:

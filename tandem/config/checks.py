@@ -260,8 +260,6 @@ def routing_replay_is_recorded(cfg: Config) -> None:
 
 
 def vision_actor_has_no_critic(cfg: Config) -> None:
-    if cfg.recipe != "ppo":  # the offline recipes' algorithm sections have no advantage estimator
-        return
     if cfg.algorithm.advantage == "gae" and is_vision_checkpoint(cfg.model.actor):
         raise ValueError(
             f"algorithm.advantage=gae trains a critic, and {cfg.model.actor} is a vision-language model, "
@@ -336,3 +334,9 @@ ONLINE_CHECKS: tuple[Check, ...] = (
 def checks_for(recipe: str) -> tuple[Check, ...]:
     """The checks a config of ``recipe`` must pass, in the order they run."""
     return COMMON_CHECKS + (OFFLINE_CHECKS if recipe in OFFLINE_RECIPES else ONLINE_CHECKS)
+
+
+def vision_checks_for(recipe: str) -> tuple[Check, ...]:
+    """The vision-actor checks among :func:`checks_for`'s, which the launcher runs again once the prepare
+    steps have made the actor."""
+    return tuple(check for check in checks_for(recipe) if check in VISION_CHECKS)
