@@ -36,6 +36,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("server", "learner", "redis", "startup")
+TINY = ROOT / "configs/tiny.yaml"
 RECOVERY_S = 180.0  # longest wait for the learner to move again after a kill
 
 
@@ -64,11 +65,13 @@ class Tally:
 
 
 def launch_cmd(
-    actor: Path, critic: Path, prompts: Path, out: Path, steps: int, limit: int, overrides: Sequence[str] = ()
-) -> list[str]:
+    actor: Path, critic: Path | None, prompts: Path, out: Path, steps: int, limit: int,
+    overrides: Sequence[str] = (), config: Path = TINY,
+) -> list[str]:  # fmt: skip
+    critic_arg = [f"model.critic={critic}"] if critic is not None else []
     return [
-        sys.executable, str(ROOT / "launch.py"), str(ROOT / "configs/tiny.yaml"),
-        f"model.actor={actor}", f"model.critic={critic}", f"data.prompts={prompts}", f"run.output_dir={out}",
+        sys.executable, str(ROOT / "launch.py"), str(config), f"model.actor={actor}", *critic_arg,
+        f"data.prompts={prompts}", f"run.output_dir={out}",
         "rollout.num_servers=2", "rollout.n_samples=4", "rollout.prompts_per_batch=2",
         "rollout.max_new_tokens=6", "algorithm.batch_size=8", "algorithm.minibatch_size=8",
         "learner.micro_batch_size=8", f"learner.total_steps={steps}", "learner.checkpoint_interval=3",
@@ -256,17 +259,17 @@ def audit(run_dir: Path, steps: int, tally: Tally) -> None:
 
 
 def chaos_run(
-    actor: Path, critic: Path, prompts: Path, out: Path, *, kills: int, steps: int, seed: int = 0,
-    timeout_s: float = 900.0, overrides: Sequence[str] = (), log=print,
+    actor: Path, critic: Path | None, prompts: Path, out: Path, *, kills: int, steps: int, seed: int = 0,
+    timeout_s: float = 900.0, overrides: Sequence[str] = (), config: Path = TINY, log=print,
 ) -> tuple[Tally, str]:  # fmt: skip
-    """One run under ``kills`` kills, ``overrides`` (``key=value``) added to the tiny config; returns the
-    audited tally and launch.py's output."""
+    """One run of ``config`` (the tiny one by default) under ``kills`` kills, with the harness's tiny sizes
+    and ``overrides`` (``key=value``) on top; returns the audited tally and launch.py's output."""
     start = time.monotonic()
     launch_log = out / "launch.out"
     out.mkdir(parents=True, exist_ok=True)
     with open(launch_log, "w") as sink:
         proc = subprocess.Popen(
-            launch_cmd(actor, critic, prompts, out, steps, kills + 5, overrides), cwd=ROOT, stdout=sink,
+            launch_cmd(actor, critic, prompts, out, steps, kills + 5, overrides, config), cwd=ROOT, stdout=sink,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:

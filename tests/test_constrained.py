@@ -119,6 +119,17 @@ def test_required_with_parallel_calls_is_calls_and_nothing_else(engine: HFEngine
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
+def test_stop_strings_do_not_cut_a_forced_call(client) -> None:
+    """A stop string written for the answer (the calculator agent's "\n") would end a hermes call after
+    ``<tool_call>\n``: the grammar ends a constrained reply, so it is not applied there."""
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        n=3, temperature=1.0, seed=7, max_tokens=80, stop=["\n", "}"],
+    )  # fmt: skip
+    for choice in out.choices:
+        _check_calls(choice, {"add", "neg"}, one=True)
+
+
 def test_a_named_tool_choice_is_exactly_one_call_of_it(client) -> None:
     for seed, temperature in [(2, 1.0), (3, 1.0), (4, 0.0)]:
         out = client.chat.completions.create(

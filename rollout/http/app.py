@@ -173,15 +173,18 @@ class API:
                 param="max_tokens",
                 code="request_too_large",
             )
+        constraint = self.constraint(req)
         return SamplingParams(
             n=req.n,
             max_new_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
-            stop=req.stop_list(),
+            # The grammar ends a constrained reply; a stop string meant for free text ("\n") would cut a
+            # forced call's own markup or a JSON string into what the request did not ask for.
+            stop=[] if constraint is not None else req.stop_list(),
             seed=req.seed,
-            constraint=self.constraint(req),
+            constraint=constraint,
         )
 
     def constraint(self, req: SamplingFields) -> Constraint | None:

@@ -53,8 +53,11 @@ async def agent(
     max_turns: int = 3,
     max_tokens: int = 80,
     tool_bonus: float = 0.0,
+    first_tool_choice: str = "auto",
 ) -> dict[str, float]:
-    """``tool_bonus``: a reward part ``tool`` for an episode that called the tool (0: none, no part)."""
+    """``tool_bonus``: a reward part ``tool`` for an episode that called the tool (0: none, no part).
+    ``first_tool_choice``: the first turn's ``tool_choice``; ``"required"`` makes every episode call the tool
+    at least once, so every episode has two turns or more (the chaos test's agent sessions)."""
 
     def parts(correct: bool, called: bool) -> dict[str, float]:
         return {"correct": float(correct), **({"tool": tool_bonus * called} if tool_bonus else {})}
@@ -62,8 +65,9 @@ async def agent(
     messages: list[dict[str, Any]] = [{"role": "user", "content": record["prompt"]}]
     for turn in range(max_turns):
         response = await client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, stop=["\n"]
-        )
+            model=model, messages=messages, tools=TOOLS, max_tokens=max_tokens, stop=["\n"],
+            tool_choice=first_tool_choice if turn == 0 else "auto",
+        )  # fmt: skip
         message = response.choices[0].message
         if not message.tool_calls:
             # a thinking model's reasoning before the answer is not the answer (tiny-agent-think.yaml)
