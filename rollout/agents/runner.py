@@ -242,7 +242,7 @@ class AgentRunner:
             max_context=max_context,
             aliases=(str(cfg.model.actor),),
         )
-        self.sessions = app.state.api.sessions = SessionStore(
+        self.sessions = app.state.api.sessions.store = SessionStore(
             tokenizer, strict=True, on_rewrite=cfg.rollout.http.session.on_rewrite
         )
         self.server = HTTPServer(app, "127.0.0.1", 0).start()
