@@ -200,6 +200,23 @@ def with_vision(mb: MicroBatch, images: Sequence[VisionInputs | None], config: A
     )
 
 
+def with_row_vision(mbs: list[MicroBatch], batch: Batch, config: Any) -> list[MicroBatch]:
+    """:func:`with_vision` for each micro-batch of ``batch``, its rows' images read from their trajectories
+    (``pixel_values``, ``image_grid_thw``); a row dropped over the token budget reads no image."""
+    dropped = batch.dropped
+    return [
+        with_vision(
+            mb,
+            [
+                None if dropped is not None and dropped[r] else VisionInputs.of(batch.trajs[r])
+                for r in mb.rows.tolist()
+            ],
+            config,
+        )
+        for mb in mbs
+    ]
+
+
 def micro_batches(
     batch: Batch,
     rows: Tensor,

@@ -5,7 +5,9 @@ Two shapes, each accepted as plain text or as chat messages:
 - **Demonstrations** (sft): ``{"prompt": str, "response": str}``, or ``{"messages": [{"role", "content"},
   ...]}`` whose last message is the assistant's response and whose earlier ones go through the chat
   template as the prompt. The response gets the tokenizer's end-of-sequence token appended, so the model
-  learns to stop.
+  learns to stop. For a vision-language model a ``prompt`` record may carry ``"images"`` (paths relative to
+  the file, or ``data:image/...;base64,`` URLs, as prompt files do: docs/design.md §8.4): the user turn
+  holds them before the text, and the row carries their pixels.
 - **Preference pairs** (rm, dpo): ``{"prompt": str, "chosen": str, "rejected": str}``; ``prompt`` may also
   be a list of chat messages.
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from buffer.schema import Trajectory
 from tandem.data import chat_token_ids, read_jsonl
+from tandem.vision import ImageError, VisionInputs, VisionProcessor, load_image
 
 
 class ExampleError(ValueError):
@@ -34,6 +37,7 @@ class ExampleError(ValueError):
 class Demonstration:
     prompt: list[int]
     response: list[int]  # ends with EOS
+    vision: VisionInputs | None = None  # the prompt's images, for a vision-language model
 
 
 @dataclass
@@ -95,12 +99,42 @@ def _check_length(n: int, max_tokens: int, where: str) -> None:
         raise ExampleError(f"{where}: {n} tokens, more than algorithm.max_tokens={max_tokens}")
 
 
+def _image_prompt(
+    rec: dict[str, Any], where: str, base: Path, vision: VisionProcessor | None, *, chat_template: bool
+) -> tuple[list[int], VisionInputs]:
+    """A ``prompt`` record with ``images``: its token ids (placeholders expanded) and pixels."""
+    if vision is None:
+        raise ExampleError(f"{where}: field 'images': the model is not a vision-language checkpoint")
+    if "messages" in rec:
+        raise ExampleError(f"{where}: field 'images' goes with a 'prompt' record, not 'messages'")
+    entries = rec["images"]
+    if not isinstance(entries, list) or not entries:
+        raise ExampleError(f"{where}: field 'images' must be a non-empty list of paths or data URLs")
+    try:
+        images = [load_image(e, base) for e in entries]
+        return vision.encode(_text(rec, "prompt", where), images, chat_template=chat_template)
+    except (ImageError, ValueError) as e:
+        raise ExampleError(f"{where}: field 'images': {e}") from None
+
+
 def load_demonstrations(
-    path: str | Path, tokenizer: Any, *, max_tokens: int, chat_template: bool = False
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    max_tokens: int,
+    chat_template: bool = False,
+    vision: VisionProcessor | None = None,
 ) -> list[Demonstration]:
+    """``vision``: the model's processor when it is a vision-language model (records may carry images)."""
     eos = tokenizer.eos_token_id
     out = []
     for where, rec in _records(path):
+        if "images" in rec:
+            prompt, pixels = _image_prompt(rec, where, Path(path).parent, vision, chat_template=chat_template)
+            response = [*_ids(tokenizer, _text(rec, "response", where)), eos]
+            _check_length(len(prompt) + len(response), max_tokens, where)
+            out.append(Demonstration(prompt, response, pixels))
+            continue
         if "messages" in rec:
             messages = _messages(rec["messages"], where, "messages")
             if len(messages) < 2 or messages[-1]["role"] != "assistant":
@@ -136,8 +170,11 @@ def load_pairs(
     return out
 
 
-def as_trajectory(prompt: list[int], response: list[int], key: str) -> Trajectory:
-    """An example as a batch row: its response tokens are the ones a loss or a score reads."""
+def as_trajectory(
+    prompt: list[int], response: list[int], key: str, vision: VisionInputs | None = None
+) -> Trajectory:
+    """An example as a batch row: its response tokens are the ones a loss or a score reads; ``vision``, the
+    prompt's images."""
     r = len(response)
     return Trajectory(
         traj_id=key,
@@ -148,4 +185,5 @@ def as_trajectory(prompt: list[int], response: list[int], key: str) -> Trajector
         behav_logp=np.zeros(r, dtype=np.float32),
         token_versions=np.zeros(r, dtype=np.int32),
         reward=0.0,
+        **(vision.arrays() if vision is not None else {}),
     )

@@ -63,7 +63,7 @@ from learner.batch import (
     decode_batch,
     encode_batch,
     trajectory_problem,
-    with_vision,
+    with_row_vision,
 )
 from learner.checkpoint_async import AsyncCheckpointer
 from learner.models import Models
@@ -74,7 +74,7 @@ from tandem.config import Config
 from tandem.rewards import total_reward
 from tandem.telemetry import Telemetry
 from tandem.timing import timed
-from tandem.vision import VisionInputs, placeholder_ids
+from tandem.vision import placeholder_ids
 from weightsync.source import is_zero3, unwrap
 
 log = logging.getLogger("learner")
@@ -153,20 +153,7 @@ class OnlineRuntime(Runtime):
         placeholder ids its policy never samples."""
         mbs = super().micro(batch, rows)
         config = self.vision_config
-        if config is None:
-            return mbs
-        dropped = batch.dropped
-        return [
-            with_vision(
-                mb,
-                [
-                    None if dropped is not None and dropped[r] else VisionInputs.of(batch.trajs[r])
-                    for r in mb.rows.tolist()
-                ],
-                config,
-            )
-            for mb in mbs
-        ]
+        return mbs if config is None else with_row_vision(mbs, batch, config)
 
     @property
     def vision_config(self) -> Any:

@@ -5,6 +5,8 @@ the batch (prompt tokens are context, never targets), one optimizer step. Demons
 prompt/response pairs or chat messages through the tokenizer's chat template (``learner/examples.py``).
 ``algorithm.packing`` concatenates each micro-batch into one row with restarting position ids
 (``learner/batch.py``): no padding, which pays only with a varlen attention kernel (GPU), not on CPU.
+A vision-language checkpoint trains on demonstrations with images (padded rows only), its vision tower
+frozen under ``model.freeze_vision`` as in the online recipes.
 
 The demo kit's supervised warm-start (``toy/warmstart.py``, ``python -m toy warmstart``) is a one-rank run of
 this recipe (docs/stages.md §3.1).
@@ -18,12 +20,13 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from learner.batch import Layout, make_batch
+from learner.batch import Batch, Layout, MicroBatch, make_batch, with_row_vision
 from learner.examples import Demonstration, as_trajectory, load_demonstrations
 from learner.models import load_policy, make_engine, resolve_dtype
 from learner.offline_runtime import OfflineRuntime
 from learner.runtime import Stats
 from tandem.config import Config
+from tandem.vision import VisionProcessor, is_vision_checkpoint
 
 
 class SFTTrainer(OfflineRuntime):
@@ -39,6 +42,16 @@ class SFTTrainer(OfflineRuntime):
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.cfg.model.actor, trust_remote_code=self.cfg.model.trust_remote_code
         )
+        self.vision = None
+        if is_vision_checkpoint(self.cfg.model.actor):
+            if self.layout == "pack":
+                raise ValueError(
+                    f"algorithm.packing: {self.cfg.model.actor} is a vision-language model, whose 3-D "
+                    "positions are computed per padded row; set algorithm.packing false"
+                )
+            self.vision = VisionProcessor.from_pretrained(
+                self.cfg.model.actor, trust_remote_code=self.cfg.model.trust_remote_code
+            )
         self.actor = make_engine(
             load_policy(self.cfg, self.cfg.model.actor, dtype), self.cfg, dtype, self.cfg.learner.actor_lr
         )
@@ -46,7 +59,20 @@ class SFTTrainer(OfflineRuntime):
     def load_examples(self, path: str) -> list[Demonstration]:
         a = self.cfg.algorithm
         return load_demonstrations(
-            path, self.tokenizer, max_tokens=a.max_tokens, chat_template=a.chat_template
+            path, self.tokenizer, max_tokens=a.max_tokens, chat_template=a.chat_template, vision=self.vision
+        )
+
+    def micro(self, batch: Batch, rows: torch.Tensor) -> list[MicroBatch]:
+        """For a vision-language actor, each micro-batch with its rows' images and the placeholder ids the
+        policy never writes (``learner.batch.with_vision``)."""
+        mbs = super().micro(batch, rows)
+        if self.vision is None:
+            return mbs
+        return with_row_vision(mbs, batch, self.actor.module.config)
+
+    def rows(self, examples: list[Demonstration]) -> Batch:
+        return make_batch(
+            [as_trajectory(d.prompt, d.response, str(i), d.vision) for i, d in enumerate(examples)], 0
         )
 
     def engines(self) -> dict[str, Any]:
@@ -56,8 +82,7 @@ class SFTTrainer(OfflineRuntime):
         return len(example.prompt) + len(example.response)
 
     def train_step(self, examples: list[Demonstration]) -> dict[str, float]:
-        batch = make_batch([as_trajectory(d.prompt, d.response, str(i)) for i, d in enumerate(examples)], 0)
-        batch = batch.to(self.device)
+        batch = self.rows(examples).to(self.device)
         num_tokens, stats = batch.mask.sum(), Stats()  # the whole batch's response tokens, on all ranks
         self.actor.train()
         rows = self.cfg.learner.micro_batch_size
@@ -75,8 +100,7 @@ class SFTTrainer(OfflineRuntime):
     def evaluate(self, examples: list[Demonstration]) -> dict[str, float]:
         self.actor.eval()
         stats = Stats()
-        batch = make_batch([as_trajectory(d.prompt, d.response, str(i)) for i, d in enumerate(examples)], 0)
-        batch = batch.to(self.device)
+        batch = self.rows(examples).to(self.device)
         rows = self.cfg.learner.micro_batch_size
         for mb in self.micro(batch, torch.arange(len(batch))):
             mask = batch.mask[mb.rows]
@@ -88,3 +112,5 @@ class SFTTrainer(OfflineRuntime):
 
     def save_final(self, out: Path) -> None:
         self.save_hf(self.actor, out, self.tokenizer)
+        if self.vision is not None and self.lead:  # the checkpoint stays loadable with its images
+            self.vision.image_processor.save_pretrained(out)

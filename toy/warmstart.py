@@ -12,7 +12,7 @@ from pathlib import Path
 
 from learner.sft import SFTTrainer
 from tandem.config import load_config
-from toy.tasks import write_demonstrations
+from toy.tasks import uses_chat_template, write_demonstrations
 
 
 def warmstart(
@@ -40,6 +40,7 @@ def warmstart(
             "algorithm": {
                 "recipe": "sft",
                 "train_file": str(data),
+                "chat_template": demos is None and uses_chat_template(task),
                 "batch_size": batch_size,
                 # as many passes over a given file as ``steps`` needs
                 "epochs": max(1, -(-steps * batch_size // sum(1 for _ in data.open()))),

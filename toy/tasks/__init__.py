@@ -52,18 +52,23 @@ def write_prompt_file(task: str, path: str | Path, n: int, seed: int = 0) -> Pat
     return own(path, n, seed=seed) if own is not None else write_prompts(path, make_records(task, n, seed))
 
 
-def demonstrations(task: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
-    """(prompt, ideal completion) pairs for a supervised warm-start (a task may render its own prompt)."""
-    render = getattr(TASKS[task], "demonstration", lambda r: (r["prompt"], r["answer"]))
-    return [render(r) for r in make_records(task, n, seed)]
-
-
 RewardFn = Callable[[str, str, dict[str, Any]], "float | dict[str, float]"]
 
 
-def demonstration_records(task: str, n: int, seed: int = 0) -> list[dict[str, str]]:
-    """``{"prompt", "response"}`` records (the sft schema)."""
-    return [{"prompt": p, "response": a} for p, a in demonstrations(task, n, seed)]
+def demonstration_records(task: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``{"prompt", "response"}`` records (the sft schema) for a supervised warm-start: each record's prompt
+    and ideal completion, or what the task's own ``demonstration_record`` makes of it (colour's carry
+    their image)."""
+    own = getattr(TASKS[task], "demonstration_record", None)
+    records = make_records(task, n, seed)
+    if own is not None:
+        return [own(r) for r in records]
+    return [{"prompt": r["prompt"], "response": r["answer"]} for r in records]
+
+
+def uses_chat_template(task: str) -> bool:
+    """Whether a task's prompts go through the model's chat template (colour's: the image before the text)."""
+    return bool(getattr(TASKS[task], "CHAT_TEMPLATE", False))
 
 
 def preference_records(task: str, n: int, seed: int = 0) -> list[dict[str, str]]:

@@ -47,6 +47,13 @@ def draw(record: dict[str, Any]) -> Image.Image:
     return img
 
 
+def data_url(record: dict[str, Any]) -> str:
+    """The record's image as a ``data:image/png;base64,`` URL."""
+    png = io.BytesIO()
+    draw(record).save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
 def write(path: str | Path, n: int, seed: int = 0, *, inline: bool = False) -> Path:
     """``n`` records to ``path`` and their PNGs to ``<stem>-images/`` beside it, or with ``inline`` each
     PNG inside its record as a ``data:image/png;base64,`` URL (one file: what a prepare step can make,
@@ -57,9 +64,7 @@ def write(path: str | Path, n: int, seed: int = 0, *, inline: bool = False) -> P
     records = [make_record(rng, i, folder) for i in range(n)]
     if inline:
         for r in records:
-            png = io.BytesIO()
-            draw(r).save(png, format="PNG")
-            r["images"] = ["data:image/png;base64," + base64.b64encode(png.getvalue()).decode()]
+            r["images"] = [data_url(r)]
         return write_prompts(p, records)
     (p.parent / folder).mkdir(parents=True, exist_ok=True)
     for r in records:
@@ -75,16 +80,15 @@ def reward(prompt: str, completion: str, record: dict[str, Any]) -> float:
     return float(completion.strip().removesuffix(".").strip().lower() == answer)
 
 
-# The prompt as the tiny Qwen2-VL's chat template renders it with one 56x56 image (four placeholders):
-# text-only demonstrations in the rollout prompt's own format (toy.tiny.VL_CHAT_TEMPLATE).
-RENDERED = "user: <|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>" + PROMPT + "\nassistant: "
+CHAT_TEMPLATE = True  # prompts go through the model's chat template, which puts the image before the text
 
 
-def demonstration(record: dict[str, Any]) -> tuple[str, str]:
-    """A warm start's (prompt, answer): the rendered prompt, its placeholders read without pixels, so the
-    model learns to answer with a colour word (about a third right) and only reinforcement from the
-    images can tell it which."""
-    return RENDERED, record["answer"]
+def demonstration_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A warm start's record: the prompt with its image, and a colour drawn independently of the image
+    (seeded by the record's id). The model learns to answer with a colour word while image features are
+    in its input, about a third right; only reinforcement can teach it which colour the image shows."""
+    rng = random.Random(record["id"])
+    return {"prompt": PROMPT, "images": [data_url(record)], "response": rng.choice(sorted(COLOURS))}
 
 
 def near_miss(rng: random.Random, record: dict[str, Any]) -> str:
