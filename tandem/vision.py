@@ -180,6 +180,11 @@ class VisionProcessor:
             )
         else:
             rendered = text
+        return self.expand(rendered, images)
+
+    def expand(self, rendered: str, images: list[Image.Image]) -> tuple[list[int], VisionInputs]:
+        """Token ids of ``rendered`` text holding one placeholder per image, each expanded to the tokens its
+        image fills, and the images' pixel values."""
         vision = self.pixels(images)
         pieces = rendered.split(self.image_token)
         if len(pieces) - 1 != len(images):

@@ -5,6 +5,7 @@
 :mod:`rollout.http.choices` (completions as OpenAI's choices), :mod:`rollout.http.streaming` (streamed
 chunks as server-sent events), :mod:`rollout.http.disconnect` (a client gone cancels its generation),
 :mod:`rollout.http.schemas` (request schemas, text validation, the error shape),
+:mod:`rollout.http.images` (``image_url`` parts for a vision-language model, docs/design.md §8.4),
 :mod:`rollout.http.middleware` (body limit, bearer token, request count), :mod:`rollout.http.sessions`
 (black-box agent sessions, docs/environments.md §10.6) and :mod:`rollout.http.session_api` (their routes
 and calls), :mod:`rollout.http.chat_prompt` (chat messages and tools through the chat template),

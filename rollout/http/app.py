@@ -51,14 +51,16 @@ from rollout.http import limits, messages_api, responses_api
 from rollout.http.chat_prompt import ChatPrompts
 from rollout.http.choices import Choices, usage
 from rollout.http.disconnect import CLIENT_GONE_STATUS, ClientGone, between_steps, watch_disconnect
+from rollout.http.images import read_images
 from rollout.http.inputs import EngineInputs
 from rollout.http.middleware import BodyLimit, Guard
 from rollout.http.schemas import APIError, ChatRequest, CompletionRequest, error_response
 from rollout.http.session_api import SessionAPI
 from rollout.http.sessions import SessionStore
-from rollout.http.streaming import Streaming, sse
+from rollout.http.streaming import Images, Streaming, sse, with_images
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
+from tandem.vision import VisionProcessor
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class API:
             sink=sink,
             reward_clip=reward_clip,
         )
+        self.vision: VisionProcessor | None = getattr(engine, "vision", None)  # a vision-language model's
         self.active = 0  # requests holding a generation slot
         self._slots_lock = threading.Lock()
 
@@ -126,16 +129,20 @@ class API:
                 yield chunk
 
     async def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, request: Request
+        self, prompts: list[list[int]], sampling: SamplingParams, request: Request, images: Images = None
     ) -> list[list[Completion]]:
         """Generate for a non-streaming request, under a slot; a client that disconnects meanwhile
-        cancels the work."""
+        cancels the work. ``images``: each prompt's image inputs, for a vision-language model."""
         with self.slot():
             cancelled = threading.Event()
             watcher = asyncio.create_task(watch_disconnect(request, cancelled))
             try:
                 out = await run_in_threadpool(
-                    self.engine.generate, prompts, sampling, between_steps=between_steps(cancelled)
+                    self.engine.generate,
+                    prompts,
+                    sampling,
+                    between_steps=between_steps(cancelled),
+                    **with_images(images),
                 )
             except ValueError as e:
                 raise APIError(400, str(e), param="prompt") from None
@@ -166,9 +173,17 @@ class API:
     async def chat(self, req: ChatRequest, request: Request) -> Any:
         self.inputs.check_model(req.model)
         tools = self.choices.tool_calls(req)
+        pictures = read_images(req, self.vision)
         if session := self.sessions.session_id(req, request):
+            if pictures:
+                raise APIError(400, "an agent session takes no images yet", param="session_id")
             return await self.sessions.chat(req, request, session, tools)
-        prompt = self.prompts.token_ids(req)
+        images: Images = None
+        if pictures:  # the template's placeholders, each expanded to the tokens its image fills
+            prompt, vision = self.vision.expand(self.prompts.text(req), pictures)
+            images = [vision]
+        else:
+            prompt = self.prompts.token_ids(req)
         tools = self.choices.reader(tools, prompt)
         sampling = self.inputs.sampling(req, req.max_completion_tokens or req.max_tokens, [prompt])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -178,10 +193,10 @@ class API:
             head["object"] = "chat.completion.chunk"
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             chunks = self.streaming.chat_chunks(
-                head, prompt, sampling, req.logprobs, top, tools, include_usage
+                head, prompt, sampling, req.logprobs, top, tools, include_usage, images
             )
             return await sse(self._holding_slot(chunks))
-        out = await self.generate([prompt], sampling, request)
+        out = await self.generate([prompt], sampling, request, images)
         choices = self.choices.chat_choices(out[0], sampling.stop, req.logprobs, top, tools)
         return {**head, "choices": choices, "usage": usage([prompt], out, sampling.n)}
 

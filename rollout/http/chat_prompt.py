@@ -19,6 +19,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rollout.http import limits
+from rollout.http.images import template_content
 from rollout.http.schemas import APIError, ChatMessage, ChatRequest
 from rollout.http.tools import hermes_messages
 from tandem.data import chat_token_ids
@@ -98,7 +99,7 @@ def _template_message(i: int, m: ChatMessage, replay: Mapping[str, str]) -> dict
             f"messages.{i}.tool_calls: only an assistant message makes tool calls",
             param=f"messages.{i}.tool_calls",
         )
-    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    out: dict[str, Any] = {"role": m.role, "content": template_content(m)}
     if m.tool_calls:
         ids = [c.id for c in m.tool_calls]
         if ids[0] in replay and all(replay.get(x) == replay[ids[0]] for x in ids):

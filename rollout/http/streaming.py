@@ -25,8 +25,17 @@ from rollout.http.disconnect import between_steps
 from rollout.http.parsers import ChatReader
 from rollout.http.schemas import APIError
 from rollout.metrics import ServerMetrics
+from tandem.vision import VisionInputs
 
 log = logging.getLogger(__name__)
+
+Images = list[VisionInputs | None] | None  # each prompt's image inputs; None: a text request
+
+
+def with_images(images: Images) -> dict[str, Any]:
+    """The engine's ``images`` keyword for a request with images, nothing for a text one (engines without
+    a vision tower take no such keyword)."""
+    return {} if images is None else {"images": images}
 
 
 @dataclass
@@ -47,9 +56,10 @@ class Streaming:
         self.engine, self.metrics, self.choices = engine, metrics, choices
 
     async def tokens(
-        self, prompts: list[list[int]], sampling: SamplingParams
+        self, prompts: list[list[int]], sampling: SamplingParams, images: Images = None
     ) -> AsyncIterator[tuple[int, int, float]]:
-        """Tokens ``(row, token, logprob)`` as the engine samples them; closing the iterator cancels."""
+        """Tokens ``(row, token, logprob)`` as the engine samples them; closing the iterator cancels.
+        ``images``: each prompt's image inputs, for a vision-language model."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, int, float] | None] = asyncio.Queue()
         cancelled = threading.Event()
@@ -60,7 +70,9 @@ class Streaming:
 
         future = loop.run_in_executor(
             None,
-            lambda: self.engine.generate(prompts, sampling, between_steps=check, on_token=on_token),
+            lambda: self.engine.generate(
+                prompts, sampling, between_steps=check, on_token=on_token, **with_images(images)
+            ),
         )
         future.add_done_callback(lambda _: queue.put_nowait(None))  # runs after every queued token
         # A client gone mid-stream leaves nobody to await the future: mark its ClientGone as seen.
@@ -95,6 +107,7 @@ class Streaming:
         top: bool,
         tools: ChatReader | None = None,
         include_usage: bool = False,
+        images: Images = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Chat chunks. With a reader (tools, a reasoning format), each choice's text goes through its
         :class:`ChatStream`: reasoning as ``reasoning_content`` deltas, content until a call could begin;
@@ -117,7 +130,7 @@ class Streaming:
             choice = {"index": row, "delta": delta(row, **content), "logprobs": lp, "finish_reason": reason}
             return {**head, "choices": [choice]}
 
-        async for row, text, entries, _ in self._tracked([prompt], sampling, choices):
+        async for row, text, entries, _ in self._tracked([prompt], sampling, choices, images):
             if not streams:
                 yield chunk(row, entries, content=text)
                 continue
@@ -142,13 +155,17 @@ class Streaming:
             yield {**head, "choices": [], "usage": usage([prompt], out, sampling.n)}
 
     async def _tracked(
-        self, prompts: list[list[int]], sampling: SamplingParams, choices: list[_Choice]
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        choices: list[_Choice],
+        images: Images = None,
     ) -> AsyncIterator[tuple[int, str, list[Entry], _Choice]]:
         """Text deltas per row. Text that could be the start of a stop string (or an incomplete character)
         is held back until it cannot be, so no stop string ever leaks into the stream."""
         hold = max(map(len, sampling.stop), default=1) - 1
         decode = self.choices.decode
-        async for row, token, logp in self.tokens(prompts, sampling):
+        async for row, token, logp in self.tokens(prompts, sampling, images):
             ch = choices[row]
             if ch.stopped:
                 continue
