@@ -257,8 +257,10 @@ def test_stop_request_while_waiting_publishes_and_checkpoints(
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
-def run_with_admission_producer(cfg: Config, redis_client, tmp_path: Path) -> list[dict]:
-    """Run a learner against a producer thread that emulates a rollout server honouring admission."""
+def run_with_admission_producer(cfg: Config, redis_client, tmp_path: Path, make_group=None) -> list[dict]:
+    """Run a learner against a producer thread that emulates a rollout server honouring admission;
+    ``make_group(g, n, version=, seed=)`` makes its groups (:func:`group` by default)."""
+    make_group = make_group or group
     n = cfg.rollout.n_samples
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -270,7 +272,7 @@ def run_with_admission_producer(cfg: Config, redis_client, tmp_path: Path) -> li
         try:
             while not stop.is_set():
                 if admission.wait(1, timeout_s=0.5, should_stop=stop.is_set):
-                    buffer.put(group(g, n, version=admission.version(), seed=7))
+                    buffer.put(make_group(g, n, version=admission.version(), seed=7))
                     g += 1
         except BaseException as e:  # surfaced by the test below
             errors.append(e)

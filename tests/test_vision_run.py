@@ -173,3 +173,50 @@ def test_a_vision_actor_takes_no_critic_and_no_packing(vl: Path, tmp_path: Path)
                 "algorithm": {"recipe": "sft", "train_file": str(tmp_path / "d.jsonl"), "packing": True},
             },
         )
+
+
+def test_async_at_staleness_zero_equals_sync_on_image_prompts(
+    vl: Path, processor: VisionProcessor, redis_server, redis_client, tmp_path: Path
+) -> None:
+    """Two learners on the same image groups, async at max_staleness 0 and sync: the same losses, step by
+    step (tests/test_learner.py's check, with each trajectory's pixels in its rows)."""
+    import os
+    import random
+    import time
+
+    from tests.test_learner import run_with_admission_producer
+
+    def image_group(g: int, n: int, *, version: int = 0, seed: int = 0) -> list[Trajectory]:
+        rng = random.Random(seed * 1000 + g)
+        record = colour.make_record(rng, g)
+        prompt, vision = processor.encode(colour.PROMPT, [colour.draw(record)])
+        out = []
+        for i in range(n):
+            word = rng.choice(sorted(colour.COLOURS))
+            resp = processor.tokenizer(word)["input_ids"] + [processor.tokenizer.eos_token_id]
+            out.append(
+                Trajectory(
+                    traj_id=f"{g}-{i}", group_id=f"g{g}", prompt_id=f"p{g}", prompt_tokens=np.asarray(prompt),
+                    response_tokens=np.asarray(resp), behav_logp=np.full(len(resp), -3.5, dtype=np.float32),
+                    token_versions=np.full(len(resp), version), reward=float(word == record["answer"]),
+                    **vision.arrays(),
+                )
+            )  # fmt: skip
+        return out
+
+    runs = {}
+    for mode, max_staleness in (("async", 0), ("sync", 3)):  # sync forces 0 whatever the config says
+        cfg = config(
+            vl, tmp_path / "unused.jsonl", tmp_path / mode,
+            run={"name": f"vl-eq-{mode}-{os.getpid()}-{time.monotonic_ns()}", "mode": mode},
+            redis={"url": redis_server.url, "claim_idle_ms": 60_000},
+            algorithm={"max_staleness": max_staleness, "minibatch_size": 4, "ppo_epochs": 2},
+            learner={"total_steps": 3, "save_hf_final": False, "take_timeout_s": 60},
+        )  # fmt: skip
+        runs[mode] = run_with_admission_producer(cfg, redis_client, tmp_path / mode, image_group)
+    for rows in runs.values():
+        assert [r["learner/version"] for r in rows] == [1, 2, 3]
+        assert all(r["staleness/max"] == 0 for r in rows)
+    losses = {mode: [(r["loss/policy"], r["policy/entropy"]) for r in rows] for mode, rows in runs.items()}
+    assert losses["async"] == losses["sync"]
+    assert len({p for p, _ in losses["sync"]}) == 3  # the steps differ: the comparison is not vacuous
