@@ -73,7 +73,7 @@ from tandem.data import prompt_screen
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry
 from tandem.timing import BusyClock, Timers, Waits
-from tandem.vision import ImageError, VisionProcessor, load_image
+from tandem.vision import ImageError, VisionProcessor, load_image, pixel_bytes
 from weightsync.base import Subscriber, WeightSyncError, weights_key
 
 if TYPE_CHECKING:
@@ -654,6 +654,7 @@ class RolloutLoop:
         # From a group's last sample to its append: the rest of its batch's generation when groups are not
         # streamed, then scoring and the append (docs/design.md §1.3).
         waits = self.group_waits.take() or [0.0]
+        pixels = pixel_bytes(trajs)  # images ride in every sample's trajectory, n copies per group
         self.telemetry.log(
             {
                 "rollout/group_wait_s": sum(waits) / len(waits),
@@ -675,6 +676,7 @@ class RolloutLoop:
                 "reward/mean": sum(t.reward for t in trajs) / len(trajs),
                 "rollout/episodes_per_s": self.episodes_per_s,
                 **{k: sum(v) / len(v) for k, v in self.env_metrics.items()},
+                **({"rollout/pixel_bytes_per_group": pixels / len(groups)} if pixels else {}),
                 **timers,
                 **self.metrics.engine_row(),  # server/kv_cache_usage, server/preemptions, ...
             },

@@ -196,6 +196,14 @@ class VisionProcessor:
         return [int(t) for t in self.tokenizer(expanded)["input_ids"]], vision
 
 
+def pixel_bytes(trajectories: Any) -> int:
+    """Bytes of image inputs the trajectories carry on the wire: each sample holds its own copy of its
+    prompt's pixels, so a group of n carries n (``rollout/pixel_bytes_per_group``)."""
+    return sum(
+        t.pixel_values.nbytes + t.image_grid_thw.nbytes for t in trajectories if t.pixel_values is not None
+    )
+
+
 # The logit a vision-language policy gives its image placeholder tokens, in the engine and the learner
 # alike: a placeholder is where the processor puts an image, never text the model writes (one in a response
 # would be matched to image features in the learner's forward and fail it). Finite, not -inf, so that

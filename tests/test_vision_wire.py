@@ -91,3 +91,13 @@ def test_the_element_limit_applies() -> None:
 def test_a_trajectory_needs_both_fields() -> None:
     with pytest.raises(ValueError, match="come together"):
         traj(pixel_values=np.zeros((16, PATCH_DIM), np.float32))
+
+
+def test_pixel_bytes_counts_every_samples_copy() -> None:
+    """A 56x56 image is 16 patches: 16 x 1176 float32 and a (1, 3) int32 grid, 75,276 bytes; a group of four
+    samples of it carries four copies, and a text sample none."""
+    from tandem.vision import pixel_bytes
+
+    one = images([[1, 4, 4]])
+    assert pixel_bytes([traj(**one)]) == 16 * PATCH_DIM * 4 + 3 * 4 == 75_276
+    assert pixel_bytes([traj(**one)] * 4 + [traj()]) == 4 * 75_276
