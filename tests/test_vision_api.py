@@ -7,7 +7,12 @@ changes it; streamed equals non-streamed; each bad part is a 400 naming it.
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import openai
@@ -26,10 +31,13 @@ MODEL = "tiny-vl"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> HFEngine:
-    return HFEngine(
-        str(make_tiny(tmp_path_factory.mktemp("tiny-vl"), arch="qwen2-vl")["actor"]), gather_s=0.01
-    )
+def vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny-vl"), arch="qwen2-vl")["actor"]
+
+
+@pytest.fixture(scope="module")
+def engine(vl: Path) -> HFEngine:
+    return HFEngine(str(vl), gather_s=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +142,31 @@ def test_a_text_model_refuses_images(tmp_path: Path) -> None:
             text.chat.completions.create(model=MODEL, messages=ask("red"), max_tokens=2)
     finally:
         server.stop()
+
+
+def test_the_standalone_server_answers_an_image(vl: Path) -> None:
+    """``python -m rollout.server --standalone --model DIR`` on the tiny Qwen2-VL: the official client's
+    image request gets an answer, as it does from the in-process app above."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout.server", "--standalone", "--model", str(vl), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        deadline, base = time.monotonic() + 120, None
+        assert proc.stdout is not None
+        while base is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "server exited before serving"
+            if m := re.search(r"serving (\S+) on (http://\S+)", line):
+                model, base = m.group(1), m.group(2)
+        assert base is not None, "no 'serving' line within 120 s"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=60, max_retries=0)
+        out = client.chat.completions.create(model=model, messages=ask("blue"), max_tokens=4)
+        assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
+        assert out.usage.prompt_tokens > 4  # the image's placeholders, expanded
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
