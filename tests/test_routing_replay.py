@@ -246,3 +246,21 @@ def test_the_learner_replays_and_counts_flips(
         ValueError, match=r"algorithm\.routing_replay=rollout needs a mixture-of-experts actor"
     ):
         dense.load_models()
+
+
+def test_the_mismatch_bench_shows_replay_lowering_the_kl() -> None:
+    """``bench/moe_mismatch.py`` at small size: an engine in bfloat16 against a float32 learner flips some
+    routing slots, and replaying the recorded experts lowers the mismatch KL (docs/benchmarks.md)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "bench/moe_mismatch.py"), "--prompts", "8", "--tokens", "32", "--hidden", "64",
+         "--layers", "2"],
+        cwd=root, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["replay"]["routing_flip_frac"] > 0, result
+    assert result["replay"]["kl_k3"] < result["own"]["kl_k3"], result
