@@ -22,13 +22,13 @@ from rollout.http.schemas import APIError, ChatMessage, ChatRequest
 from tandem.vision import IMAGE_PART, ImageError, VisionProcessor, load_image
 
 
-def image_parts(req: ChatRequest) -> list[tuple[str, Any]]:
-    """``(param, part)`` for every ``image_url`` part of the request's messages, in order."""
+def image_parts(req: ChatRequest) -> list[tuple[str, str, Any]]:
+    """``(param, role, part)`` for every ``image_url`` part of the request's messages, in order."""
     out = []
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
             out += [
-                (f"messages.{i}.content.{j}", p)
+                (f"messages.{i}.content.{j}", m.role, p)
                 for j, p in enumerate(m.content)
                 if p.get("type") == "image_url"
             ]
@@ -49,10 +49,8 @@ def template_content(m: ChatMessage) -> str | list[dict[str, Any]]:
 def read_images(req: ChatRequest, vision: VisionProcessor | None) -> list[Image.Image]:
     """The request's images, decoded (none for a request without ``image_url`` parts); 400 naming the part
     for each problem."""
-    parts = image_parts(req)
     images = []
-    for param, part in parts:
-        role = req.messages[int(param.split(".")[1])].role
+    for param, role, part in image_parts(req):
         if vision is None:
             raise APIError(400, f"{param}: this model has no vision tower; it takes no images", param=param)
         if role != "user":
@@ -62,7 +60,7 @@ def read_images(req: ChatRequest, vision: VisionProcessor | None) -> list[Image.
         param += ".image_url.url"
         if not isinstance(url, str) or not url:
             raise APIError(400, f"{param}: must be a data:image/<type>;base64, URL string", param=param)
-        if not url[:5].lower() == "data:":
+        if url[:5].lower() != "data:":
             raise APIError(
                 400,
                 f"{param}: only data:image/<type>;base64, URLs are taken (the server downloads nothing "
