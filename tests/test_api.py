@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -302,44 +304,39 @@ def test_bearer_token(engine: HFEngine) -> None:
 
 
 @pytest.mark.slow
-def test_standalone_entry_point_answers_http(tiny_ckpt: dict[str, Path]) -> None:
-    """``python -m rollout.server --standalone --model DIR`` serves, answers, and exits on SIGTERM."""
+@contextlib.contextmanager
+def standalone(model_dir: Path) -> Iterator[tuple[subprocess.Popen, str, str]]:
+    """``python -m rollout.server --standalone --model DIR`` started and serving: ``(process, model name,
+    base URL)``; killed on the way out if the test left it running."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rollout.server",
-            "--standalone",
-            "--model",
-            str(tiny_ckpt["actor"]),
-            "--port",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+        [sys.executable, "-m", "rollout.server", "--standalone", "--model", str(model_dir), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        base = None
+        deadline, found = time.monotonic() + 120, None
         assert proc.stdout is not None
-        while base is None and time.monotonic() < deadline:
+        while found is None and time.monotonic() < deadline:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "server exited before serving"
-            if m := re.search(r"serving actor on (http://\S+)", line):
-                base = m.group(1)
-        assert base is not None, "no 'serving' line within 120 s"
+            found = re.search(r"serving (\S+) on (http://\S+)", line)
+        assert found is not None, "no 'serving' line within 120 s"
+        yield proc, found.group(1), found.group(2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_standalone_entry_point_answers_http(tiny_ckpt: dict[str, Path]) -> None:
+    """``python -m rollout.server --standalone --model DIR`` serves, answers, and exits on SIGTERM."""
+    with standalone(tiny_ckpt["actor"]) as (proc, model, base):
+        assert model == "actor"
         r = httpx.post(
             f"{base}/v1/completions", json={"model": "actor", "prompt": "say a:", "max_tokens": 4}, timeout=30
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         proc.terminate()
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 # ---------------------------------------------------------------------------------------- request limits

@@ -7,12 +7,7 @@ changes it; streamed equals non-streamed; each bad part is a 400 naming it.
 
 from __future__ import annotations
 
-import os
 import random
-import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import openai
@@ -24,6 +19,7 @@ from rollout.http.app import create_app
 from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from tandem.config import HTTPConfig
+from tests.test_api import standalone
 from toy.tasks import colour
 from toy.tiny import make_tiny
 
@@ -147,26 +143,10 @@ def test_a_text_model_refuses_images(tmp_path: Path) -> None:
 def test_the_standalone_server_answers_an_image(vl: Path) -> None:
     """``python -m rollout.server --standalone --model DIR`` on the tiny Qwen2-VL: the official client's
     image request gets an answer, as it does from the in-process app above."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout.server", "--standalone", "--model", str(vl), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        deadline, base = time.monotonic() + 120, None
-        assert proc.stdout is not None
-        while base is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "server exited before serving"
-            if m := re.search(r"serving (\S+) on (http://\S+)", line):
-                model, base = m.group(1), m.group(2)
-        assert base is not None, "no 'serving' line within 120 s"
+    with standalone(vl) as (proc, model, base):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=60, max_retries=0)
         out = client.chat.completions.create(model=model, messages=ask("blue"), max_tokens=4)
         assert out.choices[0].message.content is not None and out.usage.completion_tokens >= 1
         assert out.usage.prompt_tokens > 4  # the image's placeholders, expanded
         proc.terminate()
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
