@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from buffer.schema import Trajectory, decode_trajectory, encode_trajectory, value_range
+from learner.sequence_parallel import Shard, assemble
 from tandem.vision import VisionInputs, mm_token_type_ids, placeholder_ids
 
 Layout = Literal["pack", "pad"]
@@ -170,6 +171,9 @@ class MicroBatch:
     # the forward as keyword arguments. None for a text-only micro-batch.
     vision: dict[str, Tensor] | None = None
     suppress: Tensor | None = None  # (k,) a vision-language policy's placeholder ids: never sampled
+    # learner.sequence_parallel: input_ids and position_ids hold this rank's slice of every row's positions
+    # (learner/sequence_parallel.py); the response-aligned fields stay whole. None: whole rows.
+    shard: Shard | None = None
 
 
 def with_vision(mb: MicroBatch, images: Sequence[VisionInputs | None], config: Any) -> MicroBatch:
@@ -386,17 +390,32 @@ def _routed(trajs: list[Trajectory], lens: Tensor, total: int, width: int | None
 
 
 def response_view(per_position: Tensor, mb: MicroBatch) -> Tensor:
-    """Gather the response positions of every sequence out of a forward pass's output.
+    """Gather the response positions of every sequence out of a forward pass's output; of a sharded
+    micro-batch, every rank's positions, assembled over its sequence-parallel group.
 
     Positions past a sequence's end are clamped to a valid column; the caller's mask zeroes them.
 
-    Shape: per_position (rows, N, ...) -> (b, R, ...).
+    Shape: per_position (rows, N, ...) -> (b, R, ...), N this rank's positions.
     """
-    width = mb.targets.shape[1]
-    cols = (mb.logit_start[:, None] + torch.arange(width, device=mb.targets.device)).clamp(
-        max=per_position.shape[1] - 1
-    )  # (b, R)
-    return per_position[mb.logit_row[:, None], cols]
+    if mb.shard is None:
+        return per_position[mb.logit_row[:, None], response_columns(mb).clamp(max=per_position.shape[1] - 1)]
+    cols, mine = shard_columns(mb)
+    local = per_position[mb.logit_row[:, None], cols]
+    mine = mine.reshape(*mine.shape, *[1] * (local.dim() - 2))
+    return assemble(torch.where(mine, local, 0.0), mb.shard)
+
+
+def response_columns(mb: MicroBatch) -> Tensor:
+    """The column of ``input_ids`` whose output predicts each response token. Shape: (b, R)."""
+    return mb.logit_start[:, None] + torch.arange(mb.targets.shape[1], device=mb.targets.device)
+
+
+def shard_columns(mb: MicroBatch) -> tuple[Tensor, Tensor]:
+    """A sharded micro-batch's response columns within this rank's slice (clamped to it), and which
+    response tokens fall in the slice. Shape: (b, R) each."""
+    cols = response_columns(mb) - mb.shard.start
+    mine = (cols >= 0) & (cols < mb.shard.length)
+    return cols.clamp(0, mb.shard.length - 1), mine
 
 
 # ------------------------------------------------------------------------------------- wire between ranks

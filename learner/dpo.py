@@ -120,7 +120,7 @@ class DPOTrainer(OfflineRuntime):
             n = torch.tensor(float(len(ids)))
             stats.add("loss/dpo", loss, n)
             stats.add_sums("dpo", metrics, n)
-            self.actor.backward(loss / len(examples) * self.world)  # a mean over the batch's pairs
+            self.actor.backward(loss / len(examples) * self.dp_world)  # a mean over the batch's pairs
         self.actor.step()
         return stats.reduce()
 

@@ -33,6 +33,10 @@ What this module owns and why it looks the way it does:
   no gradient and no optimizer state; the weights published to the engines still include them.
 - **dtype.** ``model.dtype: auto`` is bfloat16 on GPU and float32 on CPU. Logits are upcast to float32
   before log-probabilities and divided by the sampling temperature, to be comparable to ``behav_logp``.
+- **Sequence parallelism.** With ``learner.sequence_parallel`` > 1 the engines get DeepSpeed's
+  sequence-parallel groups (``mpu``) and the forwards read sharded micro-batches: :func:`response_head`
+  runs the head on this rank's response tokens only and sums the group's pieces
+  (``learner/sequence_parallel.py``, docs/design.md §4.12).
 - **Chunked head.** :func:`policy_logprobs` gives the same log-probabilities and entropies from the last
   hidden states without the ``(tokens, V)`` logits (``learner/lm_head.py``, docs/design.md §4.8);
   :func:`output_head` says whether a model's head allows it.
@@ -62,8 +66,9 @@ from transformers import (
 )
 
 from learner import moe
-from learner.batch import MicroBatch, response_view
+from learner.batch import MicroBatch, response_view, shard_columns
 from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
+from learner.sequence_parallel import assemble, mpu
 from tandem.config import Config
 from tandem.logprobs import plain_output_head, temper
 from tandem.net import free_port
@@ -135,6 +140,10 @@ def deepspeed_config(cfg: Config, dtype: torch.dtype) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": lc.zero_stage}
     if lc.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if lc.sequence_parallel > 1 and lc.zero_stage == 3:
+        # ZeRO-3's reduce-scatter averages a sequence-parallel group's gradients where the others sum
+        # them, halving the update on 2 ranks (docs/design.md §4.12): the all-reduce path sums.
+        zero["reduce_scatter"] = False
     generated = {
         "train_micro_batch_size_per_gpu": lc.micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -161,7 +170,12 @@ def make_engine(model: nn.Module, cfg: Config, dtype: torch.dtype, lr: float) ->
         # Ranks route tokens to different experts: a MoE block is gathered whole, as one leaf (learner/moe.py).
         moe.set_leaf_modules(model)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(cfg, dtype), model_parameters=params
+        model=model,
+        optimizer=optimizer,
+        config=deepspeed_config(cfg, dtype),
+        model_parameters=params,
+        # learner.sequence_parallel: gradients summed over a group's shards (learner/sequence_parallel.py)
+        mpu=mpu() if cfg.learner.sequence_parallel > 1 else None,
     )
     return engine
 
@@ -387,8 +401,12 @@ def response_head(
         logits_to_keep=1,
         **(mb.vision or {}),  # a vision-language row's images (learner/batch.py with_vision)
     )
-    hidden = response_view(out.hidden_states[-1], mb)  # (b, R, H): after the final norm
-    valid = mask.bool()
+    last = out.hidden_states[-1]  # after the final norm
+    if mb.shard is None:
+        hidden, valid = response_view(last, mb), mask.bool()  # (b, R, H), (b, R)
+    else:  # this rank's tokens only; the group's pieces are summed below (learner/sequence_parallel.py)
+        cols, mine = shard_columns(mb)
+        hidden, valid = last[mb.logit_row[:, None], cols], mask.bool() & mine
     # Run as the head module's own call, so its hooks see it: ZeRO-3 gathers the partitioned weight
     # before this forward and again before its backward, once per micro-batch rather than per chunk, and
     # reduce-scatters the weight's gradient as for any module (tests/test_lm_head.py checks this on one CPU
@@ -399,7 +417,8 @@ def response_head(
     finally:
         del head.forward
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    return tuple(zeros.masked_scatter(valid, x.float()) for x in outputs)
+    scattered = (zeros.masked_scatter(valid, x.float()) for x in outputs)
+    return tuple(scattered if mb.shard is None else (assemble(x, mb.shard) for x in scattered))
 
 
 def values(critic: nn.Module, mb: MicroBatch) -> Tensor:

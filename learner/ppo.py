@@ -11,7 +11,8 @@ Design decisions:
   the estimator is chosen once at setup from ``ADVANTAGE_ESTIMATORS``.
 - **Losses are token-level means over each minibatch**, however it is split: every micro-batch's loss is
   divided by the minibatch's token count (all ranks know it: every rank holds the whole batch), and
-  multiplied by the world size because DeepSpeed averages gradients over ranks. One rank and N ranks
+  multiplied by the data-parallel world size because DeepSpeed averages gradients over data-parallel
+  ranks (and sums a sequence-parallel group's, ``learner/sequence_parallel.py``). One rank and N ranks
   compute the same update.
 - **No-grad passes are split by rows** (length-balanced) and assembled with one all-reduce; each minibatch
   is split the same way. All ranks run the same number of forward passes, which ZeRO-3 needs.
@@ -51,6 +52,7 @@ from learner.online import OnlineRuntime, peak_memory_gb
 from learner.passes import Pass, beside, run_passes
 from learner.routing_replay import RoutingReplay
 from learner.runtime import Stats, log
+from learner.sequence_parallel import check_models
 from placement.configured import critic_threads
 from tandem.config import Config
 from tandem.timing import Timers, timed
@@ -176,6 +178,15 @@ class PPOLearner(OnlineRuntime):
         if self.routing_replay is not None:
             r = moe.routers(actor)
             self.routing_shape = (len(r), self.routing_replay.k, int(r[0].num_experts))
+        if self.sp.size > 1:
+            if moe.is_moe(actor):
+                raise ValueError(
+                    f"learner.sequence_parallel: {self.cfg.model.actor} is a mixture-of-experts model, whose "
+                    "recorded routing and router metrics are laid out for whole rows (docs/design.md §4.12)"
+                )
+            roles = {"actor": actor, "critic": models.critic and models.critic.module}
+            roles |= {"reference": models.reference, "teacher": models.teacher}
+            check_models({k: v for k, v in roles.items() if v is not None}, actor)
         return models
 
     def replaying(self, mb: MicroBatch, *, count: bool = True) -> contextlib.AbstractContextManager[None]:
@@ -485,6 +496,7 @@ class PPOLearner(OnlineRuntime):
                             teacher_logp=teacher_logp,
                         )
                     m.actor.step()
+                grad_norm(m.actor, "actor", actor_stats)
 
         def critic() -> None:
             m.critic.train()
@@ -494,6 +506,7 @@ class PPOLearner(OnlineRuntime):
                     for mb in self.micro(batch, rows):
                         self.critic_backward(mb, batch, old_values, returns, num_tokens, critic_stats)
                     m.critic.step()
+                grad_norm(m.critic, "critic", critic_stats)
 
         if m.critic is None:
             actor()
@@ -583,9 +596,9 @@ class PPOLearner(OnlineRuntime):
         loss = loss + self.kl_terms(logp, prox, ref, teacher, mask, num_tokens, stats)
         if tap:
             loss = loss + self.moe_terms(tap, mb, batch, n / num_tokens, stats)
-        # DeepSpeed averages gradients over ranks; the loss is already a mean over the whole minibatch.
+        # DeepSpeed averages gradients over data-parallel ranks; the loss is already a mean over the minibatch.
         with self.replaying(mb, count=False):  # a gradient-checkpointing recompute routes alike
-            self.models.actor.backward(loss * self.world)
+            self.models.actor.backward(loss * self.dp_world)
 
     def moe_terms(
         self, tap: moe.RouterTap, mb: MicroBatch, batch: Batch, share: Tensor, stats: Stats
@@ -656,4 +669,12 @@ class PPOLearner(OnlineRuntime):
         )
         stats.add("loss/value", loss * num_tokens, mask.sum())
         stats.add_means(metrics, mask.sum())
-        self.models.critic.backward(a.vf_coef * loss * self.world)
+        self.models.critic.backward(a.vf_coef * loss * self.dp_world)
+
+
+def grad_norm(engine: Any, role: str, stats: Stats) -> None:
+    """``<role>/grad_norm``: the norm of the last step's gradient before clipping, where DeepSpeed's
+    optimizer reports one (ZeRO stages 1-3; stage 0 on a torch optimizer computes it only to clip)."""
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        stats.add(f"{role}/grad_norm", torch.as_tensor(float(norm)), torch.ones(()))

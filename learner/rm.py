@@ -95,7 +95,7 @@ class RewardModelTrainer(OfflineRuntime):
             n = torch.tensor(float(len(chosen)))
             stats.add("loss/rm", loss, n)
             stats.add_sums("rm", metrics, n)
-            self.model.backward(loss / len(examples) * self.world)  # a mean over the batch's pairs
+            self.model.backward(loss / len(examples) * self.dp_world)  # a mean over the batch's pairs
         self.model.step()
         return stats.reduce()
 

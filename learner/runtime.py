@@ -6,8 +6,10 @@ A recipe (``learner/ppo.py``, ``learner/sft.py``, ``learner/rm.py``, ``learner/d
 here is what none of them should have to think about (docs/design.md §4.1, docs/stages.md):
 
 - **Ranks.** One process per rank (torchrun, or a plain ``python -m`` for one rank); every rank runs the
-  same code on the same batch, and :meth:`Runtime.micro` deals each rank its share of a batch's rows
-  (sorted by length, round-robin, so shares balance). :meth:`Runtime.all_sum` assembles per-row results.
+  same code on the same batch, and :meth:`Runtime.micro` deals each data-parallel group its share of a
+  batch's rows (sorted by length, round-robin, so shares balance). A group is one rank, or with
+  ``learner.sequence_parallel`` N ranks that split each row's positions (``learner/sequence_parallel.py``).
+  :meth:`Runtime.all_sum` assembles per-row results.
 - **Telemetry.** A null object off rank 0; the recipe replaces it on rank 0 once it knows where metrics go.
 - **Stopping.** SIGTERM/SIGINT set a flag; the current step finishes, then the final checkpoint.
 - **HF export.** :meth:`Runtime.save_hf` gathers the full weights (a collective under ZeRO-3) and writes a
@@ -30,6 +32,7 @@ import weightsync
 from learner import lora
 from learner.batch import Batch, Layout, MicroBatch, micro_batches, rank_budget
 from learner.models import init_distributed, resolve_device
+from learner.sequence_parallel import SequenceParallel
 from tandem.config import Config
 from tandem.procs import exit_with_driver
 from tandem.telemetry import Telemetry
@@ -104,6 +107,14 @@ class Runtime:
         self.ctrl = init_distributed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.lead = self.rank == 0
+        # learner.sequence_parallel: groups of ranks that split each row's positions (one group per rank
+        # without it); the data-parallel groups deal a batch's rows between them.
+        self.sp = start_sequence_parallel(cfg)
+        if self.sp.size > 1 and layout == "pack":
+            raise ValueError(
+                "learner.sequence_parallel with --layout pack: Ulysses' sdpa attends causally over the whole "
+                "gathered row, so packed sequences would see each other (docs/design.md §4.12); use --layout pad"
+            )
         torch.manual_seed(cfg.run.seed + self.rank)
         self.version = 0  # optimizer-step count: PPO's policy version, the offline trainers' step
         self.checkpointed_version = -1
@@ -112,10 +123,19 @@ class Runtime:
         quiet = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"wandb_mode": "disabled"})})
         self.telemetry = Telemetry(quiet, f"learner-{self.rank}")  # a null object off rank 0
 
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel groups: the factor DeepSpeed divides the summed gradient by."""
+        return self.sp.dp_world
+
     def require_multiple_of_ranks(self, **sizes: int) -> None:
+        groups = self.sp.dp_world
         for name, size in sizes.items():
-            if size % self.world:
-                raise ValueError(f"{name} ({size}) must be a multiple of the learner ranks ({self.world})")
+            if size % groups:
+                raise ValueError(
+                    f"{name} ({size}) must be a multiple of the learner's data-parallel groups ({groups}: "
+                    f"learner.num_ranks / learner.sequence_parallel)"
+                )
 
     # ------------------------------------------------------------------------------------------ stopping
 
@@ -155,19 +175,20 @@ class Runtime:
         every rank's split and splits its own further to the largest count: all ranks run the same number
         of passes without a message.
         """
-        budget = self.cfg.learner.max_tokens_per_micro_batch
+        budget, sp = self.cfg.learner.max_tokens_per_micro_batch, self.sp
         if budget is not None:
-            mine, sizes = rank_budget(batch.seq_lens, rows, budget, self.layout, self.rank, self.world)
-            return micro_batches(batch, mine, len(mine), self.layout, self.device, sizes=sizes)
-        rows = rows[torch.argsort(batch.seq_lens[rows], descending=True, stable=True)][
-            self.rank :: self.world
-        ]
-        return micro_batches(batch, rows, self.cfg.learner.micro_batch_size, self.layout, self.device)
+            mine, sizes = rank_budget(batch.seq_lens, rows, budget, self.layout, sp.dp_rank, sp.dp_world)
+            mbs = micro_batches(batch, mine, len(mine), self.layout, self.device, sizes=sizes)
+        else:
+            rows = rows[torch.argsort(batch.seq_lens[rows], descending=True, stable=True)][
+                sp.dp_rank :: sp.dp_world
+            ]
+            mbs = micro_batches(batch, rows, self.cfg.learner.micro_batch_size, self.layout, self.device)
+        return [sp.shard(mb) for mb in mbs]  # whole rows without sequence parallelism
 
     def all_sum(self, t: Tensor) -> Tensor:
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t
+        """Per-row results assembled: each row was filled by one data-parallel group (zeros elsewhere)."""
+        return self.sp.all_sum(t)
 
     # ---------------------------------------------------------------------------------------- HF export
 
@@ -195,3 +216,13 @@ class Runtime:
             tokenizer.save_pretrained(out)
             log.info("model (step %d) saved to %s", self.version, out)
         dist.barrier()
+
+
+def start_sequence_parallel(cfg: Config) -> SequenceParallel:
+    """The rank's sequence-parallel place (learner/sequence_parallel.py); the actor's heads must divide
+    among ``learner.sequence_parallel`` ranks (DeepSpeed's Ulysses splits attention by heads)."""
+    size = cfg.learner.sequence_parallel
+    try:
+        return SequenceParallel.start(size, cfg.model.actor, trust_remote_code=cfg.model.trust_remote_code)
+    except ValueError as e:  # UlyssesSPAttentionHF's check of the heads
+        raise ValueError(f"learner.sequence_parallel={size} does not fit {cfg.model.actor}: {e}") from e

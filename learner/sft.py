@@ -92,7 +92,7 @@ class SFTTrainer(OfflineRuntime):
             nll = -(logp * mask).sum()
             stats.add("loss/sft", nll, mask.sum())
             # A token mean over the whole batch; DeepSpeed averages gradients over ranks.
-            self.actor.backward(nll / num_tokens * self.world)
+            self.actor.backward(nll / num_tokens * self.dp_world)
         self.actor.step()
         return stats.reduce()
 

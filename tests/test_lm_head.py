@@ -7,6 +7,8 @@ random tiny Qwen2 models; a PPO learner step must give the same losses and weigh
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -404,10 +406,9 @@ def test_token_budget_gives_every_rank_the_same_number_of_passes(padded_ckpt, tm
     )  # fmt: skip
     batch = make_batch(trajs, 0)
     rows = torch.arange(len(batch))
-    learner.world = 2
     per_rank = []
-    for rank in range(2):
-        learner.rank = rank
+    for rank in range(2):  # the rows each of 2 data-parallel ranks takes
+        learner.sp = replace(learner.sp, dp_rank=rank, dp_world=2)
         per_rank.append(learner.micro(batch, rows))
     unsplit = [
         budget_sizes(

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tandem.config import ConfigError, load_config
@@ -53,12 +54,75 @@ def test_ulysses_on_two_ranks_matches_one_rank(tiny_ckpt: dict[str, Path], tmp_p
     assert ratio["zero3"] == pytest.approx(0.5, abs=1e-4), ratio
 
 
-def test_sequence_parallel_is_refused_naming_the_field() -> None:
+@pytest.mark.slow
+@pytest.mark.presets  # two torchrun ranks and one in-process learner: about 20 s each on 2 cores
+@pytest.mark.parametrize(
+    ("zero_stage", "learner"),
+    [
+        (3, {"chunked_head": "on", "max_tokens_per_micro_batch": 40}),  # the long-response path
+        (2, {"chunked_head": "off", "micro_batch_size": 2}),  # plain logits, rows by count
+    ],
+)
+def test_learner_on_a_sequence_parallel_pair_matches_one_rank(
+    tiny_ckpt, redis_server, redis_client, run_id, tmp_path, zero_stage: int, learner: dict
+) -> None:
+    """PPO with a critic and a reference, two steps of two minibatches each, trained by 2 ranks that split
+    every sequence between them (one sequence-parallel group), and by 1 rank on the same batches: the
+    losses, entropies and the gradient norms before clipping agree step by step. A gradient counted twice
+    (the group's all-reduce backward) or once per shard only (no sum over the group) moves the norms."""
+    from buffer.streams import ReplayBuffer
+    from learner.ppo import PPOLearner
+    from tests.test_learner import group, history, learner_env, raw_config, write_config
+
+    steps = 2
+    raw = raw_config(
+        tiny_ckpt,
+        redis_server.url,
+        run_id,
+        tmp_path,
+        algorithm={"advantage": "gae", "kl_coef": 0.05, "minibatch_size": 4},
+        data={"max_prompt_tokens": 8},  # the groups' prompts are 2-6 tokens, their responses 1-8
+        rollout={"n_samples": 4, "temperature": 1.0, "max_new_tokens": 8},
+        learner={"total_steps": steps, "zero_stage": zero_stage, "num_ranks": 2, "sequence_parallel": 2}
+        | learner,
+    )
+    cfg_path = write_config(raw, tmp_path / "learner.yaml")
+    buffer = ReplayBuffer.from_config(redis_client, load_config(cfg_path), "test-producer")
+    for g in range(2 * steps):
+        buffer.put(group(g, 4))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "learner.train", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=learner_env(), capture_output=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    split = history(redis_client, run_id)
+    assert [r["learner/version"] for r in split] == [1, 2]
+
+    single = {**raw, "run": {**raw["run"], "name": f"{run_id}-one"}}
+    single["learner"] = {**raw["learner"], "num_ranks": 1, "sequence_parallel": 1}
+    single_cfg = load_config(None, raw=single)
+    buffer = ReplayBuffer.from_config(redis_client, single_cfg, "test-producer")
+    for g in range(2 * steps):
+        buffer.put(group(g, 4))
+    PPOLearner(single_cfg, tmp_path / "one").run()
+    one = history(redis_client, f"{run_id}-one")
+    keys = ["loss/policy", "loss/value", "loss/kl", "policy/entropy", "actor/grad_norm", "critic/grad_norm"]
+    for key in keys:
+        np.testing.assert_allclose(
+            [r[key] for r in split], [r[key] for r in one], rtol=1e-5, atol=1e-7, err_msg=key
+        )
+
+
+def test_sequence_parallel_refusals_name_the_field() -> None:
     tiny = REPO / "configs/tiny.yaml"
     with pytest.raises(
         ConfigError, match=r"learner\.sequence_parallel \(3\) must divide learner\.num_ranks \(2\)"
     ):
         load_config(tiny, ["learner.num_ranks=2", "learner.sequence_parallel=3"])
-    with pytest.raises(ConfigError, match=r"learner\.sequence_parallel=2 is not yet wired"):
-        load_config(tiny, ["learner.num_ranks=2", "learner.sequence_parallel=2"])
-    assert load_config(tiny, ["learner.sequence_parallel=1"]).learner.sequence_parallel == 1
+    with pytest.raises(ConfigError, match=r"learner\.sequence_parallel=2: learner\.lora\.rank > 0"):
+        load_config(tiny, ["learner.num_ranks=2", "learner.sequence_parallel=2", "learner.lora.rank=4"])
+    with pytest.raises(ConfigError, match=r"learner\.sequence_parallel=2: the sft recipe"):
+        load_config(REPO / "configs/sft-echo.yaml", ["learner.num_ranks=2", "learner.sequence_parallel=2"])
+    cfg = load_config(tiny, ["learner.num_ranks=2", "learner.sequence_parallel=2"])
+    assert (cfg.learner.num_ranks, cfg.learner.sequence_parallel) == (2, 2)

@@ -277,9 +277,30 @@ def vision_actor_is_not_packed(cfg: Config) -> None:
         )
 
 
+def sequence_parallel_is_wired(cfg: Config) -> None:
+    sp = cfg.learner.sequence_parallel
+    if sp == 1:
+        return
+    why = None
+    if cfg.recipe != "ppo":
+        why = f"the {cfg.recipe} recipe deals its rows whole; only ppo shards them"
+    elif cfg.learner.lora.rank:
+        why = "learner.lora.rank > 0: LoRA under Ulysses attention is not checked yet"
+    elif cfg.algorithm.routing_replay != "off":
+        why = "algorithm.routing_replay: recorded routing is laid out for whole rows"
+    elif is_vision_checkpoint(cfg.model.actor):
+        why = f"{cfg.model.actor} is a vision-language model, whose image tokens are not sharded"
+    if why:
+        raise ValueError(f"learner.sequence_parallel={sp}: {why} (docs/design.md §4.12); set it to 1")
+
+
 # The checks that read the actor's config.json: at load, where the checkpoint exists already, and again by
 # the launcher once the run's prepare steps have made it (launcher/driver.py check_inputs).
-VISION_CHECKS: tuple[Check, ...] = (vision_actor_has_no_critic, vision_actor_is_not_packed)
+VISION_CHECKS: tuple[Check, ...] = (
+    vision_actor_has_no_critic,
+    vision_actor_is_not_packed,
+    sequence_parallel_is_wired,
+)
 
 
 def sync_interval_within_staleness(cfg: Config) -> None:
@@ -313,6 +334,7 @@ COMMON_CHECKS: tuple[Check, ...] = (
     token_budget_holds_the_longest_sequence,
     distill_has_a_teacher,
     vision_actor_is_not_packed,
+    sequence_parallel_is_wired,
 )
 OFFLINE_CHECKS: tuple[Check, ...] = (micro_batches_divide_the_batch,)
 ONLINE_CHECKS: tuple[Check, ...] = (

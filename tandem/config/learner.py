@@ -72,7 +72,7 @@ class LearnerConfig(Section):
     sequence_parallel: int = Field(
         1,
         ge=1,
-        description="Ranks that split one sequence between them (DeepSpeed's Ulysses attention; data-parallel groups become num_ranks / this). Must divide num_ranks. Only 1 runs: values above 1 are refused until the learner is wired for it (docs/design.md §4.12).",
+        description="Ranks that split each sequence's positions between them (DeepSpeed's Ulysses attention over heads; the num_ranks / this data-parallel groups split a batch's rows). Must divide num_ranks and the actor's attention heads. The ppo recipe, the pad layout, no LoRA, no mixture-of-experts or vision-language actor (docs/design.md §4.12).",
     )
     take_timeout_s: float = Field(
         600.0, gt=0, description="How long a step waits for a batch before failing with a clear error."
@@ -134,19 +134,12 @@ class LearnerConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _sequence_parallel_not_wired(self) -> LearnerConfig:
+    def _sequence_parallel_divides_the_ranks(self) -> LearnerConfig:
         sp = self.sequence_parallel
         if sp > 1 and self.num_ranks % sp:
             raise SectionCheckError(
                 f"learner.sequence_parallel ({sp}) must divide learner.num_ranks ({self.num_ranks}): each "
                 "sequence-parallel group is that many ranks"
-            )
-        if sp > 1:
-            # DeepSpeed's Ulysses forward and backward match one rank (tests/test_sequence_parallel.py),
-            # but no recipe deals micro-batches to sequence-parallel groups yet.
-            raise SectionCheckError(
-                f"learner.sequence_parallel={sp} is not yet wired into the learner (docs/design.md §4.12); "
-                "set learner.sequence_parallel: 1"
             )
         return self
 
