@@ -19,6 +19,23 @@ The default grid takes about 4.5 minutes on 2 idle CPU cores. At a small hidden 
 the (T, V) elementwise work, which chunking makes cache-friendly; at a large one (``--hidden 1024``) by
 the matmuls, of which the chunked head runs four to the plain path's three (the recompute), so expect
 up to ~0.75x tokens/s there.
+
+``--sequence-parallel``: one long response (``--sp-tokens``, default 32,768) trained on 1 rank and on 2
+sequence-parallel ranks (``learner.sequence_parallel``, DeepSpeed's Ulysses attention), through the learner's
+own pieces: a tiny Qwen2 built here (hidden 128, 4 query and 2 KV heads of 32, 2 layers, the toy vocabulary;
+nothing downloads), ``load_policy`` and ``make_engine`` (ZeRO stage 2, float32), ``make_batch`` /
+``micro_batches`` / ``SequenceParallel.shard``, then per repeat ``policy_logprobs`` (chunked head, entropy)
+under the PPO-shaped loss above, ``engine.backward`` and ``engine.step``. Each N runs as
+``torch.distributed.run --nproc-per-node N`` (gloo), each rank on ``cores / N`` threads; per rank, peak
+memory is ``ru_maxrss`` minus the resident set after setup (model, engine, batch), and tokens/s is the
+response length over the fastest repeat. The first repeat's per-token log-probs (before any step) and the
+gradient norm DeepSpeed clips against are compared between N = 1 and N = 2:
+
+    python bench/learner_memory.py --sequence-parallel [--sp-tokens 32768] [--sp-repeats 2]
+
+It prints the per-rank figures and the 2-rank / 1-rank ratios and ends with one JSON line. What CPU can show is
+the per-rank memory (activations of ``T / N`` positions, attention's whole sequence over ``heads / N``
+heads); tokens/s with 2 ranks sharing the same cores is no scaling figure. About 2.5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -200,6 +217,212 @@ def varied_lengths(hidden: int) -> dict:
     return {"runs": runs, "varied_over_short": factor, "budget_within_1_2x": factor["budget"] <= 1.2}
 
 
+# One long response trained on 1 rank and on a sequence-parallel group of 2 (--sequence-parallel).
+SP = {"hidden": 128, "head_dim": 32, "layers": 2, "prompt": 16, "zero_stage": 2, "ranks": (1, 2)}
+DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _rss_now_gb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def sp_checkpoint(out: str, tokens: int) -> str:
+    """The tiny Qwen2 of the sequence-parallel row (toy/tiny.py), its positions raised to hold ``tokens``."""
+    from toy.tiny import make_tiny
+
+    paths = make_tiny(out, hidden=SP["hidden"], layers=SP["layers"], head_dim=SP["head_dim"])
+    for path in paths.values():
+        config = os.path.join(path, "config.json")
+        with open(config) as f:
+            raw = json.load(f)
+        raw["max_position_embeddings"] = max(raw["max_position_embeddings"], SP["prompt"] + tokens)
+        with open(config, "w") as f:
+            json.dump(raw, f, indent=2)
+    return str(paths["actor"])
+
+
+def sp_child(model: str, out: str, tokens: int, repeats: int) -> None:
+    """One rank of a ``torch.distributed.run`` group training one ``tokens``-long response: all ranks'
+    figures go to ``out`` (JSON) from rank 0, with its first repeat's per-token log-probs beside it (.npy)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from buffer.schema import Trajectory
+    from learner.advantages import masked_mean
+    from learner.batch import make_batch, micro_batches
+    from learner.models import (
+        init_distributed,
+        load_policy,
+        make_engine,
+        output_head,
+        policy_logprobs,
+        resolve_dtype,
+    )
+    from learner.runtime import start_sequence_parallel
+    from learner.sequence_parallel import check_models
+    from tandem.config import load_config
+
+    cpu = torch.device("cpu")
+    init_distributed(cpu)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    critic = os.path.join(os.path.dirname(model), "critic")
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        [
+            f"model.actor={model}", f"model.critic={critic}", f"learner.num_ranks={world}",
+            f"learner.sequence_parallel={world}", "learner.chunked_head=on", f"learner.zero_stage={SP['zero_stage']}",
+            "learner.micro_batch_size=1", f"data.max_prompt_tokens={SP['prompt']}", f"rollout.max_new_tokens={tokens}",
+        ],
+    )  # fmt: skip
+    sp = start_sequence_parallel(cfg)
+    torch.manual_seed(0)
+    dtype = resolve_dtype(cfg, cpu)
+    engine = make_engine(load_policy(cfg, model, dtype), cfg, dtype, cfg.learner.actor_lr)
+    if sp.size > 1:
+        check_models({"actor": engine.module}, engine.module)
+    head = output_head(engine)
+    if head is None:
+        raise RuntimeError(f"{model}: no plain output head for the chunked head")
+    vocab = head.out_features
+    rng = np.random.default_rng(0)  # the same sequence on every rank and for every N
+    p = SP["prompt"]
+    traj = Trajectory(traj_id="0", group_id="g", prompt_id="0", prompt_tokens=rng.integers(4, vocab, p),
+                      response_tokens=rng.integers(4, vocab, tokens), behav_logp=np.zeros(tokens, np.float32),
+                      token_versions=np.zeros(tokens, np.int64), reward=0.0)  # fmt: skip
+    batch = make_batch([traj], 0)
+    (whole,) = micro_batches(batch, torch.arange(1), 1, "pad", cpu)
+    mb = sp.shard(whole)
+    mask = batch.mask[mb.rows]
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+
+    def step() -> tuple[float, np.ndarray]:
+        logp, ent = policy_logprobs(engine, mb, TEMPERATURE, mask, head,
+                                    chunk_logits=cfg.learner.chunked_head_chunk, with_entropy=True)  # fmt: skip
+        loss = masked_mean(-adv * logp, mask) - ENTROPY_COEF * masked_mean(ent, mask)
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach()), logp.detach()[0].numpy().copy()
+
+    dist.barrier()
+    base, setup_peak = _rss_now_gb(), _rss_gb()
+    times, losses, grad_norms, first_logp = [], [], [], None
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss, logp = step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        grad_norms.append(float(engine.get_global_grad_norm()))
+        first_logp = logp if first_logp is None else first_logp
+    mine = {
+        "rank": rank,
+        "input_positions": int(mb.input_ids.shape[1]),
+        "setup_rss_gb": base,
+        "setup_peak_gb": setup_peak,
+        "peak_gb": _rss_gb() - base,
+        "process_peak_gb": _rss_gb(),
+        "seconds": times,
+    }
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        np.save(out + ".logp.npy", first_logp)
+        result = {
+            "ranks": world,
+            "threads_per_rank": torch.get_num_threads(),
+            "tokens": tokens,
+            "vocab": vocab,
+            "zero_stage": cfg.learner.zero_stage,
+            "per_rank": ranks,
+            # a rank's peak: the largest of the group's; the step's time: the slowest rank's fastest repeat
+            "peak_gb": max(r["peak_gb"] for r in ranks),
+            "seconds": max(min(r["seconds"]) for r in ranks),
+            "tokens_per_s": tokens / max(min(r["seconds"]) for r in ranks),
+            "loss": losses[0],
+            "grad_norm": grad_norms[0],
+            "logp_sum": float(first_logp.sum()),
+        }
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_sp(model: str, ranks: int, tokens: int, repeats: int, out: str) -> dict:
+    """``torch.distributed.run`` of :func:`sp_child` on ``ranks`` processes; its rank 0's JSON."""
+    from tandem.net import free_port
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        "--master-port", str(free_port()), os.path.abspath(__file__), "--sp-child", model, out,
+        "--sp-tokens", str(tokens), "--sp-repeats", str(repeats),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    if proc.returncode != 0:
+        # torchrun's own report ends its stderr; a rank's exception is the last "[rankK]: ...Error" line
+        raised = [line for line in proc.stderr.splitlines() if line.startswith("[rank") and "Error" in line]
+        why = raised[-1] if raised else proc.stderr[-500:]
+        if not raised and "Signal" in proc.stderr:
+            why = "killed (out of memory?)"
+        return {"ranks": ranks, "tokens": tokens, "error": why}
+    with open(out) as f:
+        result = json.load(f)
+    return {**result, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def sequence_parallel(tokens: int, repeats: int) -> dict:
+    """The ``--sequence-parallel`` row: 1 rank against a sequence-parallel group of 2 on one response."""
+    import numpy as np
+
+    print(
+        f"sequence parallel (Ulysses): one {tokens:,}-token response after a {SP['prompt']}-token prompt; tiny "
+        f"Qwen2 hidden {SP['hidden']}, {SP['hidden'] // SP['head_dim']} heads of {SP['head_dim']}, "
+        f"{SP['layers']} layers; ZeRO {SP['zero_stage']}, chunked head; {os.cpu_count()} cores"
+    )
+    print(f"{'ranks':>5} {'threads':>7} {'positions':>9} {'peak GB/rank':>12} {'tok/s':>8} {'wall s':>7}")
+    runs: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = sp_checkpoint(os.path.join(tmp, "ckpt"), tokens)
+        logp = {}
+        for n in SP["ranks"]:
+            out = os.path.join(tmp, f"sp{n}.json")
+            runs[n] = r = run_sp(model, n, tokens, repeats, out)
+            if "error" in r:
+                print(f"{n:>5} {r['error']}", flush=True)
+                continue
+            logp[n] = np.load(out + ".logp.npy")
+            peaks = " / ".join(f"{x['peak_gb']:.3f}" for x in r["per_rank"])
+            print(f"{n:>5} {r['threads_per_rank']:>7} {r['per_rank'][0]['input_positions']:>9} {peaks:>12} "
+                  f"{r['tokens_per_s']:>8.0f} {r['wall_s']:>7.1f}", flush=True)  # fmt: skip
+    one, two = runs.get(1, {}), runs.get(2, {})
+    if "peak_gb" not in one or "peak_gb" not in two:
+        return {"tokens": tokens, "runs": runs, "error": "a run failed"}
+    agree = {
+        "logp_max_abs_diff": float(np.abs(logp[1] - logp[2]).max()),
+        "logp_sum": [one["logp_sum"], two["logp_sum"]],
+        "loss_abs_diff": abs(one["loss"] - two["loss"]),
+        "grad_norm": [one["grad_norm"], two["grad_norm"]],
+        "grad_norm_rel_diff": abs(one["grad_norm"] - two["grad_norm"]) / max(abs(one["grad_norm"]), 1e-12),
+    }
+    ratios = {
+        "peak_per_rank": two["peak_gb"] / max(one["peak_gb"], 1e-9),
+        "tokens_per_s": two["tokens_per_s"] / one["tokens_per_s"],
+    }
+    print(
+        f"2 ranks / 1 rank: peak per rank {ratios['peak_per_rank']:.2f}x, tokens/s {ratios['tokens_per_s']:.2f}x; "
+        f"log-probs max |diff| {agree['logp_max_abs_diff']:.1e} (sums {one['logp_sum']:.2f} / "
+        f"{two['logp_sum']:.2f}), grad norm {one['grad_norm']:.6g} / {two['grad_norm']:.6g}"
+    )
+    return {"tokens": tokens, "runs": runs, "ratios": ratios, "agreement": agree}
+
+
 def plot(rows: list[dict], png: str) -> str:
     try:
         import matplotlib
@@ -242,7 +465,25 @@ def main() -> int:
     ap.add_argument("--child", choices=["plain", "chunked"], help=argparse.SUPPRESS)
     ap.add_argument("--varied-child", nargs=2, metavar=("BATCH", "SPLIT"), help=argparse.SUPPRESS)
     ap.add_argument("--skip-grid", action="store_true", help="only the varied-length comparison")
+    ap.add_argument(
+        "--sequence-parallel", action="store_true", help="only the 1 vs 2 sequence-parallel ranks row"
+    )
+    ap.add_argument(
+        "--sp-tokens", type=int, default=32768, help="response tokens of the sequence-parallel row"
+    )
+    ap.add_argument("--sp-repeats", type=int, default=2, help="its steps per run; the fastest is timed")
+    ap.add_argument("--sp-child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sp_child:
+        sp_child(*args.sp_child, args.sp_tokens, args.sp_repeats)
+        return 0
+    if args.sequence_parallel:
+        t_start = time.perf_counter()
+        result = sequence_parallel(args.sp_tokens, args.sp_repeats)
+        wall = round(time.perf_counter() - t_start, 1)
+        print(json.dumps({"bench": "learner_memory", "mode": "sequence_parallel", "cores": os.cpu_count(),
+                          **result, "wall_s": wall}))  # fmt: skip
+        return 0 if "error" not in result else 1
     if args.varied_child:
         import torch
 
