@@ -397,23 +397,33 @@ def response_view(per_position: Tensor, mb: MicroBatch) -> Tensor:
 
     Shape: per_position (rows, N, ...) -> (b, R, ...), N this rank's positions.
     """
-    if mb.shard is None:
-        return per_position[mb.logit_row[:, None], response_columns(mb).clamp(max=per_position.shape[1] - 1)]
-    cols, mine = shard_columns(mb)
-    local = per_position[mb.logit_row[:, None], cols]
+    return assemble_response(*local_response_view(per_position, mb), mb)
+
+
+def local_response_view(per_position: Tensor, mb: MicroBatch) -> tuple[Tensor, Tensor | None]:
+    """:func:`response_view` before assembly: this rank's response positions (clamped elsewhere) and which
+    response tokens are this rank's (None for whole rows: all). Shape: (b, R, ...), (b, R)."""
+    cols, mine = response_columns(mb, per_position.shape[1])
+    return per_position[mb.logit_row[:, None], cols], mine
+
+
+def assemble_response(local: Tensor, mine: Tensor | None, mb: MicroBatch) -> Tensor:
+    """A response-aligned result computed from :func:`local_response_view`: as is for whole rows, else
+    each rank's own tokens summed over the sequence-parallel group. Shape: (b, R, ...) -> (b, R, ...)."""
+    if mine is None:
+        return local
     mine = mine.reshape(*mine.shape, *[1] * (local.dim() - 2))
     return assemble(torch.where(mine, local, 0.0), mb.shard)
 
 
-def response_columns(mb: MicroBatch) -> Tensor:
-    """The column of ``input_ids`` whose output predicts each response token. Shape: (b, R)."""
-    return mb.logit_start[:, None] + torch.arange(mb.targets.shape[1], device=mb.targets.device)
-
-
-def shard_columns(mb: MicroBatch) -> tuple[Tensor, Tensor]:
-    """A sharded micro-batch's response columns within this rank's slice (clamped to it), and which
-    response tokens fall in the slice. Shape: (b, R) each."""
-    cols = response_columns(mb) - mb.shard.start
+def response_columns(mb: MicroBatch, width: int) -> tuple[Tensor, Tensor | None]:
+    """The column of this rank's ``width`` positions whose output predicts each response token, clamped
+    into them, and for a sharded micro-batch which response tokens fall in its slice (None: all; the
+    clamped ones past a sequence's end are the caller's mask's). Shape: (b, R) each."""
+    cols = mb.logit_start[:, None] + torch.arange(mb.targets.shape[1], device=mb.targets.device)
+    if mb.shard is None:
+        return cols.clamp(max=width - 1), None
+    cols = cols - mb.shard.start
     mine = (cols >= 0) & (cols < mb.shard.length)
     return cols.clamp(0, mb.shard.length - 1), mine
 

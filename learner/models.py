@@ -66,7 +66,7 @@ from transformers import (
 )
 
 from learner import moe
-from learner.batch import MicroBatch, response_view, shard_columns
+from learner.batch import MicroBatch, response_columns
 from learner.lm_head import chunk_tokens, chunked_logprobs_entropy
 from learner.sequence_parallel import assemble, mpu
 from tandem.config import Config
@@ -401,24 +401,25 @@ def response_head(
         logits_to_keep=1,
         **(mb.vision or {}),  # a vision-language row's images (learner/batch.py with_vision)
     )
-    last = out.hidden_states[-1]  # after the final norm
-    if mb.shard is None:
-        hidden, valid = response_view(last, mb), mask.bool()  # (b, R, H), (b, R)
-    else:  # this rank's tokens only; the group's pieces are summed below (learner/sequence_parallel.py)
-        cols, mine = shard_columns(mb)
-        hidden, valid = last[mb.logit_row[:, None], cols], mask.bool() & mine
+    # The last hidden states (after the final norm) of the masked response tokens, and of a sharded
+    # micro-batch this rank's only: the group's pieces are summed below (learner/sequence_parallel.py).
+    last = out.hidden_states[-1]
+    cols, mine = response_columns(mb, last.shape[1])
+    valid = mask.bool() if mine is None else mask.bool() & mine
+    row, j = valid.nonzero(as_tuple=True)  # row-major, the order masked_scatter fills
+    hidden = last[mb.logit_row[row], cols[row, j]]  # (n, H)
     # Run as the head module's own call, so its hooks see it: ZeRO-3 gathers the partitioned weight
     # before this forward and again before its backward, once per micro-batch rather than per chunk, and
     # reduce-scatters the weight's gradient as for any module (tests/test_lm_head.py checks this on one CPU
     # rank with nothing kept gathered; several GPU ranks are untested).
     head.forward = fn  # an instance attribute: shadows nn.Linear.forward for this call only
     try:
-        outputs = head(hidden[valid], mb.targets[valid])
+        outputs = head(hidden, mb.targets[row, j])
     finally:
         del head.forward
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     scattered = (zeros.masked_scatter(valid, x.float()) for x in outputs)
-    return tuple(scattered if mb.shard is None else (assemble(x, mb.shard) for x in scattered))
+    return tuple(scattered if mine is None else (assemble(x, mb.shard) for x in scattered))
 
 
 def values(critic: nn.Module, mb: MicroBatch) -> Tensor:

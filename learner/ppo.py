@@ -32,7 +32,15 @@ from torch import Tensor, nn
 from buffer.schema import Trajectory
 from learner import moe
 from learner.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, masked_mean, token_rewards
-from learner.batch import Batch, Layout, MicroBatch, make_batch, response_view
+from learner.batch import (
+    Batch,
+    Layout,
+    MicroBatch,
+    assemble_response,
+    local_response_view,
+    make_batch,
+    response_view,
+)
 from learner.importance import importance_weights, mismatch_metrics
 from learner.kl_control import AdaptiveKLController, make_kl_controller
 from learner.lm_head import use_chunked_head
@@ -441,12 +449,13 @@ class PPOLearner(OnlineRuntime):
                 model, mb, temperature, mask, head, chunk_logits=lc.chunked_head_chunk, with_entropy=entropy
             )
             return logp, (ent if entropy_grad else ent.detach()) if entropy else None
-        logits = response_view(policy_logits(model, mb, temperature), mb)  # (b, R, V)
-        logp = logprobs_from_logits(logits, mb.targets)
+        # (b, R, V): of a sharded micro-batch this rank's tokens, assembled once reduced to (b, R)
+        logits, mine = local_response_view(policy_logits(model, mb, temperature), mb)
+        logp = assemble_response(logprobs_from_logits(logits, mb.targets), mine, mb)
         if not entropy:
             return logp, None
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            return logp, entropy_from_logits(logits)
+            return logp, assemble_response(entropy_from_logits(logits), mine, mb)
 
     def ppo_update(
         self,
