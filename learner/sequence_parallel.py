@@ -124,27 +124,31 @@ class SequenceParallel:
 
 
 def check_models(models: dict[str, torch.nn.Module], actor: torch.nn.Module) -> None:
-    """Every model of the learner (by role) attends through the Ulysses-wrapped ``sdpa`` with the actor's
-    head counts, which sized the all-to-alls; a mixture-of-experts actor's recorded routing is laid out for
-    whole rows. Raises ``ValueError`` naming the role."""
-    want = _heads(actor)
+    """Every model of the learner (by role) attends through the Ulysses-wrapped ``sdpa``, with the actor's
+    heads, which sized the all-to-alls. Raises ``ValueError`` naming the role."""
+    want = _heads(_text_config(actor))
     for role, model in models.items():
-        config = getattr(model, "config", None) or model.seq_cls.config  # a critic's ValueModel
+        config = _text_config(model)
         attention = getattr(config, "_attn_implementation", None)
         if attention != ATTENTION:
             raise ValueError(
                 f"learner.sequence_parallel: the {role} attends with {attention!r}; Ulysses wraps "
                 f"{ATTENTION!r} only (on CPU; flash kernels need a GPU)"
             )
-        if _heads(model) != want:
+        if _heads(config) != want:
             raise ValueError(
-                f"learner.sequence_parallel: the {role}'s attention heads {_heads(model)} differ from the "
+                f"learner.sequence_parallel: the {role}'s attention heads {_heads(config)} differ from the "
                 f"actor's {want}, which size the sequence-parallel all-to-alls"
             )
 
 
-def _heads(model: torch.nn.Module) -> tuple[int, int, int]:
-    config = (getattr(model, "config", None) or model.seq_cls.config).get_text_config()
+def _text_config(model: torch.nn.Module) -> Any:
+    config = getattr(model, "config", None) or model.seq_cls.config  # a critic is a ValueModel
+    return config.get_text_config()
+
+
+def _heads(config: Any) -> tuple[int, int, int]:
+    """Query heads, KV heads and head size."""
     heads = config.num_attention_heads
     return heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
@@ -163,7 +167,7 @@ def _route_attention(config: Any, group: dist.ProcessGroup) -> None:
     instance per row count and otherwise does what DeepSpeed's does: it drops the 4-D mask built for the
     shard (causal attention over the gathered sequence is exact for right-padded rows)."""
     core = ALL_ATTENTION_FUNCTIONS[ATTENTION]
-    heads = config.num_attention_heads
+    heads, kv_heads, head_size = _heads(config)
     by_rows: dict[int, UlyssesSPAttentionHF] = {}
 
     def attend(rows: int) -> UlyssesSPAttentionHF:
@@ -172,8 +176,8 @@ def _route_attention(config: Any, group: dist.ProcessGroup) -> None:
                 attn=core,
                 batch_size=rows,
                 attn_head_count=heads,
-                attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                kv_head_count=config.num_key_value_heads,
+                attn_head_size=head_size,
+                kv_head_count=kv_heads,
                 num_hidden_layers=config.num_hidden_layers,
                 process_group=group,
                 seq_length_is_variable=True,
@@ -182,7 +186,9 @@ def _route_attention(config: Any, group: dist.ProcessGroup) -> None:
 
     attend(1)  # its constructor checks the heads against N now, not at the first forward
 
-    def ulysses(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any, *args, **kw):
+    def ulysses(
+        module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any, *args: Any, **kw: Any
+    ) -> tuple[Tensor, Tensor | None]:
         return attend(query.shape[0])(module, query, key, value, None, *args, **kw)
 
     ALL_ATTENTION_FUNCTIONS[ATTENTION] = ulysses
