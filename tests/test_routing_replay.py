@@ -201,11 +201,14 @@ def test_replay_routes_as_the_engine_did(
 
 def test_routing_replay_is_refused_where_nothing_records_it(tiny_ckpt: dict[str, Path]) -> None:
     raw = {"model": {"actor": "x"}, "data": {"prompts": "y"}, "reward": {"functions": [{"path": "a:b"}]},
-           "rollout": {"engine": "vllm"}, "algorithm": {"routing_replay": "rollout"}}  # fmt: skip
-    with pytest.raises(ConfigError, match=r"algorithm\.routing_replay=rollout needs rollout\.engine=hf"):
+           "rollout": {"engine": "sglang"}, "algorithm": {"routing_replay": "rollout"}}  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"algorithm\.routing_replay=rollout needs rollout\.engine hf or vllm"
+    ):
         load_config(None, raw=raw)
-    raw["rollout"]["engine"] = "hf"
-    assert load_config(None, raw=raw).algorithm.routing_replay == "rollout"
+    for engine in ("hf", "vllm"):  # vLLM records with --enable-return-routed-experts (tests/test_vllm_moe.py)
+        raw["rollout"]["engine"] = engine
+        assert load_config(None, raw=raw).algorithm.routing_replay == "rollout"
     with pytest.raises(ValueError, match="recording routing needs a mixture-of-experts model"):
         HFEngine(str(tiny_ckpt["actor"]), device="cpu", record_routing=True)  # a dense model
     assert RoutingReplay.of(load(tiny_ckpt["actor"])) is None
@@ -264,3 +267,45 @@ def test_the_mismatch_bench_shows_replay_lowering_the_kl() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["replay"]["routing_flip_frac"] > 0, result
     assert result["replay"]["kl_k3"] < result["own"]["kl_k3"], result
+
+
+def test_vllm_routing_is_asked_for_and_decoded() -> None:
+    """The vLLM adapter's side, without a server (the server's side: tests/test_vllm_moe.py): replay adds
+    ``--enable-return-routed-experts``, and a choice's ``routed_experts``, base64 of ``.npy`` bytes as vLLM's
+    ``numpy2base64`` writes them, decodes to the completion's (P + R - 1, layers, k) array in a wire dtype."""
+    import base64
+    import io
+
+    from rollout.engines.vllm import parse_generate, serve_argv
+
+    raw = {"model": {"actor": "x"}, "data": {"prompts": "y"}, "reward": {"functions": [{"path": "a:b"}]},
+           "rollout": {"engine": "vllm"}}  # fmt: skip
+    assert "--enable-return-routed-experts" not in serve_argv(
+        load_config(None, raw=raw), "/m", "h", 1, cpu=True
+    )
+    raw["algorithm"] = {"routing_replay": "rollout"}
+    assert "--enable-return-routed-experts" in serve_argv(load_config(None, raw=raw), "/m", "h", 1, cpu=True)
+
+    def npy(a: np.ndarray) -> str:
+        buffer = io.BytesIO()
+        np.save(buffer, a, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+    rng = np.random.default_rng(0)
+    routed = [
+        rng.integers(0, 8, (4 + 3 - 1, 2, 2)).astype(np.uint8),
+        rng.integers(0, 300, (5, 2, 2)).astype(np.uint16),
+    ]
+    body = {
+        "choices": [
+            {"index": i, "token_ids": [5] * n, "finish_reason": "length", "routed_experts": npy(r),
+             "logprobs": {"content": [{"token_id": 5, "logprob": -1.0}] * n},
+             "weight_versions": [{"start": 0, "end": n, "version": "0"}]}
+            for i, (n, r) in enumerate(zip((3, 2), routed, strict=True))
+        ]
+    }  # fmt: skip
+    out = parse_generate(body, 2, "test")
+    assert out[0].routed_experts.dtype == np.uint8 and np.array_equal(out[0].routed_experts, routed[0])
+    assert out[1].routed_experts.dtype == np.int32 and np.array_equal(out[1].routed_experts, routed[1])
+    del body["choices"][0]["routed_experts"]
+    assert parse_generate(body, 2, "test")[0].routed_experts is None

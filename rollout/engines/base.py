@@ -59,7 +59,7 @@ class Completion:
     finish_reason: FinishReason
     versions: list[int]  # policy version that produced each token (same length as token_ids)
     # (P + R - 1, layers, k): the experts each MoE layer routed every fed position to (prompt, then each
-    # generated token but the last, which is never fed); only from an engine recording routing (hf)
+    # generated token but the last, which is never fed); only from an engine recording routing (hf, vllm)
     routed_experts: np.ndarray | None = None
 
 

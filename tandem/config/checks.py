@@ -246,10 +246,10 @@ def adapter_sync_engine(cfg: Config) -> None:
 def routing_replay_is_recorded(cfg: Config) -> None:
     if cfg.algorithm.routing_replay == "off":
         return
-    if cfg.rollout.engine != "hf":
+    if cfg.rollout.engine not in ("hf", "vllm"):
         raise ValueError(
-            f"algorithm.routing_replay=rollout needs rollout.engine=hf (got {cfg.rollout.engine}): only the "
-            "hf engine records the experts its routers chose; recording in vLLM and SGLang is not built"
+            f"algorithm.routing_replay=rollout needs rollout.engine hf or vllm (got {cfg.rollout.engine}): "
+            "they record the experts their routers chose; recording in SGLang is not built"
         )
     if cfg.env.path is not None or cfg.agent.path is not None:
         raise ValueError(
