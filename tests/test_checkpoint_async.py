@@ -22,7 +22,6 @@ from learner.checkpoint import LearnerState
 from learner.checkpoint_async import AsyncCheckpointer, to_host
 from learner.models import init_distributed
 from tandem.config import load_config
-from tandem.net import free_port
 from tests.test_learner import (
     REPO,
     group,
@@ -30,6 +29,7 @@ from tests.test_learner import (
     learner_env,
     lineage,
     raw_config,
+    run_two_learner_ranks,
     wait_for_version,
     write_config,
 )
@@ -267,13 +267,7 @@ def test_two_ranks_under_zero_2_commit_together(
     buffer = ReplayBuffer.from_config(redis_client, load_config(cfg_path), "test-producer")
     ids = [i for g in range(2 * steps) for i in buffer.put(group(g, 4))]
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "learner.train", "--config", str(cfg_path), "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    env = {**learner_env(), checkpoint_async.WRITE_DELAY_ENV: "0.5"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    run_two_learner_ranks(cfg_path, run_dir, env={checkpoint_async.WRITE_DELAY_ENV: "0.5"})
     assert sorted(i for v in lineage(run_dir).values() for i in v) == sorted(ids)
     assert buffer.trajectories_pending() == 0
     ckpt = run_dir / "checkpoints"

@@ -356,6 +356,20 @@ def learner_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def run_two_learner_ranks(
+    cfg_path: Path, run_dir: Path, *, env: dict[str, str] | None = None, timeout: float = 240
+) -> None:
+    """``learner.train`` on two torchrun ranks (gloo, on CPU); fails with the tail of its stderr."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "learner.train", "--config", str(cfg_path), "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env={**learner_env(), **(env or {})}, capture_output=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+
+
 def wait_for_version(
     client, run_id: str, version: int, proc: subprocess.Popen, timeout_s: float, log: Path
 ) -> None:
@@ -448,12 +462,7 @@ def test_two_ranks_on_cpu(tiny_ckpt, redis_server, redis_client, run_id, tmp_pat
     cfg_path = write_config(raw, tmp_path / "learner.yaml")
     buffer = ReplayBuffer.from_config(redis_client, load_config(cfg_path), "test-producer")
     ids = [i for g in range(2 * steps) for i in buffer.put(group(g, 4))]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "learner.train", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=learner_env(), capture_output=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    run_two_learner_ranks(cfg_path, tmp_path / "run")
     rows = history(redis_client, run_id)
     assert [r["learner/version"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss/policy"]) and np.isfinite(r["loss/value"]) for r in rows)

@@ -3,8 +3,6 @@ LoRA on attention only, and a learner that trains one (learner/moe.py, docs/desi
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,8 +16,7 @@ from buffer.streams import ReplayBuffer
 from learner import moe
 from learner.ppo import PPOLearner as Learner
 from tandem.config import LoRAConfig, load_config
-from tandem.net import free_port
-from tests.test_learner import REPO, group, history, learner_env, raw_config, write_config
+from tests.test_learner import group, history, raw_config, run_two_learner_ranks, write_config
 
 
 @pytest.fixture(scope="module")
@@ -212,12 +209,7 @@ def test_moe_zero_stages_on_two_cpu_ranks(
     buffer = ReplayBuffer.from_config(redis_client, load_config(cfg_path), "test-producer")
     for g in range(steps):
         buffer.put(group(g, 4))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "learner.train", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=learner_env(), capture_output=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    run_two_learner_ranks(cfg_path, tmp_path / "run", timeout=300)
     rows = history(redis_client, run_id)
     assert [r["learner/version"] for r in rows] == list(range(1, steps + 1))
     assert all(np.isfinite(r["loss/policy"]) and 1.0 <= r["moe/imbalance"] <= 8.0 for r in rows)

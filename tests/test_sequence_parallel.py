@@ -72,7 +72,7 @@ def test_learner_on_a_sequence_parallel_pair_matches_one_rank(
     (the group's all-reduce backward) or once per shard only (no sum over the group) moves the norms."""
     from buffer.streams import ReplayBuffer
     from learner.ppo import PPOLearner
-    from tests.test_learner import group, history, learner_env, raw_config, write_config
+    from tests.test_learner import group, history, raw_config, run_two_learner_ranks, write_config
 
     steps = 2
     raw = raw_config(
@@ -90,12 +90,7 @@ def test_learner_on_a_sequence_parallel_pair_matches_one_rank(
     buffer = ReplayBuffer.from_config(redis_client, load_config(cfg_path), "test-producer")
     for g in range(2 * steps):
         buffer.put(group(g, 4))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "learner.train", "--config", str(cfg_path), "--run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=learner_env(), capture_output=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    run_two_learner_ranks(cfg_path, tmp_path / "run")
     split = history(redis_client, run_id)
     assert [r["learner/version"] for r in split] == [1, 2]
 

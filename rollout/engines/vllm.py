@@ -438,13 +438,13 @@ def parse_generate(body: Any, n: int, where: str, version: int | None = None) ->
                 [float(e["logprob"]) for e in content],
                 reason,
                 versions,
-                routed_experts=routed_experts(c.get("routed_experts")),
+                routed_experts=decode_routed_experts(c.get("routed_experts")),
             )
         )
     return out
 
 
-def routed_experts(encoded: str | None) -> np.ndarray | None:
+def decode_routed_experts(encoded: str | None) -> np.ndarray | None:
     """A choice's ``routed_experts`` (served with ``--enable-return-routed-experts``): base64 of the ``.npy``
     bytes of (P + R − 1, layers, k), the experts each layer routed every fed position to, the layout of
     ``Completion.routed_experts``; in the wire's dtypes (uint8, else int32). None when not recorded."""
