@@ -58,7 +58,7 @@ from transformers import PreTrainedTokenizerBase
 from buffer.admission import Admission, extra_segments
 from buffer.schema import PromptRecord, Trajectory
 from buffer.streams import ClaimHeartbeat, ReplayBuffer, TakenPrompt
-from rollout.engines.base import Completion, Engine, OnPrompt, SamplingParams
+from rollout.engines.base import Completion, Engine, EngineExited, OnPrompt, SamplingParams
 from rollout.envs.base import Task, load_env_factory
 from rollout.envs.episode import Episode, EpisodeRunner
 from rollout.evaluate import Evaluator
@@ -378,7 +378,7 @@ class RolloutLoop:
         samples are back (``ready``: ``time.perf_counter()`` then). A prompt the engine did not report is
         passed on when the call returns. An engine call that fails (a weight update aside) does not end the
         loop: it is counted (``rollout/engine_errors``), and the prompts it did not report are handed back
-        to the buffer, where the next take claims them again."""
+        to the buffer, where the next take claims them again. An engine whose process died does end it."""
         reported = set[int]()
 
         def report(i: int, completions: list[Completion]) -> None:
@@ -387,7 +387,7 @@ class RolloutLoop:
 
         try:
             groups = self.generate(prompts, on_prompt=report)
-        except WeightSyncError:
+        except (WeightSyncError, EngineExited):  # the server exits; its supervisor restarts it
             raise
         except Exception as e:
             self.engine_errors += 1

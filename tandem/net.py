@@ -57,7 +57,12 @@ def to_json(payload: Any) -> dict[str, Any]:
 
 
 class EngineHTTPError(RuntimeError):
-    """An engine route answered with an error, timed out or could not be reached."""
+    """An engine route answered with an error, timed out or could not be reached. ``status``: the HTTP
+    status of an answer, or ``None`` when none came back (a timeout, a refused or broken connection)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineClient:
@@ -116,9 +121,11 @@ class EngineClient:
         except ValueError:
             body = resp.text
         if resp.status_code >= 400:
-            raise EngineHTTPError(f"{where}: HTTP {resp.status_code}: {str(body)[:500]}")
+            raise EngineHTTPError(f"{where}: HTTP {resp.status_code}: {str(body)[:500]}", resp.status_code)
         if isinstance(body, dict) and body.get("success") is False:
-            raise EngineHTTPError(f"{where}: refused: {str(body.get('message', body))[:500]}")
+            raise EngineHTTPError(
+                f"{where}: refused: {str(body.get('message', body))[:500]}", resp.status_code
+            )
         return body
 
     def post(self, route: str, json: Mapping[str, Any] | None = None, **kw: Any) -> Any:

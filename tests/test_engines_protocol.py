@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from rollout.engines._http import ManagedServer
-from rollout.engines.base import SamplingParams
+from rollout.engines.base import EngineExited, SamplingParams
 from rollout.engines.sglang import SGLangEngine
 from rollout.engines.vllm import VLLMEngine
 from tandem.config import Config, load_config
@@ -405,6 +406,34 @@ def test_managed_server_dies_with_its_parent(tmp_path):
     while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, "managed server outlived its parent"
         time.sleep(0.05)
+
+
+def test_a_generate_call_fails_as_engine_exited_when_its_server_is_killed(tmp_path):
+    """A managed server SIGKILLed while it answers: the call raises EngineExited with the exit code, not a
+    connection error the rollout loop would count and retry forever against a dead server."""
+    server, url = start_replay("vllm", tmp_path)
+    engine = VLLMEngine(
+        make_cfg(tmp_path, engine="vllm", vllm={"url": url}), "m", server_index=0, device=None
+    )
+    engine.server = server  # as if the adapter had started it
+    fault(url, "/inference/v1/generate", delay=30)  # the first request is held: the kill lands mid-call
+    threading.Timer(1.0, server.proc.kill).start()
+    start = time.monotonic()
+    with pytest.raises(EngineExited, match=r"vllm replay exited with code -9"):
+        engine.generate([[1], [2]], SamplingParams(n=1, max_new_tokens=2))
+    assert time.monotonic() - start < 10
+    engine.close()
+    # A server that answers with an error is not mistaken for a dead one.
+    live, live_url = start_replay("vllm", tmp_path / "live")
+    engine = VLLMEngine(
+        make_cfg(tmp_path, engine="vllm", vllm={"url": live_url}), "m", server_index=0, device=None
+    )
+    engine.server = live
+    fault(live_url, "/inference/v1/generate", status=500)
+    with pytest.raises(EngineHTTPError, match="HTTP 500") as refused:
+        engine.generate([[1]], SamplingParams(n=1, max_new_tokens=2))
+    assert not isinstance(refused.value, EngineExited) and refused.value.status == 500
+    engine.close()
 
 
 def test_managed_server_reports_early_exit(tmp_path):

@@ -18,6 +18,7 @@ import torch
 
 from buffer.admission import Admission
 from buffer.streams import ReplayBuffer
+from rollout.engines.base import EngineExited
 from rollout.engines.hf import HFEngine
 from rollout.envs.base import Action, Env, StepResult, Task
 from rollout.loop import RolloutLoop, inflight_window
@@ -32,12 +33,14 @@ DELAY_S = 0.3
 
 class SlowEngine:
     """The hf engine, every call at least ``DELAY_S`` long; ``peak`` is the most calls ever running at once.
-    ``fail_on``: that call (1-based) raises instead."""
+    ``fail_on``: that call (1-based) raises ``error`` instead."""
 
     continuous_batching = False
 
-    def __init__(self, inner: HFEngine, fail_on: int | None = None) -> None:
-        self.inner, self.tokenizer, self.fail_on = inner, inner.tokenizer, fail_on
+    def __init__(
+        self, inner: HFEngine, fail_on: int | None = None, error: type[Exception] = RuntimeError
+    ) -> None:
+        self.inner, self.tokenizer, self.fail_on, self.error = inner, inner.tokenizer, fail_on, error
         self.lock = threading.Lock()
         self.running = self.peak = self.calls = 0
 
@@ -54,7 +57,7 @@ class SlowEngine:
         try:
             time.sleep(DELAY_S)
             if call == self.fail_on:
-                raise RuntimeError("engine died")
+                raise self.error("engine died")
             return self.inner.generate(prompts, sampling, **kw)
         finally:
             with self.lock:
@@ -273,6 +276,38 @@ def test_a_batch_that_fails_in_flight_is_counted_and_its_prompts_are_generated_a
     assert int(redis_client.get(f"{run_id}:admitted")) == 12
     assert h.loop.admission.held_credits() == 0
     h.telemetry.close()
+
+
+def test_an_engine_whose_process_died_ends_the_loop_and_hands_back_its_prompts(
+    redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
+) -> None:
+    """Unlike a failed call, an engine whose process is gone cannot answer a retry: the loop ends (the server
+    exits, and its supervisor starts a fresh engine) rather than retrying forever, and every prompt it held
+    goes back to the buffer."""
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"algorithm.max_staleness": 3, "rollout.max_inflight_batches": 2, "redis.claim_idle_ms": 600_000},
+    )  # fmt: skip
+    learner = Learner(cfg, redis_client, weights(hf))
+    queue_prompts(learner.buffer, hf, 6)
+    loop = server_loop(cfg, redis_client, SlowEngine(hf, fail_on=2, error=EngineExited))
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run()
+        except EngineExited as e:
+            failed.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(TIMEOUT)
+    assert not runner.is_alive(), "the loop retried an engine whose process had died"
+    assert failed and loop.engine_errors == 0
+    loop.telemetry.close()
+    answered = learner.buffer.trajectories_pending() // 2
+    assert learner.buffer.prompts_pending() == 6 - answered  # none lost, none still held
+    assert loop.admission.held_credits() == 0
 
 
 def test_a_group_that_fails_to_score_in_the_scoring_thread_ends_the_loop(

@@ -77,6 +77,14 @@ def vllm_server_pids(rollout_pid: int) -> list[int]:
     return pids
 
 
+def log_tails(run_dir: Path, chars: int = 3000) -> str:
+    """The end of every log of a run, for a failure message: a hung run says nothing on its own stdout."""
+    return "\n".join(
+        f"--- {log.name}\n{log.read_text(errors='replace')[-chars:]}"
+        for log in sorted((run_dir / "logs").glob("*.log"))
+    )
+
+
 def test_the_vllm_demo_learns_echo_through_a_killed_server_and_loses_no_prompt(
     assets, tmp_path: Path
 ) -> None:
@@ -103,7 +111,14 @@ def test_the_vllm_demo_learns_echo_through_a_killed_server_and_loses_no_prompt(
             for e in client.xpending_range(f"{run_dir.name}:prompts", "rollout", "-", "+", 1000, "server-0")
         }
         assert killed_at < 30, f"the kill landed too late (version {killed_at}) to test learning after it"
-        out, _ = proc.communicate(timeout=900)
+        try:
+            out, _ = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            pytest.fail(
+                f"the run did not finish in 900 s after the kill\n{out[-3000:]}\n{log_tails(run_dir)}"
+            )
     finally:
         if proc.poll() is None:
             proc.kill()

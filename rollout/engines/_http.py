@@ -42,6 +42,7 @@ from rollout.engines._prometheus import StatSamples, parse_stats
 from rollout.engines.base import (
     BetweenSteps,
     Completion,
+    EngineExited,
     EngineStats,
     FinishReason,
     OnPrompt,
@@ -180,6 +181,14 @@ class ManagedServer:
             f"{self.name} at {client.base_url} not healthy on {route} within {timeout:.0f} s "
             f"(last: {last}); log {self.log_path}:\n{self.log_tail()}"
         )
+
+    def exit_code(self, within_s: float = 0.0) -> int | None:
+        """The process's exit code once it has exited, waiting up to ``within_s`` for it; ``None`` while it
+        runs. A SIGKILLed server's sockets close a moment before its parent can reap it."""
+        try:
+            return self.proc.wait(timeout=within_s) if within_s > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM the whole process group, SIGKILL it after ``grace_s``. Idempotent."""
@@ -337,10 +346,14 @@ class HttpEngine:
         if between_steps is not None:
             between_steps()
         out: list[list[Completion]] = [[] for _ in prompts]
-        for i, group in self._generate_each(prompts, sampling):
-            out[i] = group
-            if on_prompt is not None:
-                on_prompt(i, group)
+        try:
+            for i, group in self._generate_each(prompts, sampling):
+                out[i] = group
+                if on_prompt is not None:
+                    on_prompt(i, group)
+        except EngineHTTPError as e:
+            self._raise_if_exited(e)
+            raise
         if on_token is not None:
             replay_tokens(out, on_token)
         return out
@@ -350,6 +363,19 @@ class HttpEngine:
     ) -> Iterator[tuple[int, list[Completion]]]:
         """``(prompt index, its n completions)`` for every prompt, in the order they finish."""
         raise NotImplementedError
+
+    def _raise_if_exited(self, error: EngineHTTPError) -> None:
+        """:class:`EngineExited` when a call failed because our managed server has died: the rollout loop
+        counts other engine errors and retries, which a dead server would turn into a retry loop forever."""
+        if self.server is None:
+            return
+        # Unanswered: the server may have died; allow the moment between its sockets closing and its exit.
+        code = self.server.exit_code(within_s=1.0 if error.status is None else 0.0)
+        if code is not None:
+            raise EngineExited(
+                f"{self.server.name} exited with code {code} ({error}); log {self.server.log_path}:\n"
+                f"{self.server.log_tail()}"
+            ) from error
 
     def _each_reply(
         self,

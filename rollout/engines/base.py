@@ -39,6 +39,11 @@ BetweenSteps = Callable[[], None]
 OnToken = Callable[[int, int, float], None]
 
 
+class EngineExited(RuntimeError):
+    """The engine's own process is gone (killed, crashed). Nothing in the rollout server can bring it back,
+    so the server must exit and be restarted with a fresh engine; retrying the call would only fail again."""
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
