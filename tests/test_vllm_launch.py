@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tandem.data import write_prompts
@@ -77,6 +78,19 @@ def vllm_server_pids(rollout_pid: int) -> list[int]:
     return pids
 
 
+def wait_for_requests_running(vllm_pid: int, deadline: float) -> None:
+    """Until the vLLM server (started with ``--port N``) reports a request running in ``GET /metrics``."""
+    argv = Path(f"/proc/{vllm_pid}/cmdline").read_bytes().decode().split("\0")
+    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}/metrics"
+    while True:
+        assert time.monotonic() < deadline, "vLLM never had a request running"
+        metrics = httpx.get(url, timeout=5).text
+        running = [line for line in metrics.splitlines() if line.startswith("vllm:num_requests_running")]
+        if running and float(running[0].rsplit(" ", 1)[1]) > 0:
+            return
+        time.sleep(0.01)
+
+
 def log_tails(run_dir: Path, chars: int = 3000) -> str:
     """The end of every log of a run, for a failure message: a hung run says nothing on its own stdout."""
     return "\n".join(
@@ -103,7 +117,10 @@ def test_the_vllm_demo_learns_echo_through_a_killed_server_and_loses_no_prompt(
             time.sleep(0.05)
         rollout_pid = json.loads(client.get(key))["pid"]
         (vllm_pid,) = vllm_server_pids(rollout_pid)
-        os.kill(vllm_pid, signal.SIGKILL)  # the engine dies under the rollout server
+        # The engine dies under the rollout server, mid-generation: a kill during a weight update ends the
+        # server on its own, while a failed generate call is one the loop would otherwise retry.
+        wait_for_requests_running(vllm_pid, deadline)
+        os.kill(vllm_pid, signal.SIGKILL)
         killed_at = int(client.get(f"{run_dir.name}:version"))
         # the prompts the server held when its engine died: its successor must answer them
         held = {
