@@ -37,7 +37,7 @@ from launcher.run_plan import RunPlan, plan_run
 from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, write_private
 from tandem.config.checks import vision_checks_for
-from tandem.procs import alive
+from tandem.procs import alive, reap_group
 from tandem.telemetry import ready_key, stop_key
 
 log = logging.getLogger("launch")
@@ -562,6 +562,9 @@ def stop_run(
             client.set(stop_key(cfg.run.name), "1")  # ask everyone to finish (the learner checkpoints)
     if started:
         backend.stop(grace_s=60.0)
+        # engine servers a killed rollout server left behind (tandem/procs.py)
+        if left := [pid for group in (run_dir / "logs").glob("*.group") for pid in reap_group(group)]:
+            log.warning("killed %d process(es) of engine servers whose rollout server was gone", len(left))
     if client is not None:  # also after Ctrl-C or a crash: what was learned so far
         with contextlib.suppress(redis.RedisError):
             summarize(cfg, client, run_dir, backend.placement())

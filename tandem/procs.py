@@ -13,6 +13,12 @@ stops them in order. Two lines of defence make sure none survives a parent kille
    SIGTERMs itself (its handler stops cleanly) and exits hard ``ORPHAN_GRACE_S`` seconds later, so a
    graceful stop that blocks (on a Redis that died with the driver) cannot keep it alive. It also covers
    what the death signal misses: torchrun's ranks, whose parent is torchrun, and non-Linux hosts.
+
+A managed engine server (vLLM, SGLang) runs neither watch, and the death signal is not enough for it:
+vLLM 0.32 catches SIGTERM while it starts and goes on starting, and its engine core and workers outlive
+its API server (both seen on 2026-11-29). So a third line covers engines: the server's process group is
+recorded in a file (:func:`record_group`), and :func:`reap_group` kills what is left of it before the
+next server of the same name starts, and when launch.py stops the run.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
@@ -81,6 +89,49 @@ def popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         if _spawner is None:
             _spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spawner")
     return _spawner.submit(lambda: subprocess.Popen(cmd, **DETACHED, **kwargs)).result()
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22); ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def record_group(path: Path, pid: int) -> None:
+    """Write down the process group ``pid`` leads on this host, for :func:`reap_group`."""
+    path.write_text(f"{pid} {start_time(pid)} {socket.gethostname()}\n")
+
+
+def reap_group(path: Path) -> list[int]:
+    """SIGKILL what is left of the process group recorded in ``path`` and remove the file; returns the pids
+    killed. Linux gives no new process a pid still in use as a group id, so the group's survivors are the
+    processes with that group id, unless its leader lives on and is another process (its start differs).
+    A group of another host (a run directory on a shared filesystem) is left alone."""
+    try:
+        pgid_text, started, host = path.read_text().split()
+        pgid = int(pgid_text)
+    except (OSError, ValueError):
+        return []
+    if host != socket.gethostname():
+        return []
+    path.unlink(missing_ok=True)
+    leader = start_time(pgid)
+    if leader is not None and str(leader) != started:
+        return []
+    members = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if pid.isdigit() and int(f.read().rsplit(b")", 1)[1].split()[2]) == pgid:
+                    members.append(int(pid))
+        except (OSError, IndexError, ValueError):
+            continue
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    return members
 
 
 def driver_env() -> dict[str, str]:

@@ -408,6 +408,53 @@ def test_managed_server_dies_with_its_parent(tmp_path):
         time.sleep(0.05)
 
 
+def orphaned_engine(log: Path) -> list[int]:
+    """An engine that ignores SIGTERM (as vLLM does while it starts) with a child that does too, started by
+    a parent that is then SIGKILLed: the death signal alone leaves both running. Returns their pids."""
+    pids = log.with_suffix(".pids")
+    script = f"trap '' TERM; sleep 600 & echo $$ $! > {pids}; wait"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from rollout.engines._http import ManagedServer; "
+            f"ManagedServer('stubborn', ['bash', '-c', {script!r}], env={{}}, log_path={str(log)!r}); "
+            "time.sleep(60)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    deadline = time.monotonic() + 30
+    while not pids.exists() or len(pids.read_text().split()) < 2:
+        assert time.monotonic() < deadline, "the parent did not start its engine"
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait(timeout=10)
+    return [int(p) for p in pids.read_text().split()]
+
+
+def test_what_a_killed_rollout_server_leaves_of_its_engine_is_reaped(tmp_path):
+    """The next server logging to the same file kills what the last one left of its process group, and only
+    that; launch.py's stop does the same for every server of a run (``logs/*.group``)."""
+    from tandem.procs import alive, reap_group
+
+    server0, server1 = orphaned_engine(tmp_path / "server0.log"), orphaned_engine(tmp_path / "server1.log")
+    time.sleep(1.0)
+    assert all(alive(p) for p in server0 + server1), "the death signal alone stopped them: no case to test"
+    successor = ManagedServer("next", ["sleep", "60"], env={}, log_path=tmp_path / "server0.log")
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in server0):
+        assert time.monotonic() < deadline, "the successor left its predecessor's processes running"
+        time.sleep(0.05)
+    assert all(alive(p) for p in server1) and alive(successor.proc.pid)  # another server's, and its own
+    successor.stop(grace_s=5)
+    assert not (tmp_path / "server0.group").exists()  # a clean stop leaves nothing to reap
+    assert sorted(reap_group(tmp_path / "server1.group")) == sorted(server1)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in server1):
+        assert time.monotonic() < deadline, "reap_group left a process of the group running"
+        time.sleep(0.05)
+
+
 def test_a_generate_call_fails_as_engine_exited_when_its_server_is_killed(tmp_path):
     """A managed server SIGKILLed while it answers: the call raises EngineExited with the exit code, not a
     connection error the rollout loop would count and retry forever against a dead server."""

@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -51,8 +52,10 @@ from rollout.engines.base import (
 )
 from tandem.config import Config, ServerConfig
 from tandem.net import EngineClient, EngineHTTPError, free_port, to_json
-from tandem.procs import DETACHED
+from tandem.procs import DETACHED, reap_group, record_group
 from weightsync.base import Update, WeightSyncError
+
+log = logging.getLogger(__name__)
 
 ApiKind = Literal["route", "fields", "function", "literal", "name"]
 STATS_TIMEOUT_S = 5.0
@@ -131,16 +134,26 @@ class ManagedServer:
     """An engine server subprocess that we start, health-check and stop, and that dies with us.
 
     ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits, so construct this from a long-lived thread
-    (the rollout server's main thread).
+    (the rollout server's main thread). Its process group is recorded beside its log (``.group``), and
+    what an earlier server with the same log left of its group is killed before this one starts
+    (tandem/procs.py, :func:`reap_group`): a rollout server SIGKILLed while its engine starts leaves one.
     """
 
     def __init__(
-        self, name: str, argv: Sequence[str], *, env: Mapping[str, str], log_path: str | os.PathLike[str]
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        log_path: str | os.PathLike[str],
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.group_file = self.log_path.with_suffix(".group")
+        if left := reap_group(self.group_file):
+            log.warning("%s: killed %d process(es) an earlier server left", name, len(left))
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (kept open for the child's lifetime)
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
@@ -151,6 +164,7 @@ class ManagedServer:
             stdin=subprocess.DEVNULL,
             **DETACHED,  # own process group (killpg reaches the engine's workers); dies with us
         )
+        record_group(self.group_file, self.proc.pid)
         atexit.register(self.stop)
 
     def log_tail(self, n_bytes: int = 3000) -> str:
@@ -205,6 +219,7 @@ class ManagedServer:
             # Children that ignored SIGTERM while the leader exited still share the group.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            self.group_file.unlink(missing_ok=True)
             if not self._log.closed:
                 self._log.close()
         atexit.unregister(self.stop)
@@ -292,7 +307,10 @@ class HttpEngine:
             return s.url
         port = engine_port(s.port, self.server_index, s.host)
         self.server = ManagedServer(
-            f"{name} (server {self.server_index})", argv(port), env=env, log_path=log_path
+            f"{name} (server {self.server_index})",
+            argv(port),
+            env=env,
+            log_path=log_path,
         )
         return engine_url(s.host, port)
 
