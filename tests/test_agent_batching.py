@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rollout.agents.batching import WAIT_POLL_S, BatchingEngine
-from rollout.engines.base import SamplingParams
+from rollout.engines.base import EngineExited, SamplingParams
 from rollout.engines.hf import HFEngine
 
 
@@ -90,3 +90,29 @@ def test_a_caller_that_is_gone_stops_waiting_on_a_hung_engine_and_leaves_the_que
         engine.release.set()
         front.close()
     assert engine.calls == 1
+
+
+class DeadEngine:
+    """An engine whose process has died (``exited``) or whose call failed, on every call."""
+
+    version = 0
+
+    def __init__(self, continuous_batching: bool, error: Exception) -> None:
+        self.continuous_batching, self.error = continuous_batching, error
+
+    def generate(self, prompts, sampling, **kw):
+        raise self.error
+
+
+@pytest.mark.parametrize("continuous_batching", [True, False], ids=["direct", "gathered"])
+def test_the_front_remembers_an_engine_whose_process_died(continuous_batching: bool) -> None:
+    """Its caller hears of it like any failed call; the front keeps it so the runner can end the loop."""
+    sampling = SamplingParams(max_new_tokens=4)
+    for error, kept in ((RuntimeError("one bad call"), False), (EngineExited("code -9"), True)):
+        front = BatchingEngine(DeadEngine(continuous_batching, error), gather_s=0.0)
+        try:
+            with pytest.raises(type(error)):
+                front.generate([[1, 2]], sampling)
+        finally:
+            front.close()
+        assert (front.exited is error) is kept and (front.exited is None) is not kept

@@ -197,6 +197,26 @@ def test_a_misbehaving_agent_ends_only_its_episode(engine, tiny_ckpt, tmp_path, 
         runner.close()
 
 
+def test_an_engine_whose_process_died_ends_the_batch_of_agents(engine, tiny_ckpt, tmp_path) -> None:
+    """A failed engine call is one episode's failure; an engine whose process died is every later one's, so
+    the runner raises it (the rollout server exits and is restarted), with every session closed."""
+    from rollout.engines.base import EngineExited
+
+    def dead(*args, **kwargs):
+        raise EngineExited("vllm serve (server 0) exited with code -9")
+
+    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent", **{"agent.timeout_s": 60})
+    runner = make_runner(cfg, engine)
+    engine.generate = dead
+    try:
+        with pytest.raises(EngineExited, match="code -9"):
+            runner.run(episodes(engine, [{"id": "a", "prompt": "1+2="}]))
+        assert runner.sessions.sessions == {}
+    finally:
+        del engine.generate
+        runner.close()
+
+
 def test_a_closed_session_refuses_calls(engine, tiny_ckpt, tmp_path) -> None:
     import openai
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rollout.engines.base import BetweenSteps, Completion, Engine, OnToken, SamplingParams
+from rollout.engines.base import BetweenSteps, Completion, Engine, EngineExited, OnToken, SamplingParams
 from weightsync.base import Update
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,9 @@ class BatchingEngine:
             max_new_tokens,
         )
         self.batches = self.calls = 0  # engine calls made, and the agents' calls they served
+        # The engine's process died under a call: its callers heard of it as a failed call, and the
+        # runner ends the rollout loop with it, since no later call can succeed (rollout/engines/base.py).
+        self.exited: EngineExited | None = None
         self._queue: list[_Call] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -185,7 +188,11 @@ class BatchingEngine:
         with self._hook_lock:
             self.batches += 1
             self.calls += 1
-        return self.engine.generate([list(p) for p in prompts], sampling, between_steps=hooks)
+        try:
+            return self.engine.generate([list(p) for p in prompts], sampling, between_steps=hooks)
+        except EngineExited as e:
+            self.exited = e
+            raise
 
     # ------------------------------------------------------------------------------------------- worker
 
@@ -248,6 +255,8 @@ class BatchingEngine:
         except ValueError:
             raise
         except Exception as e:  # the engine failed: every caller hears of it
+            if isinstance(e, EngineExited):
+                self.exited = e
             for call in group:
                 call.finish(error=e)
             return

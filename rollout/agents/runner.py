@@ -266,6 +266,9 @@ class AgentRunner:
                 )
         for e in episodes:
             e.session = self.sessions.close(e.session_id)
+        if self.engine.exited is not None:  # no later episode can succeed: the server must restart
+            raise self.engine.exited
+        for e in episodes:
             if not e.aborted and (e.session is None or not e.session.calls):  # a reward for nothing
                 e.end_reason, e.reward, e.parts = (
                     "no_calls: the agent made no model call on its session",
