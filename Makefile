@@ -59,23 +59,28 @@ XDIST_TEST ?= $(XDIST)
 test: $(STAMP) bytecode
 	$(PY) -m pytest -m "not ray and not stages and not presets and not faults" $(XDIST_TEST)
 
+# The files holding tests marked $(1): each slower tier collects only those, since pytest imports every test
+# module it collects (about 20 s of the 2 cores per tier). tests/conftest.py fails collection if a test
+# carries a tier's marker without its file spelling `mark.<tier>`, which this would miss.
+tier_files = $(shell grep -lE 'mark\.$(1)\b' tests/*.py)
+
 # The slower tiers, each its own target (.ci/run runs them after `make test`):
 # the kill -9 tests (every role, the driver, Redis) with their exactly-once audits (a test marked stages
 # too runs in that tier alone),
 test-faults: $(STAMP) bytecode
-	$(PY) -m pytest -m "faults and not stages" $(XDIST)
+	$(PY) -m pytest -m "faults and not stages" $(XDIST) $(call tier_files,faults)
 
 # multi-node runs and fault tests on a local Ray cluster,
 test-ray: $(STAMP) bytecode
-	$(PY) -m pytest -m ray
+	$(PY) -m pytest -m ray $(call tier_files,ray)
 
 # every shipped config through launch.py at tiny scale,
 test-presets: $(STAMP) bytecode
-	$(PY) -m pytest -m presets $(XDIST)
+	$(PY) -m pytest -m presets $(XDIST) $(call tier_files,presets)
 
 # and the SFT -> RM -> PPO pipeline end to end.
 test-stages: $(STAMP) bytecode assets
-	$(PY) -m pytest -m stages
+	$(PY) -m pytest -m stages $(call tier_files,stages)
 
 test-fast: $(STAMP) bytecode
 	$(PY) -m pytest -m "not slow and not ray and not stages and not presets and not faults"
@@ -108,7 +113,7 @@ $(VLLM_STAMP): pyproject.toml scripts/engines-env.sh
 # The tests that run a real vLLM server (marker `vllm`), in its environment.
 test-vllm: $(VLLM_STAMP)
 	@$(VLLM_VENV)/bin/python -m compileall -q -j 0 $(PKGS) launch.py >/dev/null
-	$(VLLM_VENV)/bin/python -m pytest -m vllm
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(call tier_files,vllm)
 
 # The demo with rollout.engine=vllm (CPU build here): the same echo task, a head_dim-32 tiny model.
 demo-vllm: $(VLLM_STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -14,6 +15,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from buffer.redis_server import EmbeddedRedis
+
+# The markers of the slower tiers: each tier collects only the files that spell its marker (Makefile).
+TIER_MARKERS = ("faults", "presets", "ray", "stages", "vllm")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Before ``-m`` deselects anything: a test carrying a tier's marker in a file that does not spell
+    ``mark.<tier>`` (a marker set through a variable, say) would be skipped by its tier without a word, so
+    collection fails instead, naming the test."""
+    texts: dict[Path, str] = {}
+    for item in items:
+        for marker in TIER_MARKERS:
+            if item.get_closest_marker(marker) is None:
+                continue
+            text = texts.setdefault(item.path, item.path.read_text())
+            if not re.search(rf"mark\.{marker}\b", text):
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked {marker}, but its file never spells mark.{marker}: "
+                    f"`make test-{marker}` collects only files that do (Makefile, tier_files)"
+                )
 
 
 @pytest.fixture(scope="session")
