@@ -174,9 +174,12 @@ def make_durable(ckpt_dir: Path, engine_names: list[str], tag: str) -> None:
                 _fsync_tree(ckpt_dir / sub / tag)
 
 
-def commit(ckpt_dir: Path, engine_names: list[str], version: int, *, keep: int = 2) -> None:
+def commit(
+    ckpt_dir: Path, engine_names: list[str], version: int, *, keep: int = 2, prune_now: bool = True
+) -> None:
     """Collective, once every rank's files of ``version`` are durable: rank 0 replaces ``latest.json`` (the
-    commit point), then each other node's first rank writes its copy and old checkpoints are pruned."""
+    commit point), then each other node's first rank writes its copy and old checkpoints are pruned, here
+    or (``prune_now=False``) by the caller, with :func:`prune`."""
     tag, rank = _tag(version), dist.get_rank()
     dist.barrier()
     if rank == 0:
@@ -185,14 +188,19 @@ def commit(ckpt_dir: Path, engine_names: list[str], version: int, *, keep: int =
     if _node_lead():
         if rank != 0:
             _write_json(ckpt_dir / LATEST, {"tag": tag, "version": version})
-        _prune(ckpt_dir, [*engine_names, "state"], keep)
+        if prune_now:
+            prune(ckpt_dir, engine_names, version, keep)
     dist.barrier()
 
 
-def _prune(ckpt_dir: Path, subs: list[str], keep: int) -> None:
+def prune(ckpt_dir: Path, engine_names: list[str], committed: int, keep: int) -> None:
+    """On a node's first rank: remove all but the ``keep`` newest checkpoints up to ``committed``. Newer
+    folders (a write in flight) are never counted, so the committed one is never removed."""
+    if not _node_lead():
+        return
     tags = sorted(p.name for p in (ckpt_dir / "state").iterdir() if p.name.startswith("v"))
-    for old in tags[:-keep]:
-        for sub in subs:
+    for old in [t for t in tags if t <= _tag(committed)][:-keep]:
+        for sub in [*engine_names, "state"]:
             shutil.rmtree(ckpt_dir / sub / old, ignore_errors=True)
 
 

@@ -231,8 +231,16 @@ class AsyncCheckpointer:
             ) from written.error[0]
         if int(failed):
             raise RuntimeError(f"checkpoint v{written.state.version}: another rank could not write its files")
-        checkpoint.commit(self.ckpt_dir, self.engine_names, written.state.version, keep=self.keep)
+        version = written.state.version
+        checkpoint.commit(self.ckpt_dir, self.engine_names, version, keep=self.keep, prune_now=False)
+        # Removing a superseded checkpoint (an rmtree of gigabytes) is off the training thread too.
+        threading.Thread(
+            target=checkpoint.prune,
+            args=(self.ckpt_dir, self.engine_names, version, self.keep),
+            name=f"checkpoint-prune-v{version}",
+            daemon=True,  # a crash mid-prune leaves old folders, which the next prune removes
+        ).start()
         if dist.get_rank() == 0:  # DeepSpeed's own pointer, for its tools (ours is latest.json)
             for name in self.engine_names:
-                (self.ckpt_dir / name / "latest").write_text(f"v{written.state.version:08d}")
+                (self.ckpt_dir / name / "latest").write_text(f"v{version:08d}")
         return written.state

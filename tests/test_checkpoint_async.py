@@ -152,6 +152,27 @@ def test_commit_only_after_the_files_are_durable(tmp_path, monkeypatch) -> None:
     assert writer.poll() is None  # nothing in flight
 
 
+def test_old_checkpoints_are_pruned_off_the_training_thread_and_never_the_committed_one(tmp_path) -> None:
+    """keep=1: after each commit only the committed folder is left (the prune runs on its own thread), and
+    a write in flight is never counted among those kept, so pruning cannot remove the committed one."""
+    e = engine(0)
+    writer = AsyncCheckpointer(tmp_path, keep=1)
+    for version in (1, 2, 3):
+        writer.snapshot({"actor": e}, LearnerState(version, []))
+        writer.wait()
+        deadline = time.monotonic() + 10
+        while len(list((tmp_path / "state").iterdir())) > 1:
+            assert time.monotonic() < deadline, sorted(p.name for p in (tmp_path / "state").iterdir())
+            time.sleep(0.02)
+        assert sorted(p.name for p in (tmp_path / "actor").iterdir() if p.is_dir()) == [f"v{version:08d}"]
+    writer.write_delay_s = 1.0
+    writer.snapshot({"actor": e}, LearnerState(4, []))  # v4 is being written; v3 is the committed one
+    (tmp_path / "state" / "v00000004").mkdir(exist_ok=True)  # as its writer makes it, any moment now
+    checkpoint.prune(tmp_path, ["actor"], 3, keep=1)
+    assert (tmp_path / "state" / "v00000003").is_dir() and (tmp_path / "actor" / "v00000003").is_dir()
+    writer.wait()
+
+
 def test_one_write_in_flight_and_the_wait_is_counted(tmp_path) -> None:
     e = engine(0)
     writer = AsyncCheckpointer(tmp_path)
