@@ -91,11 +91,17 @@ def popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     return _spawner.submit(lambda: subprocess.Popen(cmd, **DETACHED, **kwargs)).result()
 
 
+def _stat_fields(pid: int | str) -> list[bytes]:
+    """``/proc/PID/stat`` from field 3 (the state) on: what follows the command name, which may hold spaces
+    and parentheses of its own. Raises OSError where there is no such process (or no /proc)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
 def start_time(pid: int) -> int | None:
     """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22); ``None`` if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
+        return int(_stat_fields(pid)[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -122,11 +128,10 @@ def reap_group(path: Path) -> list[int]:
     if leader is not None and str(leader) != started:
         return []
     members = []
-    for pid in os.listdir("/proc"):
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                if pid.isdigit() and int(f.read().rsplit(b")", 1)[1].split()[2]) == pgid:
-                    members.append(int(pid))
+            if int(_stat_fields(pid)[2]) == pgid:  # field 5, the process group
+                members.append(int(pid))
         except (OSError, IndexError, ValueError):
             continue
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -142,9 +147,7 @@ def driver_env() -> dict[str, str]:
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
+        return _stat_fields(pid)[0] not in (b"Z", b"X")
     except FileNotFoundError:
         return False
     except (OSError, IndexError):  # no /proc: ask the kernel

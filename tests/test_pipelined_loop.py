@@ -278,6 +278,25 @@ def test_a_batch_that_fails_in_flight_is_counted_and_its_prompts_are_generated_a
     h.telemetry.close()
 
 
+def run_until_it_raises(loop: RolloutLoop, error: type[Exception], went_on: str) -> Exception:
+    """Run ``loop`` on a thread; it must end within the test's timeout (else fail with ``went_on``) by
+    raising ``error``, which is returned."""
+    raised: list[Exception] = []
+
+    def run() -> None:
+        try:
+            loop.run()
+        except error as e:
+            raised.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(TIMEOUT)
+    assert not runner.is_alive(), went_on
+    assert raised, f"the loop ended without raising {error.__name__}"
+    return raised[0]
+
+
 def test_an_engine_whose_process_died_ends_the_loop_and_hands_back_its_prompts(
     redis_server, redis_client, run_id, tiny_ckpt, tmp_path, hf
 ) -> None:
@@ -291,19 +310,8 @@ def test_an_engine_whose_process_died_ends_the_loop_and_hands_back_its_prompts(
     learner = Learner(cfg, redis_client, weights(hf))
     queue_prompts(learner.buffer, hf, 6)
     loop = server_loop(cfg, redis_client, SlowEngine(hf, fail_on=2, error=EngineExited))
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run()
-        except EngineExited as e:
-            failed.append(e)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
-    runner.join(TIMEOUT)
-    assert not runner.is_alive(), "the loop retried an engine whose process had died"
-    assert failed and loop.engine_errors == 0
+    run_until_it_raises(loop, EngineExited, "the loop retried an engine whose process had died")
+    assert loop.engine_errors == 0
     loop.telemetry.close()
     answered = learner.buffer.trajectories_pending() // 2
     assert learner.buffer.prompts_pending() == 6 - answered  # none lost, none still held
@@ -325,19 +333,8 @@ def test_a_group_that_fails_to_score_in_the_scoring_thread_ends_the_loop(
         raise ValueError("reward function failed")
 
     loop.scoring.score = broken  # type: ignore[method-assign]
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run()
-        except ValueError as e:
-            failed.append(e)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
-    runner.join(TIMEOUT)
-    assert not runner.is_alive(), "the loop went on after its scoring thread failed"
-    assert failed and "reward function failed" in str(failed[0])
+    error = run_until_it_raises(loop, ValueError, "the loop went on after its scoring thread failed")
+    assert "reward function failed" in str(error)
     loop.telemetry.close()
     assert learner.buffer.trajectories_pending() == 0
     assert learner.buffer.prompts_pending() == 8  # every prompt handed back, none answered

@@ -140,12 +140,7 @@ class ManagedServer:
     """
 
     def __init__(
-        self,
-        name: str,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str],
-        log_path: str | os.PathLike[str],
+        self, name: str, argv: Sequence[str], *, env: Mapping[str, str], log_path: str | os.PathLike[str]
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -307,10 +302,7 @@ class HttpEngine:
             return s.url
         port = engine_port(s.port, self.server_index, s.host)
         self.server = ManagedServer(
-            f"{name} (server {self.server_index})",
-            argv(port),
-            env=env,
-            log_path=log_path,
+            f"{name} (server {self.server_index})", argv(port), env=env, log_path=log_path
         )
         return engine_url(s.host, port)
 
