@@ -6,7 +6,12 @@ Connected to a run (what launch.py starts; Redis URL and everything else from th
 
 Standalone, a plain OpenAI-compatible inference server with no Redis, no learner and no config file::
 
-    python -m rollout.server --standalone --model DIR [--host 127.0.0.1] [--port 8000] [--api-key K]
+    python -m rollout.server --standalone --model DIR [--lora NAME=DIR ...] [--host 127.0.0.1] [--port 8000]
+        [--api-key K]
+
+``--lora NAME=DIR`` serves a LoRA adapter (a peft directory) beside the base model: requests whose
+``model`` is ``NAME`` take it, and rows of different adapters share the engine's batch
+(rollout/engines/hf_lora.py).
 
 Start-up fails fast (docs/design.md §6.5): Redis must answer, the engine must load and finish one tiny
 generation, and the HTTP port must be bound before the server reports ready (``{run}:ready:server-N``
@@ -211,14 +216,26 @@ def serve_standalone(args: argparse.Namespace, stop: threading.Event) -> int:
     seed_everything(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = HFEngine(
-        args.model, device=args.device, dtype=args.dtype, seed=args.seed, prefix_cache_mb=args.prefix_cache_mb
-    )
+    name = args.served_model_name or Path(args.model).name
+    if name in args.lora:
+        raise SystemExit(f"rollout server: --lora {name}=... takes the served model's own name; rename it")
+    try:
+        engine = HFEngine(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+            prefix_cache_mb=args.prefix_cache_mb,
+            loras=args.lora,
+        )
+    except ValueError as e:  # a --lora directory that is not a servable LoRA adapter
+        raise SystemExit(f"rollout server: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     warm_up(engine, tokenizer)
-    name = args.served_model_name or Path(args.model).name
     metrics = ServerMetrics(engine)
-    http = start_http(engine, tokenizer, args.model, http_cfg, metrics, port=args.port, name=name)
+    http = start_http(
+        engine, tokenizer, args.model, http_cfg, metrics, port=args.port, name=name, adapters=engine.adapters
+    )
     metrics.engine_stats.start()
     # One parseable line for scripts and tests that started us with --port 0.
     print(f"rollout server: serving {name} on http://{http.host}:{http.port}", flush=True)
@@ -275,6 +292,7 @@ def start_http(
     name: str | None = None,
     sink: Callable[[Trajectory], None] | None = None,
     reward_clip: float | None = None,
+    adapters: tuple[str, ...] = (),
 ) -> HTTPServer:
     """Serve the API under the checkpoint directory's name (the full path is accepted too)."""
     model_name = name or Path(model_path).name
@@ -289,6 +307,7 @@ def start_http(
         aliases=(str(model_path),),
         sink=sink,
         reward_clip=reward_clip,
+        adapters=adapters,
     )
     return HTTPServer(app, http_cfg.host, port).start()
 
@@ -309,6 +328,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--standalone", action="store_true", help="serve the HTTP API only: no Redis, no learner")
     ap.add_argument("--model", help="standalone: checkpoint directory")
     ap.add_argument("--served-model-name", help="standalone: model id in the API (default: directory name)")
+    ap.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="standalone: serve the LoRA adapter in DIR (peft) as model NAME beside the base; repeatable",
+    )
     ap.add_argument("--host", default="127.0.0.1", help="standalone: bind address")
     ap.add_argument("--port", type=int, default=8000, help="standalone: port (0 picks a free one)")
     ap.add_argument("--api-key", help="standalone: bearer token required on /v1 (or $TANDEM_API_KEY)")
@@ -327,7 +353,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--standalone needs --model DIR")
     if not args.standalone and not args.config:
         ap.error("give --config FILE (connected to a run) or --standalone --model DIR")
+    if args.lora and not args.standalone:
+        ap.error("--lora serves adapters in --standalone mode only")
+    args.lora = lora_modules(ap, args.lora)
     return args
+
+
+def lora_modules(ap: argparse.ArgumentParser, given: list[str]) -> dict[str, str]:
+    """``--lora NAME=DIR`` arguments as name -> directory; a malformed or repeated name is a usage error."""
+    out: dict[str, str] = {}
+    for arg in given:
+        name, sep, path = arg.partition("=")
+        if not sep or not name or not path:
+            ap.error(f"--lora {arg!r}: give NAME=DIR")
+        if name in out:
+            ap.error(f"--lora {name}: given twice")
+        out[name] = path
+    return out
 
 
 if __name__ == "__main__":

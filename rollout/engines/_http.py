@@ -351,6 +351,8 @@ class HttpEngine:
         pending update then applies first) and ``on_token`` replays the tokens after it. ``on_prompt`` hears
         of each prompt as its reply arrives.
         """
+        if sampling.adapter is not None:  # served adapters are the hf engine's (rollout/engines/hf_lora.py)
+            raise ValueError(f"LoRA adapter {sampling.adapter!r}: only the hf engine serves named adapters")
         if not prompts:
             return []
         if between_steps is not None:

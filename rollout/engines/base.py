@@ -55,6 +55,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (checked on decoded text)
     seed: int | None = None
     constraint: Constraint | None = None  # what the completion must match (rollout/engines/constraint.py)
+    adapter: str | None = (
+        None  # the served LoRA adapter its rows take (hf: rollout/engines/hf_lora.py); None: none
+    )
 
 
 @dataclass

@@ -27,6 +27,10 @@ logits, a sampler error) is sampled again call by call; a call that still fails 
 :class:`SamplingFailed` and its rows leave the batch, while the other calls' rows decode on. Only a
 failed forward, whose KV cache is then unknown, fails every call in the batch.
 
+LoRA adapters given by name (``loras``, the standalone server's ``--lora NAME=DIR``) are served beside the
+base model: a call names one in ``SamplingParams.adapter``, and rows of different adapters share the batch's
+steps, each with its own adapter (peft's mixed-batch forward, :mod:`rollout.engines.hf_lora`).
+
 A vision-language checkpoint (Qwen2-VL; ``vision_config`` in its config) loads as one, with its
 :class:`tandem.vision.VisionProcessor` as ``self.vision``. Its text prompts take the path above; a call
 whose prompts carry images (``generate(..., images=...)``: each prompt's pixel values and grid sizes, its
@@ -44,7 +48,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +66,7 @@ from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnPrompt
 from rollout.engines.constraint import Grammars, advance
 from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
 from rollout.engines.hf_batch import WAIT_POLL_S, Entry, Request, RunningBatch, sample_groups
+from rollout.engines.hf_lora import load_adapters, prefix_seed, row_adapters
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
 from rollout.engines.sampling import sample_tokens
 from tandem.config import RolloutConfig
@@ -109,6 +114,7 @@ class HFEngine:
         zero_copy: bool = False,
         gather_s: float = 0.0,
         record_routing: bool = False,
+        loras: Mapping[str, str] | None = None,
     ) -> None:
         """``zero_copy``: a full update's tensors become the weights rather than being copied into them
         (:meth:`update_weights`); for a colocated engine that sleeps before each new version. ``gather_s``:
@@ -116,7 +122,8 @@ class HFEngine:
         (episodes' turns and agents' calls; 0 for a single-turn run, whose batch arrives whole).
         ``record_routing``: each completion carries the experts every MoE router chose for each fed position
         (``Completion.routed_experts``, for routing replay); it turns the prefix cache off, since a cached
-        prefix is never routed again."""
+        prefix is never routed again. ``loras``: LoRA adapters served beside the base model, name -> peft
+        directory; a call takes one by ``SamplingParams.adapter`` (rollout/engines/hf_lora.py)."""
         self.device = resolve_device(str(device) if device is not None else None)
         self.zero_copy = zero_copy
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
@@ -166,6 +173,9 @@ class HFEngine:
         self.prefix_cache = self._make_prefix_cache(0.0 if self.record_routing else prefix_cache_mb)
         self._grammars: Grammars | None = None  # built at the first constrained call
         self.prefilled_tokens = 0  # real tokens fed by prefills (cached prefixes not counted)
+        # Loaded after the name -> tensor map above: peft keeps each adapted layer's weight as it is.
+        self.adapters: tuple[str, ...] = tuple(loras or ())
+        self._served = load_adapters(self.model, loras) if loras else None
 
     def _record_routing(self) -> list[torch.utils.hooks.RemovableHandle]:
         """A forward hook on each router (found as learner/moe.py finds them) keeping its top-k indices."""
@@ -256,6 +266,8 @@ class HFEngine:
         if images is not None or self.vision is not None:  # (a text model's text call: no cost)
             with_images = self._check_images(prompts, images, sampling)
             if with_images is not None:
+                if sampling.adapter is not None:
+                    raise ValueError("a LoRA adapter takes no image prompts here yet; ask the base model")
                 return self._generate_vision(
                     prompts, with_images, sampling, generator, between_steps, on_token, on_prompt
                 )
@@ -279,6 +291,9 @@ class HFEngine:
             or sampling.top_k < 0
         ):
             raise ValueError("temperature must be finite and >= 0, top_p in (0, 1], top_k >= 0")
+        if sampling.adapter is not None and sampling.adapter not in self.adapters:
+            served = ", ".join(self.adapters) or "none"
+            raise ValueError(f"LoRA adapter {sampling.adapter!r} is not served here (served: {served})")
         vocab = self.text_config.vocab_size
         for i, p in enumerate(prompts):
             if not p:
@@ -472,20 +487,24 @@ class HFEngine:
             picks: list[tuple[torch.Tensor, torch.Tensor]] = []
             if running:
                 ids, mask, positions, cache = batch.decode_inputs()
-                picks.append(self._sample(batch.entries, self._forward(ids, mask, positions, cache)))
+                adapters = [e.request.sampling.adapter for e in batch.entries]
+                picks.append(
+                    self._sample(batch.entries, self._forward(ids, mask, positions, cache, adapters))
+                )
                 self._take_routing(batch.entries, torch.ones_like(ids))
             if batch.pending:
                 joining, batch.pending = batch.pending, []
                 # Under the lock: the cached KV and this forward see the same weights.
                 epoch = self.prefix_cache.epoch if self.prefix_cache is not None else 0
+                adapters = [e.request.sampling.adapter for e in joining]
                 ids, mask, positions, cache, hashes = self._prefill_inputs(
-                    [e.request.rows[e.row] for e in joining]
+                    [e.request.rows[e.row] for e in joining], adapters
                 )
                 for e, h in zip(joining, hashes, strict=True):
                     e.hashes, e.epoch = h, epoch
                 # No padding (one GRPO group, or an episode round's rows hitting alike): plain causal
                 # attention, and transformers builds no 4-D mask.
-                logits = self._forward(ids, None if bool(mask.all()) else mask, positions, cache)
+                logits = self._forward(ids, None if bool(mask.all()) else mask, positions, cache, adapters)
                 self._take_routing(joining, mask[:, mask.shape[1] - ids.shape[1] :])
                 tokens, logps = self._sample(joining, logits)
                 picks.append((tokens, logps))
@@ -559,10 +578,10 @@ class HFEngine:
         return tokens, logps
 
     def _prefill_inputs(
-        self, rows: list[list[int]]
+        self, rows: list[list[int]], adapters: Sequence[str | None]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache, list[list[int]]]:
         """The prefill's ids (B, S), mask (B, C + S), positions (B, S), cache (C columns), and each row's
-        prefix hashes (for storing it later; empty without a prefix cache).
+        prefix hashes (for storing it later; empty without a prefix cache), seeded by the row's adapter.
 
         Each row's cached prefix (``c_i`` tokens) sits left-padded in the cache and the rest of the row
         (its suffix) left-padded in the ids: ``[pad, cached, pad, suffix]``, both paddings masked, positions
@@ -571,7 +590,8 @@ class HFEngine:
         hashes: list[list[int]] = [[] for _ in rows]
         hits: list[tuple[int, LayerKV] | None] = [None] * len(rows)
         if cache is not None:
-            hashes = [prefix_hashes(r) for r in rows]
+            seeds = [prefix_seed(a, self.adapters) for a in adapters]
+            hashes = [prefix_hashes(r, (seed,)) for r, seed in zip(rows, seeds, strict=True)]
             hits = [cache.longest(r, h) for r, h in zip(rows, hashes, strict=True)]
         if any(hit is not None for hit in hits):
             kv, cached = left_padded_kv(hits)
@@ -644,20 +664,26 @@ class HFEngine:
         mask: torch.Tensor | None,
         positions: torch.Tensor,
         cache: DynamicCache,
+        adapters: Sequence[str | None] = (),
         **vision: torch.Tensor,
     ) -> torch.Tensor:
         """Logits of the last position; ``mask`` None when no row is padded (causal attention). ``vision``:
         a prompt's image inputs, with 3-D positions ``(3, B, t)`` (so the model keeps no rope state).
+        ``adapters``: each row's served LoRA adapter (None: the base model), with adapters served.
 
         Shapes: ids/positions (B, t), mask (B, T_total) -> (B, V)."""
         self._routing = []  # what a failed forward left
-        out = self.model(
+        model, served = self.model, {}
+        if self._served is not None:  # peft's mixed batch: each row its own adapter (hf_lora.py)
+            model, served = self._served, {"adapter_names": row_adapters(adapters or [None] * len(input_ids))}
+        out = model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **served,
             **vision,
         )
         return self._suppressed(out.logits[:, -1].float())

@@ -78,12 +78,15 @@ class API:
         metrics: ServerMetrics,
         max_context: int | None,
         aliases: tuple[str, ...] = (),
+        adapters: tuple[str, ...] = (),
         sink: Callable[[Trajectory], None] | None = None,
         reward_clip: float | None = None,
     ) -> None:
         self.engine, self.http, self.metrics = engine, http, metrics
-        self.model_name, self.created = model_name, int(time.time())
-        self.inputs = EngineInputs(tokenizer, http, names={model_name, *aliases}, max_context=max_context)
+        self.model_name, self.created, self.adapters = model_name, int(time.time()), adapters
+        self.inputs = EngineInputs(
+            tokenizer, http, names={model_name, *aliases}, max_context=max_context, adapters=adapters
+        )
         self.prompts = ChatPrompts(tokenizer)
         self.choices = Choices(tokenizer, http)
         self.streaming = Streaming(engine, metrics, self.choices)
@@ -201,10 +204,13 @@ class API:
         return {**head, "choices": choices, "usage": usage([prompt], out, sampling.n)}
 
     def models(self) -> dict[str, Any]:
+        """The base model, then each served LoRA adapter with the base as its ``parent`` (as vLLM lists them)."""
+        card = {"object": "model", "created": self.created, "owned_by": "tandem"}
         return {
             "object": "list",
             "data": [
-                {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}
+                {"id": self.model_name, **card},
+                *({"id": name, **card, "parent": self.model_name} for name in self.adapters),
             ],
         }
 
@@ -218,11 +224,13 @@ def create_app(
     metrics: ServerMetrics,
     max_context: int | None = None,
     aliases: tuple[str, ...] = (),
+    adapters: tuple[str, ...] = (),
     sink: Callable[[Trajectory], None] | None = None,
     reward_clip: float | None = None,
 ) -> FastAPI:
     """The FastAPI app of one server. ``max_context`` bounds prompt + max_tokens (None: no check here);
-    ``reward_clip``: a finished session's reward is clipped to [-clip, clip] (``reward.clip``)."""
+    ``adapters``: the LoRA adapters the engine serves, each a ``model`` of its own; ``reward_clip``: a
+    finished session's reward is clipped to [-clip, clip] (``reward.clip``)."""
     api = API(
         engine,
         tokenizer,
@@ -231,6 +239,7 @@ def create_app(
         metrics=metrics,
         max_context=max_context,
         aliases=aliases,
+        adapters=adapters,
         sink=sink,
         reward_clip=reward_clip,
     )

@@ -28,9 +28,13 @@ class EngineInputs:
         *,
         names: set[str],
         max_context: int | None,
+        adapters: tuple[str, ...] = (),
     ) -> None:
+        """``names``: what ``model`` may say for the base model; ``adapters``: the served LoRA adapters'
+        names, each generating with its adapter (rollout/engines/hf_lora.py)."""
         self.tokenizer, self.http = tokenizer, http
-        self.names, self.max_context = names, max_context
+        self.max_context, self.adapters = max_context, adapters
+        self.names = names | set(adapters)
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -87,6 +91,7 @@ class EngineInputs:
             stop=[] if constraint is not None else req.stop_list(),
             seed=req.seed,
             constraint=constraint,
+            adapter=req.model if req.model in self.adapters else None,
         )
 
     def constraint(self, req: SamplingFields) -> Constraint | None:
