@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 import torch
@@ -190,6 +191,24 @@ def test_the_http_api_lists_the_adapters_and_routes_each_request_by_model(engine
             assert r.model == model
         with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
             client.completions.create(model="nope", prompt="hi", max_tokens=2)
+        # Chat and the Messages API pass the model through too: the same adapter answers both alike.
+        said = {}
+        for model in ("tiny", "echo"):
+            chat = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+            )
+            said[model] = chat.choices[0].message.content
+            claude = anthropic.Anthropic(
+                base_url=f"http://127.0.0.1:{server.port}", api_key="-", max_retries=0
+            )
+            reply = claude.messages.create(  # (this SDK release no longer takes temperature itself)
+                model=model,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=8,
+                extra_body={"temperature": 0},
+            )
+            assert "".join(b.text for b in reply.content if b.type == "text") == said[model]
+        assert said["tiny"] != said["echo"]
     finally:
         server.stop()
 
