@@ -10,8 +10,8 @@ from pathlib import Path
 import redis
 
 from tandem import fleet
-from tandem.config import Config
-from tandem.telemetry import history_key, history_path, read_history, stats_key
+from tandem.config import Config, adapter_run_dir
+from tandem.telemetry import history_key, history_path, latest_stats, read_history
 
 
 class Console:
@@ -45,16 +45,11 @@ class Console:
             self.progress.stop()
 
 
-def _read_stats(client: redis.Redis, run: str, proc: str) -> dict[str, float]:
-    raw = client.hgetall(stats_key(run, proc))
-    return {k.decode(): json.loads(v) for k, v in raw.items()}
-
-
 def status_line(client: redis.Redis, cfg: Config) -> tuple[int, str]:
     """The learner's step and one line of its latest reward, staleness and throughput."""
-    learner = _read_stats(client, cfg.run.name, "learner")
+    learner = latest_stats(client, cfg.run.name, "learner")
     names = fleet.members(client, cfg.run.name)  # joiners included, servers that left not
-    servers = [_read_stats(client, cfg.run.name, name) for name in names]
+    servers = [latest_stats(client, cfg.run.name, name) for name in names]
     gen = sum(s.get("rollout/tokens_per_s", 0.0) for s in servers)
     step = int(learner.get("learner/version", 0))
     stats = (
@@ -104,10 +99,30 @@ def summarize(
     marks = [rows[round(i * (len(rows) - 1) / max(1, n_marks - 1))] for i in range(n_marks)]
     print("[launch] reward curve: " + "  ".join(f"{int(r['step'])}:{r['reward/mean']:.2f}" for r in marks))
     plot_rewards(cfg, run_dir, [r["time"] - t0 for r in rows], rewards)
+    if adapters := summarize_adapters(cfg, client, run_dir):
+        summary["adapters"] = adapters
     if evals := summarize_evals(cfg, client, run_dir):
         summary["eval"] = evals
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def summarize_adapters(cfg: Config, client: redis.Redis, run_dir: Path) -> dict[str, dict[str, float]]:
+    """With ``learner.lora.adapters``: each adapter's run's histories into its folder, and its reward over
+    the first and last tenth of its steps, printed and returned by adapter name."""
+    out = {}
+    for name, run in cfg.adapter_runs().items():
+        folder = adapter_run_dir(run_dir, name)
+        folder.mkdir(parents=True, exist_ok=True)
+        copy_histories(run, client, folder)
+        rewards = [r["reward/mean"] for r in read_history(folder, "learner") if "reward/mean" in r]
+        if not rewards:
+            continue
+        k = max(1, len(rewards) // 10)
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        out[name] = {"steps": len(rewards), "reward_first": first, "reward_last": last}
+        print(f"[launch] adapter {name}: reward first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
+    return out
 
 
 def copy_histories(cfg: Config, client: redis.Redis, run_dir: Path) -> None:

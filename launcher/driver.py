@@ -31,11 +31,11 @@ from buffer.redis_server import EmbeddedRedis
 from buffer.retry import RedisUnavailable, connect_run
 from launcher.backends import Backend, Outcome, StartError
 from launcher.console import Console, status_line, summarize
-from launcher.feeder import PromptFeeder, PromptSet
+from launcher.feeder import Feeders, PromptSet
 from launcher.prepare import how_to_make
 from launcher.run_plan import RunPlan, plan_run
 from launcher.supervision import RestartPolicy, Restarts
-from tandem.config import Config, ConfigError, dump_config, write_private
+from tandem.config import Config, ConfigError, adapter_run_dir, dump_config, write_private
 from tandem.config.checks import vision_checks_for
 from tandem.procs import alive, reap_group
 from tandem.telemetry import ready_key, stop_key
@@ -202,7 +202,11 @@ def _run_dir(cfg: Config, resume: Path | None, *, fresh: bool) -> Path:
 
 
 def checkpointed_version(cfg: Config, run_dir: Path) -> int | None:
-    """The version of the run's newest committed checkpoint (``latest.json``); None: none yet."""
+    """The version of the run's newest committed checkpoint (``latest.json``); None: none yet. With
+    ``learner.lora.adapters``, the lowest of the adapters' (each resumes from its own)."""
+    if runs := cfg.adapter_runs():
+        versions = [checkpointed_version(run, adapter_run_dir(run_dir, name)) for name, run in runs.items()]
+        return None if None in versions else min(v for v in versions if v is not None)
     latest = Path(cfg.learner.checkpoint_dir or run_dir / "checkpoints") / "latest.json"
     try:
         return int(json.loads(latest.read_text())["version"])
@@ -315,7 +319,7 @@ class RedisKeeper:
 
 
 def tick(
-    cfg: Config, backend: Backend, client: redis.Redis, keeper: RedisKeeper, feeder: PromptFeeder
+    cfg: Config, backend: Backend, client: redis.Redis, keeper: RedisKeeper, feeder: Feeders
 ) -> Outcome | None:
     """One supervision step: Redis first, then prompts, then the backend's processes."""
     if (outcome := keeper.tick()) is not None:
@@ -334,7 +338,7 @@ def wait_ready(
     backend: Backend,
     client: redis.Redis,
     keeper: RedisKeeper,
-    feeder: PromptFeeder,
+    feeder: Feeders,
 ) -> Outcome:
     """Every role ready within run.ready_timeout_s; one that dies meanwhile is restarted like any crash."""
     deadline = time.monotonic() + cfg.run.ready_timeout_s
@@ -360,7 +364,7 @@ def supervise(
     backend: Backend,
     client: redis.Redis,
     keeper: RedisKeeper,
-    feeder: PromptFeeder,
+    feeder: Feeders,
     console: Console,
     watch: Watch | None = None,
 ) -> Outcome:
@@ -478,9 +482,7 @@ def _run(
         forget_last_life(cfg, client)
         config_path = write_process_config(cfg, run_dir)
 
-        from buffer.streams import ReplayBuffer
-
-        feeder = PromptFeeder(cfg, prompts, ReplayBuffer.from_config(client, cfg, consumer="launch"), client)
+        feeder = Feeders(cfg, prompts, client)
         feeder.top_up()
         plan = plan_run(cfg, run_dir, config_path, resume=resume is not None)
         for role in plan.roles:
@@ -519,10 +521,16 @@ def record_config(cfg: Config, run_dir: Path, *, resumed: bool) -> None:
 def forget_last_life(cfg: Config, client: redis.Redis) -> None:
     """Clear what a previous life of this run left in Redis that would stop or mislead this one: its stop
     request, and the weight publisher that died with it."""
-    client.delete(stop_key(cfg.run.name))
     from weightsync.dist import forget_dead_publisher  # torch: not at the launcher's import
 
-    forget_dead_publisher(client, cfg.run.name)
+    for run in runs_of(cfg):
+        client.delete(stop_key(run.run.name))
+        forget_dead_publisher(client, run.run.name)
+
+
+def runs_of(cfg: Config) -> list[Config]:
+    """The run, and with ``learner.lora.adapters`` each adapter's run (each its own Redis keys)."""
+    return [cfg, *cfg.adapter_runs().values()]
 
 
 def supervise_with_console(
@@ -530,7 +538,7 @@ def supervise_with_console(
     backend: Backend,
     client: redis.Redis,
     keeper: RedisKeeper,
-    feeder: PromptFeeder,
+    feeder: Feeders,
     console_enabled: bool,
     watch: Watch | None,
 ) -> Outcome:
@@ -558,8 +566,9 @@ def stop_run(
         with contextlib.suppress(Exception):  # the processes still flushing need it, and the summary
             embedded.restart()
     if client is not None:
-        with contextlib.suppress(redis.RedisError):
-            client.set(stop_key(cfg.run.name), "1")  # ask everyone to finish (the learner checkpoints)
+        with contextlib.suppress(redis.RedisError):  # ask everyone to finish (the learner checkpoints)
+            for run in runs_of(cfg):
+                client.set(stop_key(run.run.name), "1")
     if started:
         backend.stop(grace_s=60.0)
         # engine servers a killed rollout server left behind (tandem/procs.py)
@@ -572,3 +581,5 @@ def stop_run(
     if embedded is not None:
         embedded.stop()
     remove_shared_weights(cfg, run_dir)
+    for name, run in cfg.adapter_runs().items():
+        remove_shared_weights(run, adapter_run_dir(run_dir, name))

@@ -23,10 +23,22 @@ class PromptSet:
     records: list[dict]
     tokens: list[list[int]]
     rejected: list = field(default_factory=list)  # tandem.data.Rejected
+    adapters: dict[str, PromptSet] = field(default_factory=dict)  # learner.lora.adapters: each run's own
 
     @classmethod
     def load(cls, cfg: Config) -> PromptSet:
-        """Raises ConfigError naming the record and field, before any process starts."""
+        """Raises ConfigError naming the record and field, before any process starts. With
+        ``learner.lora.adapters``, each adapter's run's prompts too (``adapters``)."""
+        prompts = cls._load(cfg)
+        for name, run in cfg.adapter_runs().items():
+            try:
+                prompts.adapters[name] = cls._load(run)
+            except ConfigError as e:
+                raise ConfigError(f"learner.lora.adapters {name}: {e}") from None
+        return prompts
+
+    @classmethod
+    def _load(cls, cfg: Config) -> PromptSet:
         from transformers import AutoTokenizer
 
         from tandem.data import DatasetError, Rejected, prompt_records, prompt_token_ids, raw_line
@@ -158,6 +170,7 @@ class PromptFeeder:
         return self._order[1]
 
     def top_up(self) -> int:
+        """Append prompts until the stream is ``depth`` deep again; returns how many."""
         from buffer.schema import PromptRecord
 
         missing = self.depth - self.buffer.prompts_pending()
@@ -184,3 +197,20 @@ class PromptFeeder:
         if batch and self.buffer.feed_prompts(batch, position_key=self.key, at=at, to=(epoch, index)) < 0:
             return 0  # the position moved since it was read (a retried top-up that had run): nothing twice
         return len(batch)
+
+
+class Feeders:
+    """The run's prompt feeders: its own, or with ``learner.lora.adapters`` one per adapter's run."""
+
+    def __init__(self, cfg: Config, prompts: PromptSet, client: redis.Redis) -> None:
+        from buffer.streams import ReplayBuffer
+
+        runs = cfg.adapter_runs()
+        feeds = [(run, prompts.adapters[name]) for name, run in runs.items()] or [(cfg, prompts)]
+        self.feeders = [
+            PromptFeeder(run, p, ReplayBuffer.from_config(client, run, consumer="launch"), client)
+            for run, p in feeds
+        ]
+
+    def top_up(self) -> int:
+        return sum(f.top_up() for f in self.feeders)

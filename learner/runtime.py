@@ -148,6 +148,10 @@ class Runtime:
         log.info("signal %d: finishing the current step, then a final checkpoint", signum)
         self._signalled = True
 
+    def request_stop(self) -> None:
+        """Stop as a signal would: the current step finishes, then the final checkpoint."""
+        self._signalled = True
+
     def stop_requested(self) -> bool:
         return self._signalled or self.telemetry.stop_requested()
 

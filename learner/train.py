@@ -51,7 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     setup_logging(cfg.logging.level)
-    recipe_class(cfg.algorithm.recipe)(cfg, args.run_dir, resume=args.resume, layout=args.layout).run()
+    if cfg.learner.lora.adapters:  # several adapters at once, a run each (learner/adapter_runs.py)
+        from learner.adapter_runs import train_adapters
+
+        train_adapters(cfg, args.run_dir, resume=args.resume, layout=args.layout)
+    else:
+        recipe_class(cfg.algorithm.recipe)(cfg, args.run_dir, resume=args.resume, layout=args.layout).run()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -22,6 +22,7 @@ answer stay pending in Redis for another server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import random
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from rollout.evaluate import Evaluator
     from rollout.reference import ReferenceModel
     from tandem.rewards import RewardFunctions
+    from weightsync.base import Subscriber
 
 log = logging.getLogger("rollout.server")
 
@@ -74,19 +76,45 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
     from buffer.streams import ReplayBuffer
-    from rollout.loop import RolloutLoop
-    from rollout.reference import load_reference
-    from rollout.reward_model import reward_model_of
-    from tandem.rewards import RewardFunctions
     from weightsync import make_subscriber
 
     cfg = load_config(args.config, args.overrides)
     sid, name = args.server_index, f"server-{args.server_index}"
     set_up_process(cfg, sid)
     client = connect_redis(cfg)
+    if cfg.learner.lora.adapters:  # several adapters, a run each, on this one engine
+        return serve_adapter_runs(cfg, args, client, stop)
     buffer = ReplayBuffer.from_config(client, cfg, consumer=name)
     subscriber = make_subscriber(cfg, client, name, run_dir=args.run_dir)
     engine, tokenizer = start_engine(cfg, client, sid)
+    try:
+        serve_run(cfg, args, client, engine, tokenizer, buffer, subscriber, stop)
+    finally:
+        engine.close()
+        client.close()
+    return 0
+
+
+def serve_run(
+    cfg: Config,
+    args: argparse.Namespace,
+    client: redis.Redis,
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    buffer: ReplayBuffer,
+    subscriber: Subscriber,
+    stop: threading.Event,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """One run's rollout loop on ``engine`` until it stops: its rewards, scorers, HTTP API, telemetry and
+    fleet membership around it, each closed on the way out (the engine and client are the caller's).
+    ``on_ready``: called once the loop is built and the server marked ready for this run."""
+    from rollout.loop import RolloutLoop
+    from rollout.reference import load_reference
+    from rollout.reward_model import reward_model_of
+    from tandem.rewards import RewardFunctions
+
+    sid, name = args.server_index, f"server-{args.server_index}"
     rewards = RewardFunctions(cfg.reward)
     # placement.reward_model: own: the reward model worker scores instead (rollout/own_scorer.py)
     reward_model = None if "reward_model" in cfg.own_scorers else reward_model_of(cfg)
@@ -111,6 +139,8 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         evaluator=evaluator,
     )
     telemetry.mark_ready(http_port=http.port if http else None)
+    if on_ready is not None:
+        on_ready()
     fleet = Beat(client, cfg.run.name, name).start()  # counted in the fleet until it leaves (§1.8)
     log.info(
         "%s ready (engine %s, weights v%d, %d torch threads)",
@@ -132,12 +162,106 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
             from weightsync.engine_push import unregister_engine
 
             unregister_engine(client, cfg.run.name, sid)
-        engine.close()
         if evaluator is not None:
             evaluator.telemetry.close()
         telemetry.close()
+
+
+def serve_adapter_runs(
+    cfg: Config, args: argparse.Namespace, client: redis.Redis, stop: threading.Event
+) -> int:
+    """Serve every adapter's run on one hf engine until they stop: each run's buffer and weight subscriber
+    (registered before the engine loads, as for one run), then its loop on a thread of its own. The server
+    is ready for the run as a whole once every adapter's loop is; one loop that fails stops the others and
+    fails the server, which its supervisor restarts."""
+    from buffer.streams import ReplayBuffer
+    from rollout.engines.hf_lora import AdapterEngine
+    from tandem import plugins
+    from weightsync import make_subscriber
+
+    name = f"server-{args.server_index}"
+    # One HTTP API for the engine, serving each adapter by name, not one per adapter's run.
+    runs = {a: without_http(run) for a, run in cfg.adapter_runs().items()}
+    parts = {
+        adapter: (
+            ReplayBuffer.from_config(client, run, consumer=name),
+            make_subscriber(run, client, name, run_dir=args.run_dir),
+        )
+        for adapter, run in runs.items()
+    }
+    engine, tokenizer = start_engine(cfg, client, args.server_index)
+    assert isinstance(engine, HFEngine)
+    http = None
+    if cfg.rollout.http.enabled:
+        port = cfg.rollout.http.port + args.server_index if cfg.rollout.http.port else 0
+        metrics = ServerMetrics(engine)
+        http = start_http(
+            engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port, adapters=engine.adapters
+        )
+    ready = threading.Barrier(len(runs) + 1)
+    failed: list[BaseException] = []
+
+    def serve(adapter: str) -> None:
+        buffer, subscriber = parts[adapter]
+        try:
+            serve_run(
+                runs[adapter],
+                args,
+                client,
+                AdapterEngine(engine, adapter),
+                tokenizer,
+                buffer,
+                subscriber,
+                stop,
+                on_ready=lambda: ready.wait(),
+            )
+        except BaseException as e:
+            log.exception("adapter %s: its rollout loop failed", adapter)
+            failed.append(e)
+            ready.abort()  # a loop that failed before it was ready
+            stop.set()
+
+    for run in runs.values():  # imported here, one at a time: threads importing at once can deadlock
+        plugins.require(plugins.check_plugins(run))
+    threads = [threading.Thread(target=serve, args=(a,), name=f"adapter-{a}") for a in runs]
+    for t in threads:
+        t.start()
+    beat = None
+    try:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            ready.wait()
+            Telemetry(quiet(cfg), name, client).mark_ready(
+                adapters=list(runs), http_port=http.port if http else None
+            )
+            log.info("%s ready: adapters %s on one engine", name, ", ".join(runs))
+            beat = Beat(client, cfg.run.name, name).start()  # the run's fleet, as the console counts it
+        for t in threads:
+            t.join()
+    finally:
+        if beat is not None:
+            beat.stop()
+        if http is not None:
+            http.stop()
+        engine.close()
         client.close()
+    if failed:
+        raise failed[0]
     return 0
+
+
+def without_http(cfg: Config) -> Config:
+    return cfg.model_copy(
+        update={
+            "rollout": cfg.rollout.model_copy(
+                update={"http": cfg.rollout.http.model_copy(update={"enabled": False})}
+            )
+        }
+    )
+
+
+def quiet(cfg: Config) -> Config:
+    """``cfg`` logging nothing to wandb (the run as a whole marks readiness; each adapter's run logs)."""
+    return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"wandb_mode": "disabled"})})
 
 
 def set_up_process(cfg: Config, sid: int) -> None:

@@ -48,6 +48,11 @@ def stop_key(run: str) -> str:
     return f"{run}:stop"
 
 
+def latest_stats(client: redis.Redis, run: str, proc: str) -> dict[str, float]:
+    """The latest metrics ``proc`` of ``run`` logged, as mirrored into Redis (:meth:`Telemetry.log`)."""
+    return {k.decode(): json.loads(v) for k, v in client.hgetall(stats_key(run, proc)).items()}
+
+
 def history_path(run_dir: str | os.PathLike[str], proc: str) -> Path:
     """The file a run's history of ``proc`` (``learner``, ``server-0``, ``reference``, ...) is written to."""
     return Path(run_dir) / f"{proc}{HISTORY_SUFFIX}"

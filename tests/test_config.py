@@ -140,7 +140,8 @@ def _every_field(model: type, prefix: str = "") -> dict[str, str]:
     for name, field in model.model_fields.items():
         path = f"{prefix}{field.alias or name}"  # the key a config writes (algorithm.distill.as)
         inner = sections(field.annotation)
-        list_of = getattr(field.annotation, "__origin__", None) is list
+        ann = field.annotation  # a list, or a list that may be null
+        list_of = any(getattr(a, "__origin__", None) is list for a in (ann, *get_args(ann)))
         if inner and not list_of and type(None) not in get_args(field.annotation):
             for s in inner:
                 out.update(_every_field(s, path + "."))

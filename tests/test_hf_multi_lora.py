@@ -23,7 +23,7 @@ from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from rollout.server import parse_args
 from tandem.config import HTTPConfig
-from weightsync.base import Update
+from weightsync.base import Update, WeightSyncError
 
 NAMES = ("echo", "reverse")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -235,3 +235,38 @@ def test_the_standalone_server_reads_lora_modules(tmp_path: Path) -> None:
             parse_args(["--standalone", "--model", "m", *bad])
     with pytest.raises(SystemExit):
         parse_args(["--config", "c.yaml", "--lora", "a=/x"])
+
+
+def test_an_empty_adapter_takes_a_learners_adapter_only_updates_each_with_its_own_version(
+    tiny_ckpt: dict[str, Path], adapters: dict[str, Path], references: dict[str | None, HFEngine]
+) -> None:
+    """As each adapter's run does (learner.lora.adapters): the adapter starts as the base model, then a
+    LoRA actor's published update (learner/lora.py adapter_tensors) makes it decode as that actor."""
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from learner.lora import adapter_tensors
+
+    empty = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
+    engine = HFEngine(str(tiny_ckpt["actor"]), device="cpu", loras={"one": empty, "two": empty})
+    rows = prompts(engine)[:1]
+    as_base = SamplingParams(max_new_tokens=12, temperature=0.0, adapter="one")
+    (base,) = references[None].generate(rows, GREEDY)[0]
+    assert engine.generate(rows, as_base)[0][0].token_ids == base.token_ids
+    actor = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"]), str(adapters["echo"])
+    )
+    published = dict(adapter_tensors(actor, actor.named_parameters()))
+    engine.update_adapter("one", Update(7, [], lambda: iter(published.items())))
+    (got,) = engine.generate(rows, as_base)[0]
+    (want,) = references["echo"].generate(rows, GREEDY)[0]
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=2e-4)
+    assert set(got.versions) == {7} and engine.adapter_version("one") == 7
+    (other,) = engine.generate(rows, SamplingParams(max_new_tokens=12, temperature=0.0, adapter="two"))[0]
+    assert other.token_ids == base.token_ids and set(other.versions) == {0}  # b and the base untouched
+    assert engine.generate(rows, GREEDY)[0][0].token_ids == base.token_ids
+    wrong = {k: (v[:2] if k.endswith("lora_A.weight") else v) for k, v in published.items()}
+    with pytest.raises(WeightSyncError, match="the update's A"):
+        engine.update_adapter("two", Update(1, [], lambda: iter(wrong.items())))
+    assert engine.adapter_version("two") == 0

@@ -168,3 +168,21 @@ def test_every_shipped_preset_runs_with_one_command(
         assert all({"env/turns"} < {k for k in r if k.startswith("env/")} for r in rows if "reward/mean" in r)
     if raw.get("algorithm", {}).get("advantage") == "gae":
         assert all("loss/value" in r for r in rows if "reward/mean" in r)  # the critic trained
+    if adapters := ((raw.get("learner") or {}).get("lora") or {}).get("adapters"):
+        assert_each_adapter_trained_on_its_own(adapters, raw, run_dir)
+
+
+def assert_each_adapter_trained_on_its_own(adapters: list[dict], raw: dict, run_dir: Path) -> None:
+    """Several adapters at once (learner.lora.adapters): each trained every step, on its own dataset's
+    prompts only, and checkpointed in its own folder."""
+    summary = json.loads((run_dir / "summary.json").read_text())["adapters"]
+    for adapter in adapters:
+        name, folder = adapter["name"], run_dir / "adapters" / adapter["name"]
+        dataset = Path(adapter.get("prompts") or raw["data"]["prompts"]).name
+        rows = read_history(folder, "learner")
+        assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
+        assert summary[name]["steps"] == STEPS
+        trained = [json.loads(line) for line in (folder / "trained.jsonl").open()]
+        tasks = {p.split("-")[0] for line in trained for p in line["prompts"]}
+        assert tasks == {dataset.removesuffix(".jsonl")}, (name, tasks)
+        assert json.loads((folder / "checkpoints" / "latest.json").read_text())["version"] == STEPS

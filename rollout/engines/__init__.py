@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from rollout.engines.base import Completion, Engine, SamplingParams
 from tandem.config import Config
@@ -41,8 +42,22 @@ def make_engine(cfg: Config, model_path: str, *, server_index: int = 0, device: 
             # Colocated and releasing memory, the shm version's pages are the engine's weights (§11.1).
             zero_copy=cfg.releases_memory,
             record_routing=cfg.algorithm.routing_replay == "rollout",
+            loras=served_adapters(cfg) or None,
         )
     return cls(cfg, model_path, server_index=server_index, device=device)
+
+
+def served_adapters(cfg: Config) -> dict[str, Any]:
+    """Each of ``learner.lora.adapters`` as the hf engine serves it (rollout/server.py): a peft
+    ``LoraConfig`` of the learner's rank, α and target modules, empty (B = 0: the base model) until its
+    run's version 0 arrives."""
+    lora = cfg.learner.lora
+    if not lora.adapters:
+        return {}
+    from peft import LoraConfig
+
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules))
+    return {a.name: config for a in lora.adapters}
 
 
 __all__ = ["Completion", "Engine", "SamplingParams", "make_engine"]

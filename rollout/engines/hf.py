@@ -49,6 +49,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnPrompt
 from rollout.engines.constraint import Grammars, advance
 from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
 from rollout.engines.hf_batch import WAIT_POLL_S, Entry, Request, RunningBatch, sample_groups
-from rollout.engines.hf_lora import load_adapters, prefix_seed, row_adapters
+from rollout.engines.hf_lora import load_adapters, prefix_seed, row_adapters, set_adapter
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
 from rollout.engines.sampling import sample_tokens
 from tandem.config import RolloutConfig
@@ -81,6 +82,9 @@ from tandem.vision import (
 )
 from weightsync.adapters import apply_adapter, is_adapter_tensor
 from weightsync.base import Update, WeightSyncError
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +118,7 @@ class HFEngine:
         zero_copy: bool = False,
         gather_s: float = 0.0,
         record_routing: bool = False,
-        loras: Mapping[str, str] | None = None,
+        loras: Mapping[str, str | LoraConfig] | None = None,
     ) -> None:
         """``zero_copy``: a full update's tensors become the weights rather than being copied into them
         (:meth:`update_weights`); for a colocated engine that sleeps before each new version. ``gather_s``:
@@ -176,6 +180,7 @@ class HFEngine:
         # Loaded after the name -> tensor map above: peft keeps each adapted layer's weight as it is.
         self.adapters: tuple[str, ...] = tuple(loras or ())
         self._served = load_adapters(self.model, loras) if loras else None
+        self._adapter_versions = dict.fromkeys(self.adapters, 0)  # each served adapter's weight version
 
     def _record_routing(self) -> list[torch.utils.hooks.RemovableHandle]:
         """A forward hook on each router (found as learner/moe.py finds them) keeping its top-k indices."""
@@ -225,6 +230,13 @@ class HFEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    def adapter_version(self, name: str) -> int:
+        """The weight version of served adapter ``name`` (0 until :meth:`update_adapter` first loads it)."""
+        return self._adapter_versions[name]
+
+    def _row_version(self, adapter: str | None) -> int:
+        return self._version if adapter is None else self._adapter_versions[adapter]
 
     def stats(self) -> EngineStats:
         """Bytes of the running batch's KV cache, its rows, and the rows waiting to join it at the next step.
@@ -481,7 +493,7 @@ class HFEngine:
     def _step(self) -> None:
         """One step of the running batch: decode its rows, admit the waiting ones, record every token."""
         batch = self._batch
-        version = self._version
+        version, adapter_versions = self._version, dict(self._adapter_versions)
         try:
             running = len(batch)
             picks: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -526,7 +538,8 @@ class HFEngine:
             c, s = e.completion, e.request.sampling
             if e.matcher is not None:
                 advance(e.matcher, token)
-            stopped = self._append(c, token, logp, version, e.request.stop_ids, s.stop)
+            v = version if s.adapter is None else adapter_versions[s.adapter]
+            stopped = self._append(c, token, logp, v, e.request.stop_ids, s.stop)
             if e.request.on_token is not None:
                 e.request.on_token(e.row, token, logp)
             if not stopped and len(c.token_ids) < s.max_new_tokens:
@@ -746,6 +759,20 @@ class HFEngine:
                 )
             self._version = update.version
         log.debug("applied weights v%d in %.3fs", update.version, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def update_adapter(self, name: str, update: Update) -> None:
+        """Load an adapter-only update (a LoRA actor's ``lora_A``/``lora_B``/``lora_scaling``) into served
+        adapter ``name``: its rows decode with it from the next step, the base and other adapters untouched."""
+        if name not in self._adapter_versions:
+            raise WeightSyncError(f"update v{update.version}: no served adapter named {name!r}")
+        with self._lock:
+            self._clear_prefix_cache()  # (one adapter's entries would do; updates are rare next to steps)
+            try:
+                set_adapter(self.model, name, dict(update.tensors()))
+            except ValueError as e:
+                raise WeightSyncError(f"update v{update.version}: {e}") from None
+            self._adapter_versions[name] = update.version
 
     # ------------------------------------------------------------------------------ sleep (colocated runs)
 

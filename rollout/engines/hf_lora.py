@@ -10,15 +10,34 @@ batching does in vLLM (Punica, S-LoRA): one base model in memory, one forward pe
 
 A row's cached KV depends on its adapter, so each adapter's rows hash their prefixes from a seed of their
 own (:func:`prefix_seed`) and never reuse another adapter's cache.
+
+An adapter may also start empty, from a ``LoraConfig`` (peft's initial B = 0: the base model), and take
+adapter-only updates of a LoRA actor (weightsync/adapters.py) later, as each adapter's run does when several
+train at once (``learner.lora.adapters``, rollout/server.py): :func:`set_adapter` writes an update's
+``lora_A``/``lora_B``/``lora_scaling`` into the adapter's own layers, leaving the base and the others as they
+are. Each adapter's run drives the engine through :class:`AdapterEngine`, its view of it
+(rollout/server.py ``serve_adapter_runs``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
+
+from weightsync.adapters import SCALING, A, B
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+    from rollout.engines.base import Completion, EngineStats, SamplingParams
+    from rollout.engines.hf import HFEngine
+    from weightsync.base import Update
 
 BASE = "__base__"  # peft's adapter_names entry for a row that takes no adapter
 
@@ -42,26 +61,69 @@ def check_adapter_dir(name: str, path: str | Path) -> dict[str, object]:
     return config
 
 
-def load_adapters(model: nn.Module, adapters: Mapping[str, str | Path]) -> nn.Module:
-    """The peft model serving ``adapters`` (name -> directory) beside ``model``'s own weights.
+def load_adapters(model: nn.Module, adapters: Mapping[str, str | Path | LoraConfig]) -> nn.Module:
+    """The peft model serving ``adapters`` (name -> a peft directory, or a ``LoraConfig`` for an adapter
+    that starts empty) beside ``model``'s own weights.
 
     The base weights stay the same tensors (peft keeps each adapted ``Linear`` as its ``base_layer``), so
     the engine's name -> tensor map of the base model, built before, still writes into the live weights.
     """
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel, get_peft_model  # (imported by engines that serve adapters only)
 
     if not adapters:
         raise ValueError("load_adapters: no adapter given")
     bad = [name for name in adapters if not name or name == BASE or "/" in name]
     if bad:
         raise ValueError(f"LoRA adapter names {bad}: give each a plain name, not {BASE!r}, without '/'")
-    for name, path in adapters.items():
-        check_adapter_dir(name, path)
-    (first, first_dir), *rest = adapters.items()
-    peft_model = PeftModel.from_pretrained(model, str(first_dir), adapter_name=first, is_trainable=False)
-    for name, path in rest:
-        peft_model.load_adapter(str(path), adapter_name=name, is_trainable=False)
-    return peft_model.eval()
+    for name, given in adapters.items():
+        if not isinstance(given, LoraConfig):
+            check_adapter_dir(name, given)
+    peft_model = None
+    for name, given in adapters.items():
+        if isinstance(given, LoraConfig):
+            if peft_model is None:
+                peft_model = get_peft_model(model, given, adapter_name=name)
+            else:
+                peft_model.add_adapter(name, given)
+        elif peft_model is None:
+            peft_model = PeftModel.from_pretrained(model, str(given), adapter_name=name, is_trainable=False)
+        else:
+            peft_model.load_adapter(str(given), adapter_name=name, is_trainable=False)
+    assert peft_model is not None
+    return peft_model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def set_adapter(model: nn.Module, name: str, tensors: Mapping[str, Tensor]) -> list[str]:
+    """Write an adapter-only update (per layer ``<m>.lora_A.weight``, ``<m>.lora_B.weight``,
+    ``<m>.lora_scaling``, Hugging Face names) into adapter ``name`` of the peft-wrapped ``model`` (the
+    plain model peft injected into); returns the layers written. A layer the adapter does not have, a
+    shape of another rank, or a tensor other than these is refused before anything is written."""
+    layers = sorted(n.removesuffix(SCALING) for n in tensors if n.endswith(SCALING))
+    if other := [n for n in tensors if not n.endswith((A, B, SCALING))]:
+        raise ValueError(f"adapter {name!r}: {other[:3]} are not adapter tensors (modules trained in full?)")
+    targets = []
+    for layer in layers:
+        try:
+            module = model.get_submodule(layer)
+        except AttributeError:
+            module = None
+        if module is None or name not in getattr(module, "lora_A", {}):
+            raise ValueError(f"adapter {name!r} has no layer {layer!r}")
+        a, b = module.lora_A[name].weight, module.lora_B[name].weight
+        if tuple(tensors[layer + A].shape) != tuple(a.shape) or tuple(tensors[layer + B].shape) != tuple(
+            b.shape
+        ):
+            raise ValueError(
+                f"adapter {name!r}, {layer}: the update's A {tuple(tensors[layer + A].shape)} and B "
+                f"{tuple(tensors[layer + B].shape)}, the adapter's {tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        targets.append((layer, module, a, b))
+    for layer, module, a, b in targets:
+        a.copy_(tensors[layer + A])
+        b.copy_(tensors[layer + B])
+        module.scaling[name] = float(tensors[layer + SCALING])
+    return layers
 
 
 def row_adapters(adapters: Sequence[str | None]) -> list[str]:
@@ -73,3 +135,32 @@ def prefix_seed(adapter: str | None, served: Sequence[str]) -> int:
     """The first prefix hash of a row of ``adapter`` (0 for the base model): distinct per served adapter, so
     the prefix cache never hands one adapter's KV to another's row."""
     return 0 if adapter is None else 1 + list(served).index(adapter)
+
+
+class AdapterEngine:
+    """One adapter's view of the shared hf engine, what its run's rollout loop drives."""
+
+    continuous_batching = True
+    supports_sleep = False  # the base is shared: no adapter's run may free it
+    vision = None
+
+    def __init__(self, engine: HFEngine, adapter: str) -> None:
+        self.engine, self.adapter = engine, adapter
+
+    @property
+    def version(self) -> int:
+        return self.engine.adapter_version(self.adapter)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, **kw: Any
+    ) -> list[list[Completion]]:
+        return self.engine.generate(prompts, dataclasses.replace(sampling, adapter=self.adapter), **kw)
+
+    def update_weights(self, update: Update) -> None:
+        self.engine.update_adapter(self.adapter, update)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Nothing: the server closes the shared engine once every run's loop has ended."""

@@ -24,7 +24,7 @@ from tandem.config.algorithm import (
 from tandem.config.algorithm import RECIPES as RECIPE_CONFIGS
 from tandem.config.base import ConfigError, Section, SectionCheckError
 from tandem.config.doc import describe_fields, markdown_table
-from tandem.config.learner import LearnerConfig, LoRAConfig, WeightSyncConfig
+from tandem.config.learner import AdapterRun, LearnerConfig, LoRAConfig, WeightSyncConfig
 from tandem.config.loading import apply_overrides, format_validation_error, load_config
 from tandem.config.placement import RUNNABLE_PLACEMENT, ClusterConfig, PlacementConfig
 from tandem.config.redaction import (
@@ -47,7 +47,7 @@ from tandem.config.rollout import (
     SGLangConfig,
     VLLMConfig,
 )
-from tandem.config.root import Config
+from tandem.config.root import Config, adapter_run_dir
 from tandem.config.run import (
     DataConfig,
     LoggingConfig,
@@ -63,6 +63,7 @@ __all__ = [
     "RECIPE_CONFIGS",
     "REDACTED",
     "RUNNABLE_PLACEMENT",
+    "AdapterRun",
     "AgentConfig",
     "Algorithm",
     "AlgorithmConfig",
@@ -96,6 +97,7 @@ __all__ = [
     "SupervisionConfig",
     "VLLMConfig",
     "WeightSyncConfig",
+    "adapter_run_dir",
     "apply_overrides",
     "describe_fields",
     "dump_config",

@@ -217,6 +217,34 @@ def token_sum_norm_bounds_the_response(cfg: Config) -> None:
         )
 
 
+def several_adapters_are_runnable(cfg: Config) -> None:
+    """``learner.lora.adapters``: adapter-only updates into the hf engine's served adapters, whose rows
+    share the running batch (rollout/engines/hf_lora.py), from one learner rank running a ppo learner per
+    adapter (learner/adapter_runs.py). What is not built with it is refused here, by name."""
+    lora = cfg.learner.lora
+    if not lora.adapters:
+        return
+    given = "learner.lora.adapters"
+    if cfg.algorithm.recipe != "ppo":
+        raise ValueError(f"{given} trains with algorithm.recipe=ppo only (got {cfg.algorithm.recipe})")
+    needs = {
+        "learner.lora.rank > 0": lora.rank > 0,
+        "learner.lora.sync=adapter": lora.sync == "adapter",
+        "learner.lora.modules_to_save=[] (whole modules would be shared by every adapter's rows)": not lora.modules_to_save,
+        "rollout.engine=hf": cfg.rollout.engine == "hf",
+        "learner.num_ranks=1": cfg.learner.num_ranks == 1,
+        "placement.mode=separate": cfg.placement_mode == "separate" and cfg.placement.mode != "auto",
+        "no critic (a group advantage: grpo, rloo, ...)": cfg.model.critic is None,
+        "no reference (algorithm.kl_coef=0)": cfg.algorithm.kl_coef == 0,
+        "no reward model": cfg.model.reward_model is None,
+        "no env.path or agent.path": cfg.env.path is None and cfg.agent.path is None,
+        "eval.prompts=null": cfg.eval.prompts is None,
+        "algorithm.distill off": cfg.distill is None,
+    }
+    if missing := [what for what, holds in needs.items() if not holds]:
+        raise ValueError(f"{given} needs {'; '.join(missing)}")
+
+
 def adapter_sync_engine(cfg: Config) -> None:
     """Adapter-only updates reach the hf engine (any transport) and vLLM (a LoRA loaded from the shm
     version's peft directory, so neither the dist push nor modules trained in full, which vLLM's LoRA does
@@ -346,6 +374,7 @@ ONLINE_CHECKS: tuple[Check, ...] = (
     overlong_buffer_fits_the_response,
     token_sum_norm_bounds_the_response,
     adapter_sync_engine,
+    several_adapters_are_runnable,
     routing_replay_is_recorded,
     vision_actor_has_no_critic,
     sync_interval_within_staleness,

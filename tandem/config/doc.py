@@ -27,8 +27,8 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[t
             continue
         default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
         rows.append((path, default, field.description or ""))
-        if get_origin(ann) is list and _is_section(item := get_args(ann)[0]):
-            rows.extend(describe_fields(_section_of(item), path + "[]."))  # each item's fields
+        if (item := _listed_section(ann)) is not None:
+            rows.extend(describe_fields(item, path + "[]."))  # each item's fields
         elif optional := _optional_section(ann):  # a section that may be null: its row, then its fields
             rows.extend(describe_fields(optional, path + "."))
     return rows
@@ -41,6 +41,13 @@ def markdown_table(rows: list[tuple[str, str, str]]) -> str:
         desc = desc.replace("|", "\\|")  # a pipe in a description would end its table cell
         lines.append(f"| `{path}` | `{default}` | {desc} |")
     return "\n".join(lines)
+
+
+def _listed_section(ann: Any) -> type[BaseModel] | None:
+    """``S`` for an annotation ``list[S]`` or ``list[S] | None`` with ``S`` a section; else None."""
+    args = get_args(ann) if get_origin(ann) is Union or type(ann).__name__ == "UnionType" else (ann,)
+    lists = [a for a in args if get_origin(a) is list and _is_section(get_args(a)[0])]
+    return _section_of(get_args(lists[0])[0]) if len(lists) == 1 else None
 
 
 def _optional_section(ann: Any) -> type[BaseModel] | None:

@@ -9,6 +9,28 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tandem.config.base import Section, SectionCheckError
+from tandem.config.rollout import RewardFunction
+
+
+class AdapterRun(Section):
+    """One of several LoRA adapters trained at once on one base model (``learner.lora.adapters``): a run of
+    its own on the shared servers and learner process (docs/stages.md §5.1)."""
+
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="The adapter's name: its run is <run.name>.<name> (Redis keys, wandb run), its directory <run dir>/adapters/<name>.",
+    )
+    prompts: str | None = Field(
+        None, min_length=1, description="Its prompt dataset (JSONL); null: data.prompts."
+    )
+    reward: list[RewardFunction] | None = Field(
+        None, min_length=1, description="Its reward functions; null: reward.functions."
+    )
+    actor_lr: float | None = Field(None, gt=0, description="Its learning rate; null: learner.actor_lr.")
+    seed: int | None = Field(
+        None, ge=0, description="Its random seed (its adapter's initial A); null: run.seed."
+    )
 
 
 class LoRAConfig(Section):
@@ -34,6 +56,18 @@ class LoRAConfig(Section):
         True,
         description="Write the final model with adapters merged (a plain HF directory); false writes the adapter alone.",
     )
+    adapters: list[AdapterRun] = Field(
+        default_factory=list,
+        description="ppo on the hf engine: several adapters trained at once, each its own run (prompts, rewards, stream, admission, weight sync, checkpoints, wandb run) on the shared servers, whose batches mix their rows; [] trains one (docs/stages.md §5.1).",
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_names(cls, adapters: list[AdapterRun]) -> list[AdapterRun]:
+        names = [a.name for a in adapters]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"adapter names must differ; given more than once: {twice}")
+        return adapters
 
 
 class LearnerConfig(Section):

@@ -50,6 +50,12 @@ def served_paths(reward: RewardConfig, fix: Callable[[str | None], str | None]) 
     )
 
 
+def adapter_run_dir(run_dir: str | os.PathLike[str], name: str) -> Path:
+    """Where adapter ``name``'s run (``learner.lora.adapters``) keeps its checkpoints, ``trained.jsonl``,
+    history and final model, inside the run directory."""
+    return Path(run_dir) / "adapters" / name
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and mode.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="The buffer and control plane.")
@@ -182,6 +188,33 @@ class Config(Section):
             return "engine"
         return self.weightsync.transport
 
+    def adapter_runs(self) -> dict[str, Config]:
+        """Each of ``learner.lora.adapters`` as a run of its own, by adapter name (docs/stages.md §5.1): run
+        ``<run.name>.<name>`` (its Redis keys, weight versions and wandb run), its prompts, rewards, learning
+        rate and seed, and one adapter; ``learner.checkpoint_dir``, when set, gets a folder per adapter."""
+        out = {}
+        for a in self.learner.lora.adapters:
+            ln = self.learner
+            update = {
+                "run": self.run.model_copy(
+                    update={
+                        "name": f"{self.run.name}.{a.name}",
+                        "seed": self.run.seed if a.seed is None else a.seed,
+                    }
+                ),
+                "data": self.data.model_copy(update={"prompts": a.prompts or self.data.prompts}),
+                "reward": self.reward.model_copy(update={"functions": a.reward or self.reward.functions}),
+                "learner": ln.model_copy(
+                    update={
+                        "actor_lr": a.actor_lr or ln.actor_lr,
+                        "lora": ln.lora.model_copy(update={"adapters": []}),
+                        "checkpoint_dir": ln.checkpoint_dir and str(Path(ln.checkpoint_dir) / a.name),
+                    }
+                ),
+            }
+            out[a.name] = self.model_copy(update=update)
+        return out
+
     def resolve_paths(self, base: Path) -> Config:
         """Make relative file paths (checkpoints, prompts) absolute against ``base`` (the YAML's folder's parent project)."""
 
@@ -201,6 +234,19 @@ class Config(Section):
             "eval": self.eval.model_copy(update={"prompts": fix(self.eval.prompts)}),
             "reward": served_paths(self.reward, fix),
         }
+        ln = self.learner
+        if ln.lora.adapters:
+            adapters = [
+                a.model_copy(
+                    update={
+                        "prompts": fix(a.prompts),
+                        "reward": a.reward and served_paths(RewardConfig(functions=a.reward), fix).functions,
+                    }
+                )
+                for a in ln.lora.adapters
+            ]
+            lora = ln.lora.model_copy(update={"adapters": adapters})
+            update["learner"] = ln.model_copy(update={"lora": lora})
         a = self.algorithm
         if a.recipe in OFFLINE_RECIPES:
             files = {k: fix(getattr(a, k)) for k in ("train_file", "eval_file")}
