@@ -50,6 +50,11 @@ def status_line(client: redis.Redis, cfg: Config) -> tuple[int, str]:
     learner = latest_stats(client, cfg.run.name, "learner")
     names = fleet.members(client, cfg.run.name)  # joiners included, servers that left not
     servers = [latest_stats(client, cfg.run.name, name) for name in names]
+    # Several adapters (learner.lora.adapters): each adapter's run's loops generate under its own name.
+    loops = [
+        (run.run.name, n) for run in cfg.adapter_runs().values() for n in fleet.members(client, run.run.name)
+    ]
+    servers += [latest_stats(client, run, n) for run, n in loops]
     gen = sum(s.get("rollout/tokens_per_s", 0.0) for s in servers)
     step = int(learner.get("learner/version", 0))
     stats = (

@@ -14,7 +14,9 @@ wandb run. Its exactly-once guarantees are those of any run, since nothing is sh
 4. **stop** after ``learner.total_steps`` each, or on SIGTERM/SIGINT or the run's stop key: every adapter's
    current step finishes, then each writes its final checkpoint (and final model).
 
-Each learner holds its own copy of the frozen base model: memory grows with the number of adapters.
+Each learner loads the base model, then every learner's frozen base weights are pointed at the first's
+(:func:`share_frozen_base`), so the base is held once and each adapter adds only its adapter, gradients and
+optimizer state (not under ZeRO-3, whose partitioned weights are not shared).
 """
 
 from __future__ import annotations
@@ -23,12 +25,32 @@ import logging
 import signal
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from learner.batch import Layout
 from learner.online import OnlineRuntime, connect
 from tandem.config import Config, adapter_run_dir
 from tandem.telemetry import Telemetry, latest_stats
 
 log = logging.getLogger("learner")
+
+
+def share_frozen_base(modules: list[nn.Module]) -> int:
+    """Point each module's frozen parameters at the first module's parameter of the same name, where the
+    two are equal (the same base model loaded twice); returns the bytes no longer held twice. Trained
+    parameters (the adapters) stay each module's own."""
+    first = dict(modules[0].named_parameters())
+    freed = 0
+    for module in modules[1:]:
+        for name, p in module.named_parameters():
+            base = first.get(name)
+            if p.requires_grad or base is None or base.requires_grad or p.data_ptr() == base.data_ptr():
+                continue
+            if p.shape == base.shape and p.dtype == base.dtype and torch.equal(p.data, base.data):
+                p.data = base.data
+                freed += p.numel() * p.element_size()
+    return freed
 
 
 def round_stats(stats: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -71,6 +93,9 @@ def train_adapters(cfg: Config, run_dir: str | Path, *, resume: bool = False, la
     try:
         for learner in learners.values():  # 1. start (each installs its own signal handlers: replaced below)
             learner.start()
+        if cfg.learner.zero_stage < 3:
+            actors = [learner.models.actor.module for learner in learners.values()]
+            log.info("frozen base held once: %.1f MB shared", share_frozen_base(actors) / 1e6)
         previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
         telemetry.mark_ready(adapters=list(learners))
         log.info("training adapters %s", ", ".join(learners))

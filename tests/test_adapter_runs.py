@@ -71,3 +71,31 @@ def test_the_runs_line_is_the_step_every_adapter_reached_and_the_mean_of_their_r
     assert (line["echo/reward/mean"], line["reverse/reward/mean"]) == (0.2, 0.6)
     assert line["staleness/mean"] == pytest.approx(1.5) and line["throughput/train_tokens_per_s"] == 15
     assert "reward/mean" not in round_stats({"echo": {"learner/version": 0}})  # nothing logged yet
+
+
+def test_the_frozen_base_is_held_once_and_each_adapter_stays_its_own(tiny_ckpt: dict[str, Path]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.adapter_runs import share_frozen_base
+    from learner.lora import wrap
+    from tandem.config import LoRAConfig
+
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(wrap(AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"]), LoRAConfig(rank=2)))
+    for p in models[1].parameters():  # as training would: the adapters move off peft's zero B
+        if p.requires_grad:
+            p.data.normal_()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = [m(input_ids=ids).logits for m in models]
+    frozen = sum(p.numel() * p.element_size() for p in models[1].parameters() if not p.requires_grad)
+    assert share_frozen_base(models) == frozen > 0
+    named = [dict(m.named_parameters()) for m in models]
+    for name, p in named[1].items():
+        assert (p.data_ptr() == named[0][name].data_ptr()) == (not p.requires_grad), name
+    for m, logits in zip(models, before, strict=True):
+        assert torch.equal(m(input_ids=ids).logits, logits)
+    assert not torch.equal(before[0], before[1])  # the adapters differ, and still do
+    assert share_frozen_base(models) == 0  # shared already
