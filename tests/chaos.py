@@ -12,7 +12,8 @@ After each kill the harness waits (bounded) for the learner's version to move ag
 is the kill's *time lost*. The audit, after launch.py exits by itself: every version 1..steps in
 ``trained.jsonl``, the final checkpoint at ``steps``, no stream id in two surviving versions (trained
 twice), and every prompt the feeder emitted either answered (a trajectory of it reached the stream) or
-still in the prompt stream (lost otherwise).
+still in the prompt stream (lost otherwise). With several adapters (``learner.lora.adapters``) the learner's
+version is the lowest of the adapters' runs', and each adapter's run is audited in its own folder.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import redis
 import yaml
+
+from tandem.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("server", "learner", "redis", "startup")
@@ -107,13 +110,14 @@ class Chaos:
 
         self.client = connect(url, reconnect_s=60, socket_timeout=10)
         self.run = run_dir.name
+        self.versioned = [run.run.name for _, run in audited_runs(run_dir)]  # each adapter's run, or the run
         self.tally = Tally()
 
     # --------------------------------------------------------------------------------------- probes
 
     def version(self) -> int:
-        raw = self.client.get(f"{self.run}:version")
-        return int(raw) if raw is not None else 0
+        raw = [self.client.get(f"{run}:version") for run in self.versioned]
+        return min(int(v) if v is not None else 0 for v in raw)
 
     def ready(self, name: str) -> bool:
         return bool(self.client.exists(f"{self.run}:ready:{name}"))
@@ -201,14 +205,21 @@ class Chaos:
 # ------------------------------------------------------------------------------------------------ audit
 
 
-def emitted_prompts(run_dir: Path, client: redis.Redis) -> set[str]:
-    """Every prompt id the feeder put on the stream: its position in Redis, replayed over the data."""
-    from tandem.config import load_config
-    from tandem.data import load_prompts
+def audited_runs(run_dir: Path) -> list[tuple[Path, Config]]:
+    """(folder, config) of each run to audit: each adapter's (learner.lora.adapters), or the run itself."""
+    from tandem.config import adapter_run_dir, load_config
 
     cfg = load_config(run_dir / "config.yaml", [])
+    runs = cfg.adapter_runs()
+    return [(adapter_run_dir(run_dir, name), run) for name, run in runs.items()] or [(run_dir, cfg)]
+
+
+def emitted_prompts(cfg: Config, client: redis.Redis) -> set[str]:
+    """Every prompt id the feeder put on the stream: its position in Redis, replayed over the data."""
+    from tandem.data import load_prompts
+
     records = load_prompts(cfg.data.prompts, cfg.data.prompt_field)
-    epoch, index = (int(x) for x in client.hmget(f"{run_dir.name}:feeder", "epoch", "index"))
+    epoch, index = (int(x) for x in client.hmget(f"{cfg.run.name}:feeder", "epoch", "index"))
     out = set()
     for e in range(epoch + 1):
         order = list(range(len(records)))
@@ -230,32 +241,43 @@ def stream_prompt_ids(client: redis.Redis, key: str, decode) -> set[str]:
 
 
 def audit(run_dir: Path, steps: int, tally: Tally) -> None:
+    """The tally's audit of the run (each adapter's run, summed; the lowest final version)."""
     from buffer.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(run_dir / "redis").start()
+    try:
+        client = server.client()
+        finals = [audit_one(folder, cfg, steps, tally, client) for folder, cfg in audited_runs(run_dir)]
+    finally:
+        server.stop()
+    tally.final_version = min(finals)
+
+
+def audit_one(folder: Path, cfg: Config, steps: int, tally: Tally, client: redis.Redis) -> int:
+    """Add one run's audit to ``tally`` (``folder``: its trained.jsonl, checkpoints and histories); returns
+    its final checkpointed version."""
     from buffer.schema import decode_prompt, decode_trajectory
     from tandem.telemetry import history_procs, read_history
 
-    lines = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in (folder / "trained.jsonl").read_text().splitlines() if x.strip()]
     surviving = {line["version"]: line for line in lines}  # the last line of a version is what survived
-    tally.missing_versions = sum(v not in surviving for v in range(1, steps + 1))
+    tally.missing_versions += sum(v not in surviving for v in range(1, steps + 1))
     ids = Counter(i for v, line in surviving.items() if v <= steps for i in line["ids"])
-    tally.trained_twice = sum(c - 1 for c in ids.values() if c > 1)
-    latest = run_dir / "checkpoints" / "latest.json"
-    tally.final_version = json.loads(latest.read_text())["version"] if latest.exists() else -1
+    tally.trained_twice += sum(c - 1 for c in ids.values() if c > 1)
     answered = {p for line in lines for p in line.get("prompts", [])}
-    held = [r.get("rollout/inflight_batches", 0) for p in history_procs(run_dir, "server-*")
-            for r in read_history(run_dir, p)]  # fmt: skip
-    tally.batches_logged, tally.batches_overlapped = len(held), sum(h >= 1 for h in held)
-    server = EmbeddedRedis(run_dir / "redis").start()
-    try:
-        client, run = server.client(), run_dir.name
-        emitted = emitted_prompts(run_dir, client)
-        for suffix in ("", ":stale", ":dead"):
-            answered |= stream_prompt_ids(client, f"{run}:traj{suffix}", decode_trajectory)
-        pending = stream_prompt_ids(client, f"{run}:prompts", decode_prompt)
-    finally:
-        server.stop()
-    tally.prompts_emitted = len(emitted)
-    tally.prompts_lost = len(emitted - answered - pending)
+    held = [r.get("rollout/inflight_batches", 0) for p in history_procs(folder, "server-*")
+            for r in read_history(folder, p)]  # fmt: skip
+    tally.batches_logged += len(held)
+    tally.batches_overlapped += sum(h >= 1 for h in held)
+    run = cfg.run.name
+    emitted = emitted_prompts(cfg, client)
+    for suffix in ("", ":stale", ":dead"):
+        answered |= stream_prompt_ids(client, f"{run}:traj{suffix}", decode_trajectory)
+    pending = stream_prompt_ids(client, f"{run}:prompts", decode_prompt)
+    tally.prompts_emitted += len(emitted)
+    tally.prompts_lost += len(emitted - answered - pending)
+    latest = folder / "checkpoints" / "latest.json"
+    return json.loads(latest.read_text())["version"] if latest.exists() else -1
 
 
 def chaos_run(

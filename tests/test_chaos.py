@@ -77,3 +77,28 @@ def test_agent_sessions_heal_under_kill_9_of_every_role(tmp_path: Path) -> None:
     history = next((tmp_path / "runs").glob("*/learner_history.jsonl")).read_text().splitlines()
     calls = [json.loads(line)["env/calls"] for line in history if "env/calls" in line]
     assert calls and sum(calls) / len(calls) > 1.5, calls  # the sessions were multi-turn
+
+
+def test_several_adapters_heal_under_kill_9_of_every_role(tiny_ckpt, tmp_path: Path) -> None:
+    """``configs/tiny-multilora.yaml`` (two adapters, each a run of its own on one learner process and one
+    engine per server) under kill -9 of every role: each adapter's run is audited apart, from its own
+    ``trained.jsonl``, checkpoints, feeder position and streams."""
+    echo = write_prompts(tmp_path / "echo.jsonl", make_records("echo", 200))
+    reverse = write_prompts(tmp_path / "reverse.jsonl", make_records("reverse", 200))
+    adapters = (
+        f"learner.lora.adapters=[{{name: echo}}, {{name: reverse, prompts: {reverse}, "
+        "reward: [{path: 'toy.tasks.reverse:reward'}]}]"
+    )
+    steps = 150
+    tally, output = chaos_run(
+        tiny_ckpt["actor"], None, echo, tmp_path / "runs", kills=8, steps=steps, seed=2, timeout_s=600,
+        config=ROOT / "configs/tiny-multilora.yaml", overrides=(adapters,),
+    )  # fmt: skip
+    print(f"\nchaos tally (two adapters): {tally.line()}")
+    assert tally.returncode == 0, output[-4000:]
+    assert f"learner finished at step {steps}" in output
+    assert tally.total_kills >= 8 and all(tally.kills[r] >= 1 for r in ROLES), tally.kills
+    assert tally.restarts["learner"] == tally.kills["learner"] and tally.manual_resumes == 0
+    assert tally.missing_versions == 0 and tally.final_version == steps  # for each adapter
+    assert tally.trained_twice == 0
+    assert tally.prompts_emitted > 0 and tally.prompts_lost == 0
