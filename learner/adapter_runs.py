@@ -91,11 +91,13 @@ def train_adapters(cfg: Config, run_dir: str | Path, *, resume: bool = False, la
             learner.request_stop()
 
     try:
+        shared = 0
         for learner in learners.values():  # 1. start (each installs its own signal handlers: replaced below)
             learner.start()
-        if cfg.learner.zero_stage < 3:
-            actors = [learner.models.actor.module for learner in learners.values()]
-            log.info("frozen base held once: %.1f MB shared", share_frozen_base(actors) / 1e6)
+            if cfg.learner.zero_stage < 3:  # at once, so no more than two copies of the base are ever held
+                first = next(iter(learners.values()))
+                shared += share_frozen_base([first.models.actor.module, learner.models.actor.module])
+        log.info("frozen base weights shared by the adapters' learners: %.1f MB saved", shared / 1e6)
         previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
         telemetry.mark_ready(adapters=list(learners))
         log.info("training adapters %s", ", ".join(learners))
@@ -116,9 +118,10 @@ def train_adapters(cfg: Config, run_dir: str | Path, *, resume: bool = False, la
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     finally:
-        for learner in reversed(
+        last_first = reversed(
             learners.values()
-        ):  # each restores the handlers it found: the first, the original
+        )  # each restores the handlers it found: the first, the original
+        for learner in last_first:
             learner.close()
         telemetry.close()
         client.close()

@@ -170,18 +170,22 @@ def serve_run(
 def serve_adapter_runs(
     cfg: Config, args: argparse.Namespace, client: redis.Redis, stop: threading.Event
 ) -> int:
-    """Serve every adapter's run on one hf engine until they stop: each run's buffer and weight subscriber
-    (registered before the engine loads, as for one run), then its loop on a thread of its own. The server
-    is ready for the run as a whole once every adapter's loop is; one loop that fails stops the others and
-    fails the server, which its supervisor restarts."""
+    """``learner.lora.adapters`` (docs/stages.md §5.1): every adapter's run on one hf engine, which holds the
+    base model and every adapter (rollout/engines/hf_lora.py), until they stop.
+
+    Each run gets its buffer and weight subscriber (registered before the engine loads, as for one run),
+    then its rollout loop on a thread of its own (its prompts, rewards, stream, admission), driving the
+    engine through its :class:`AdapterEngine`; the loops' calls meet in the engine's running batch. One
+    HTTP API serves each adapter under its name. The server is ready for the run as a whole once every
+    adapter's loop is; one loop that fails stops the others and fails the server, which its supervisor
+    restarts."""
     from buffer.streams import ReplayBuffer
     from rollout.engines.hf_lora import AdapterEngine
     from tandem import plugins
     from weightsync import make_subscriber
 
     name = f"server-{args.server_index}"
-    # One HTTP API for the engine, serving each adapter by name, not one per adapter's run.
-    runs = {a: without_http(run) for a, run in cfg.adapter_runs().items()}
+    runs = {a: without_http(run) for a, run in cfg.adapter_runs().items()}  # one API for all, below
     parts = {
         adapter: (
             ReplayBuffer.from_config(client, run, consumer=name),
@@ -213,7 +217,7 @@ def serve_adapter_runs(
                 buffer,
                 subscriber,
                 stop,
-                on_ready=lambda: ready.wait(),
+                on_ready=ready.wait,
             )
         except BaseException as e:
             log.exception("adapter %s: its rollout loop failed", adapter)
@@ -250,6 +254,7 @@ def serve_adapter_runs(
 
 
 def without_http(cfg: Config) -> Config:
+    """``cfg`` serving no HTTP API of its own."""
     return cfg.model_copy(
         update={
             "rollout": cfg.rollout.model_copy(

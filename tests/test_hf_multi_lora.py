@@ -17,7 +17,7 @@ import torch
 
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
-from rollout.engines.hf_lora import check_adapter_dir, load_adapters
+from rollout.engines.hf_lora import AdapterEngine, check_adapter_dir, load_adapters
 from rollout.http.app import create_app
 from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
@@ -257,8 +257,10 @@ def test_an_empty_adapter_takes_a_learners_adapter_only_updates_each_with_its_ow
         AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"]), str(adapters["echo"])
     )
     published = dict(adapter_tensors(actor, actor.named_parameters()))
-    engine.update_adapter("one", Update(7, [], lambda: iter(published.items())))
-    (got,) = engine.generate(rows, as_base)[0]
+    view = AdapterEngine(engine, "one")  # what adapter one's rollout loop drives
+    view.update_weights(Update(7, [], lambda: iter(published.items())))
+    assert view.version == 7 and engine.version == 0
+    (got,) = view.generate(rows, GREEDY)[0]
     (want,) = references["echo"].generate(rows, GREEDY)[0]
     assert got.token_ids == want.token_ids
     assert got.logprobs == pytest.approx(want.logprobs, abs=2e-4)
