@@ -43,6 +43,7 @@ share steps with other calls and keeps nothing in the prefix cache.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -67,7 +68,7 @@ from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnPrompt
 from rollout.engines.constraint import Grammars, advance
 from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
 from rollout.engines.hf_batch import WAIT_POLL_S, Entry, Request, RunningBatch, sample_groups
-from rollout.engines.hf_lora import load_adapters, prefix_seed, row_adapters, set_adapter
+from rollout.engines.hf_lora import BASE, load_adapters, prefix_seed, row_adapters, set_adapter
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
 from rollout.engines.sampling import sample_tokens
 from tandem.config import RolloutConfig
@@ -181,6 +182,7 @@ class HFEngine:
         self.adapters: tuple[str, ...] = tuple(loras or ())
         self._served = load_adapters(self.model, loras) if loras else None
         self._adapter_versions = dict.fromkeys(self.adapters, 0)  # each served adapter's weight version
+        self._active_adapter: str | None = None  # peft's active adapter, for forwards of one adapter's rows
 
     def _record_routing(self) -> list[torch.utils.hooks.RemovableHandle]:
         """A forward hook on each router (found as learner/moe.py finds them) keeping its top-k indices."""
@@ -686,20 +688,37 @@ class HFEngine:
 
         Shapes: ids/positions (B, t), mask (B, T_total) -> (B, V)."""
         self._routing = []  # what a failed forward left
-        model, served = self.model, {}
-        if self._served is not None:  # peft's mixed batch: each row its own adapter (hf_lora.py)
-            model, served = self._served, {"adapter_names": row_adapters(adapters or [None] * len(input_ids))}
-        out = model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **served,
-            **vision,
-        )
+        model, served, context = self.model, {}, contextlib.nullcontext()
+        if self._served is not None:  # each row its own adapter (hf_lora.py)
+            model, served, context = self._served, *self._adapters_for(adapters or [None] * len(input_ids))
+        with context:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **served,
+                **vision,
+            )
         return self._suppressed(out.logits[:, -1].float())
+
+    def _adapters_for(
+        self, adapters: Sequence[str | None]
+    ) -> tuple[dict[str, list[str]], contextlib.AbstractContextManager[object]]:
+        """The forward's extra arguments for rows taking ``adapters``: peft's mixed batch, unless every row
+        takes the same adapter: then peft's plain path with that adapter active, which costs far less per
+        layer than sorting the rows out (bench/multi_lora.py). (Rows of the base model alone take the mixed
+        path too: it skips the base's rows at once, where switching every adapter off costs more.)"""
+        assert self._served is not None
+        rows = row_adapters(adapters)
+        if len(set(rows)) > 1 or rows[0] == BASE:
+            return {"adapter_names": rows}, contextlib.nullcontext()
+        if self._active_adapter != rows[0]:  # (under the lock, as every forward is)
+            self._served.set_adapter(rows[0], inference_mode=True)
+            self._active_adapter = rows[0]
+        return {}, contextlib.nullcontext()
 
     def _suppressed(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (B, V) with a vision-language model's placeholder tokens at SUPPRESSED_LOGIT."""
