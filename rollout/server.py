@@ -195,13 +195,7 @@ def serve_adapter_runs(
     }
     engine, tokenizer = start_engine(cfg, client, args.server_index)
     assert isinstance(engine, HFEngine)
-    http = None
-    if cfg.rollout.http.enabled:
-        port = cfg.rollout.http.port + args.server_index if cfg.rollout.http.port else 0
-        metrics = ServerMetrics(engine)
-        http = start_http(
-            engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port, adapters=engine.adapters
-        )
+    http = start_adapters_http(cfg, engine, tokenizer, args.server_index)
     ready = threading.Barrier(len(runs) + 1)
     failed: list[BaseException] = []
 
@@ -251,6 +245,19 @@ def serve_adapter_runs(
     if failed:
         raise failed[0]
     return 0
+
+
+def start_adapters_http(
+    cfg: Config, engine: HFEngine, tokenizer: PreTrainedTokenizerBase, sid: int
+) -> HTTPServer | None:
+    """The server's one HTTP API where ``rollout.http.enabled``, serving each adapter under its name."""
+    if not cfg.rollout.http.enabled:
+        return None
+    port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
+    metrics = ServerMetrics(engine)
+    return start_http(
+        engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port, adapters=engine.adapters
+    )
 
 
 def without_http(cfg: Config) -> Config:
