@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 # bench/weightsync.py would shadow the package of the same name.
@@ -35,32 +36,12 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 import torch
 
+from learner.lora import merge
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
-from toy.tiny import make_tiny
+from toy.tiny import make_tiny, make_tiny_lora
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base: Path, out: Path, rank: int, seed: int) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    get_peft_model(AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(out)
-    return out
-
-
-def merged(base: Path, adapter: Path, out: Path) -> Path:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(base), str(adapter)
-    ).merge_and_unload().save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    return out
+CALL_TIMEOUT_S = 600.0  # a generate call still running after this is stuck
 
 
 def tokens_per_s(
@@ -81,7 +62,9 @@ def tokens_per_s(
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            t.join(timeout=CALL_TIMEOUT_S)
+            if t.is_alive():
+                raise TimeoutError(f"a generate call ran past {CALL_TIMEOUT_S:.0f} s")
         return sum(out)
 
     once()  # warm-up
@@ -106,21 +89,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base = make_tiny(root / "tiny", hidden=args.hidden, layers=args.layers)["actor"]
-        a = make_adapter(base, root / "a", args.rank, seed=0)
-        b = make_adapter(base, root / "b", args.rank, seed=1)
+        a = make_tiny_lora(base, root / "a", rank=args.rank, seed=0)
+        b = make_tiny_lora(base, root / "b", rank=args.rank, seed=1)
         plain = HFEngine(str(base), device="cpu", prefix_cache_mb=0)
         rows = [
             plain.tokenizer(f"say {i} {i + 1}:", add_special_tokens=False).input_ids for i in range(args.rows)
         ]
-        one = HFEngine(str(merged(base, a, root / "merged")), device="cpu", prefix_cache_mb=0)
+        one = HFEngine(str(merge(base, a, root / "merged")), device="cpu", prefix_cache_mb=0)
         served = HFEngine(str(base), device="cpu", prefix_cache_mb=0, loras={"a": str(a), "b": str(b)})
-        measure = lambda engine, adapters: tokens_per_s(engine, rows, args.tokens, adapters, args.repeats)  # noqa: E731
+        measure = partial(tokens_per_s, rows=rows, tokens=args.tokens, repeats=args.repeats)
         rates = {
-            "base": measure(plain, [None]),
-            "merged": measure(one, [None]),
-            "served, base rows": measure(served, [None]),
-            "served, one adapter": measure(served, ["a"]),
-            "served, two adapters": measure(served, ["a", "b"]),
+            "base": measure(plain, adapters=[None]),
+            "merged": measure(one, adapters=[None]),
+            "served, base rows": measure(served, adapters=[None]),
+            "served, one adapter": measure(served, adapters=["a"]),
+            "served, two adapters": measure(served, adapters=["a", "b"]),
         }
     reference = {name: "base" if name in ("base", "served, base rows") else "merged" for name in rates}
     ratios = {name: rate / rates[reference[name]] for name, rate in rates.items()}

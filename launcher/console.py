@@ -80,8 +80,7 @@ def summarize(
             (run_dir / "summary.json").write_text(json.dumps({"placement": placement}, indent=2))
         return {}
     rewards = [r["reward/mean"] for r in rows]
-    k = max(1, len(rewards) // 10)
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    k, first, last = first_and_last(rewards)
     t0 = rows[0]["time"]
     summary: dict = {
         "steps": len(rows),
@@ -112,6 +111,12 @@ def summarize(
     return summary
 
 
+def first_and_last(rewards: list[float]) -> tuple[int, float, float]:
+    """``k`` (a tenth of the steps, at least one) and the mean reward of the first and of the last ``k``."""
+    k = max(1, len(rewards) // 10)
+    return k, sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
 def summarize_adapters(cfg: Config, client: redis.Redis, run_dir: Path) -> dict[str, dict[str, float]]:
     """With ``learner.lora.adapters``: each adapter's run's histories into its folder, and its reward over
     the first and last tenth of its steps, printed and returned by adapter name."""
@@ -123,8 +128,7 @@ def summarize_adapters(cfg: Config, client: redis.Redis, run_dir: Path) -> dict[
         rewards = [r["reward/mean"] for r in read_history(folder, "learner") if "reward/mean" in r]
         if not rewards:
             continue
-        k = max(1, len(rewards) // 10)
-        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        k, first, last = first_and_last(rewards)
         out[name] = {"steps": len(rewards), "reward_first": first, "reward_last": last}
         print(f"[launch] adapter {name}: reward first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     return out

@@ -31,7 +31,7 @@ from torch import nn
 from learner.batch import Layout
 from learner.online import OnlineRuntime, connect
 from tandem.config import Config, adapter_run_dir
-from tandem.telemetry import Telemetry, latest_stats
+from tandem.telemetry import Telemetry, latest_stats, without_wandb
 
 log = logging.getLogger("learner")
 
@@ -83,8 +83,7 @@ def train_adapters(cfg: Config, run_dir: str | Path, *, resume: bool = False, la
         for name, run in runs.items()
     }
     client = connect(cfg)
-    quiet = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"wandb_mode": "disabled"})})
-    telemetry = Telemetry(quiet, "learner", client, run_dir=str(run_dir))
+    telemetry = Telemetry(without_wandb(cfg), "learner", client, run_dir=str(run_dir))
 
     def stop_all(*_: object) -> None:
         for learner in learners.values():

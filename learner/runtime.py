@@ -35,7 +35,7 @@ from learner.models import init_distributed, resolve_device
 from learner.sequence_parallel import SequenceParallel
 from tandem.config import Config
 from tandem.procs import exit_with_driver
-from tandem.telemetry import Telemetry
+from tandem.telemetry import Telemetry, without_wandb
 
 log = logging.getLogger("learner")
 
@@ -120,8 +120,7 @@ class Runtime:
         self.checkpointed_version = -1
         self._signalled = False
         self._old_handlers: dict[int, object] = {}
-        quiet = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"wandb_mode": "disabled"})})
-        self.telemetry = Telemetry(quiet, f"learner-{self.rank}")  # a null object off rank 0
+        self.telemetry = Telemetry(without_wandb(cfg), f"learner-{self.rank}")  # a null object off rank 0
 
     @property
     def dp_world(self) -> int:

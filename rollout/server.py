@@ -49,7 +49,7 @@ from rollout.metrics import ServerMetrics
 from tandem.config import Config, HTTPConfig, load_config
 from tandem.fleet import Beat
 from tandem.procs import exit_now, exit_with_driver
-from tandem.telemetry import Telemetry, setup_logging
+from tandem.telemetry import Telemetry, setup_logging, without_wandb
 
 if TYPE_CHECKING:
     from buffer.streams import ReplayBuffer
@@ -195,7 +195,9 @@ def serve_adapter_runs(
     }
     engine, tokenizer = start_engine(cfg, client, args.server_index)
     assert isinstance(engine, HFEngine)
-    http = start_adapters_http(cfg, engine, tokenizer, args.server_index)
+    http = start_run_http(
+        cfg, engine, tokenizer, ServerMetrics(engine), args.server_index, adapters=engine.adapters
+    )
     ready = threading.Barrier(len(runs) + 1)
     failed: list[BaseException] = []
 
@@ -228,7 +230,7 @@ def serve_adapter_runs(
     try:
         with contextlib.suppress(threading.BrokenBarrierError):
             ready.wait()
-            Telemetry(quiet(cfg), name, client).mark_ready(
+            Telemetry(without_wandb(cfg), name, client).mark_ready(
                 adapters=list(runs), http_port=http.port if http else None
             )
             log.info("%s ready: adapters %s on one engine", name, ", ".join(runs))
@@ -247,19 +249,6 @@ def serve_adapter_runs(
     return 0
 
 
-def start_adapters_http(
-    cfg: Config, engine: HFEngine, tokenizer: PreTrainedTokenizerBase, sid: int
-) -> HTTPServer | None:
-    """The server's one HTTP API where ``rollout.http.enabled``, serving each adapter under its name."""
-    if not cfg.rollout.http.enabled:
-        return None
-    port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
-    metrics = ServerMetrics(engine)
-    return start_http(
-        engine, tokenizer, cfg.model.actor, cfg.rollout.http, metrics, port=port, adapters=engine.adapters
-    )
-
-
 def without_http(cfg: Config) -> Config:
     """``cfg`` serving no HTTP API of its own."""
     return cfg.model_copy(
@@ -269,11 +258,6 @@ def without_http(cfg: Config) -> Config:
             )
         }
     )
-
-
-def quiet(cfg: Config) -> Config:
-    """``cfg`` logging nothing to wandb (the run as a whole marks readiness; each adapter's run logs)."""
-    return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"wandb_mode": "disabled"})})
 
 
 def set_up_process(cfg: Config, sid: int) -> None:
@@ -305,14 +289,18 @@ def start_run_http(
     tokenizer: PreTrainedTokenizerBase,
     metrics: ServerMetrics,
     sid: int,
-    buffer: ReplayBuffer,
-    reference: ReferenceModel | None,
+    buffer: ReplayBuffer | None = None,
+    reference: ReferenceModel | None = None,
+    adapters: tuple[str, ...] = (),
 ) -> HTTPServer | None:
-    """The server's HTTP API where ``rollout.http.enabled`` (port: base + server index, or a free one)."""
+    """The server's HTTP API where ``rollout.http.enabled`` (port: base + server index, or a free one).
+    ``buffer``: where finished agent sessions go (none: the API serves several adapters' runs, ``adapters``,
+    and no session is a trajectory of any one of them)."""
     if not cfg.rollout.http.enabled:
         return None
     port = cfg.rollout.http.port + sid if cfg.rollout.http.port else 0
     # A black-box agent's finished session is a trajectory of its own group (docs/environments.md §10.6).
+    sink = None if buffer is None else (lambda t: buffer.put(reference.fill([t]) if reference else [t]))
     return start_http(
         engine,
         tokenizer,
@@ -320,8 +308,9 @@ def start_run_http(
         cfg.rollout.http,
         metrics,
         port=port,
-        sink=lambda t: buffer.put(reference.fill([t]) if reference else [t]),
+        sink=sink,
         reward_clip=cfg.reward.clip,
+        adapters=adapters,
     )
 
 

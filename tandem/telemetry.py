@@ -108,6 +108,12 @@ def setup_logging(level: str = "INFO") -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def without_wandb(cfg: Config) -> Config:
+    """``cfg`` logging nothing to wandb: for a :class:`Telemetry` that only marks readiness or mirrors
+    metrics into Redis beside a process's own wandb run."""
+    return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"wandb_mode": "disabled"})})
+
+
 class Telemetry:
     """Log metrics to wandb and mirror the latest values into Redis."""
 

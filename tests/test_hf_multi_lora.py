@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from learner.lora import merge
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
 from rollout.engines.hf_lora import AdapterEngine, check_adapter_dir, load_adapters
@@ -23,6 +24,7 @@ from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics
 from rollout.server import parse_args
 from tandem.config import HTTPConfig
+from toy.tiny import make_tiny_lora
 from weightsync.base import Update, WeightSyncError
 
 NAMES = ("echo", "reverse")
@@ -31,29 +33,8 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
 
 def make_adapter(base: Path, out: Path, seed: int, **extra: object) -> Path:
-    """A rank-4 LoRA of ``base`` with random, large A and B (peft starts B at zero), saved by peft."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, **extra)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(20.0)  # moves the greedy tokens away from the base model's
-    model.save_pretrained(out)
-    return out
-
-
-def merged(base: Path, adapter: Path, out: Path) -> Path:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
-    model.merge_and_unload().save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    return out
+    """A rank-4 LoRA of ``base`` whose large B moves the greedy tokens away from the base model's."""
+    return make_tiny_lora(base, out, rank=4, seed=seed, b_scale=20.0, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +51,7 @@ def references(
     root = tmp_path_factory.mktemp("merged")
     out: dict[str | None, HFEngine] = {None: HFEngine(str(tiny_ckpt["actor"]), device="cpu")}
     for name, path in adapters.items():
-        out[name] = HFEngine(str(merged(tiny_ckpt["actor"], path, root / name)), device="cpu")
+        out[name] = HFEngine(str(merge(tiny_ckpt["actor"], path, root / name)), device="cpu")
     return out
 
 

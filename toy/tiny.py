@@ -344,6 +344,28 @@ def make_tiny(
     return paths
 
 
+def make_tiny_lora(
+    base: str | Path, out: str | Path, *, rank: int, seed: int, b_scale: float = 1.0, **config: object
+) -> Path:
+    """A random LoRA of ``base`` on every linear layer, saved by peft's ``save_pretrained`` into ``out``.
+
+    A and B are both random (peft's ``init_lora_weights=False``; its default B = 0 would be no change), B
+    multiplied by ``b_scale``; ``config``: more ``LoraConfig`` fields (``use_dora``, ``modules_to_save``)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **config)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(b_scale)
+    model.save_pretrained(out)
+    return Path(out)
+
+
 def ensure_demo_assets(root: str | Path) -> None:
     """Build what ``configs/tiny.yaml`` loads (``assets/tiny`` and ``assets/echo.jsonl`` under ``root``)
     when missing, as ``make assets`` does: so a benchmark runs on a fresh checkout."""

@@ -43,7 +43,6 @@ share steps with other calls and keeps nothing in the prefix cache.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -68,7 +67,7 @@ from rollout.engines.base import BetweenSteps, Completion, EngineStats, OnPrompt
 from rollout.engines.constraint import Grammars, advance
 from rollout.engines.devices import release_freed_memory, resolve_device, resolve_dtype
 from rollout.engines.hf_batch import WAIT_POLL_S, Entry, Request, RunningBatch, sample_groups
-from rollout.engines.hf_lora import BASE, load_adapters, prefix_seed, row_adapters, set_adapter
+from rollout.engines.hf_lora import BASE, load_adapters, prefix_seed, row_adapters, write_adapter
 from rollout.engines.hf_prefix import LayerKV, PrefixCache, PrefixStats, left_padded_kv, prefix_hashes
 from rollout.engines.sampling import sample_tokens
 from tandem.config import RolloutConfig
@@ -128,7 +127,8 @@ class HFEngine:
         ``record_routing``: each completion carries the experts every MoE router chose for each fed position
         (``Completion.routed_experts``, for routing replay); it turns the prefix cache off, since a cached
         prefix is never routed again. ``loras``: LoRA adapters served beside the base model, name -> peft
-        directory; a call takes one by ``SamplingParams.adapter`` (rollout/engines/hf_lora.py)."""
+        directory (or a ``LoraConfig``: empty until :meth:`update_adapter`); a call takes one by
+        ``SamplingParams.adapter`` (rollout/engines/hf_lora.py)."""
         self.device = resolve_device(str(device) if device is not None else None)
         self.zero_copy = zero_copy
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
@@ -236,9 +236,6 @@ class HFEngine:
     def adapter_version(self, name: str) -> int:
         """The weight version of served adapter ``name`` (0 until :meth:`update_adapter` first loads it)."""
         return self._adapter_versions[name]
-
-    def _row_version(self, adapter: str | None) -> int:
-        return self._version if adapter is None else self._adapter_versions[adapter]
 
     def stats(self) -> EngineStats:
         """Bytes of the running batch's KV cache, its rows, and the rows waiting to join it at the next step.
@@ -688,25 +685,22 @@ class HFEngine:
 
         Shapes: ids/positions (B, t), mask (B, T_total) -> (B, V)."""
         self._routing = []  # what a failed forward left
-        model, served, context = self.model, {}, contextlib.nullcontext()
+        model, served = self.model, {}
         if self._served is not None:  # each row its own adapter (hf_lora.py)
-            model, served, context = self._served, *self._adapters_for(adapters or [None] * len(input_ids))
-        with context:
-            out = model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **served,
-                **vision,
-            )
+            model, served = self._served, self._adapters_for(adapters or [None] * len(input_ids))
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **served,
+            **vision,
+        )
         return self._suppressed(out.logits[:, -1].float())
 
-    def _adapters_for(
-        self, adapters: Sequence[str | None]
-    ) -> tuple[dict[str, list[str]], contextlib.AbstractContextManager[object]]:
+    def _adapters_for(self, adapters: Sequence[str | None]) -> dict[str, list[str]]:
         """The forward's extra arguments for rows taking ``adapters``: peft's mixed batch, unless every row
         takes the same adapter: then peft's plain path with that adapter active, which costs far less per
         layer than sorting the rows out (bench/multi_lora.py). (Rows of the base model alone take the mixed
@@ -714,11 +708,11 @@ class HFEngine:
         assert self._served is not None
         rows = row_adapters(adapters)
         if len(set(rows)) > 1 or rows[0] == BASE:
-            return {"adapter_names": rows}, contextlib.nullcontext()
+            return {"adapter_names": rows}
         if self._active_adapter != rows[0]:  # (under the lock, as every forward is)
             self._served.set_adapter(rows[0], inference_mode=True)
             self._active_adapter = rows[0]
-        return {}, contextlib.nullcontext()
+        return {}
 
     def _suppressed(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (B, V) with a vision-language model's placeholder tokens at SUPPRESSED_LOGIT."""
@@ -788,7 +782,7 @@ class HFEngine:
         with self._lock:
             self._clear_prefix_cache()  # (one adapter's entries would do; updates are rare next to steps)
             try:
-                set_adapter(self.model, name, dict(update.tensors()))
+                write_adapter(self.model, name, dict(update.tensors()))
             except ValueError as e:
                 raise WeightSyncError(f"update v{update.version}: {e}") from None
             self._adapter_versions[name] = update.version

@@ -13,7 +13,7 @@ own (:func:`prefix_seed`) and never reuse another adapter's cache.
 
 An adapter may also start empty, from a ``LoraConfig`` (peft's initial B = 0: the base model), and take
 adapter-only updates of a LoRA actor (weightsync/adapters.py) later, as each adapter's run does when several
-train at once (``learner.lora.adapters``, rollout/server.py): :func:`set_adapter` writes an update's
+train at once (``learner.lora.adapters``, rollout/server.py): :func:`write_adapter` writes an update's
 ``lora_A``/``lora_B``/``lora_scaling`` into the adapter's own layers, leaving the base and the others as they
 are. Each adapter's run drives the engine through :class:`AdapterEngine`, its view of it
 (rollout/server.py ``serve_adapter_runs``).
@@ -94,7 +94,7 @@ def load_adapters(model: nn.Module, adapters: Mapping[str, str | Path | LoraConf
 
 
 @torch.no_grad()
-def set_adapter(model: nn.Module, name: str, tensors: Mapping[str, Tensor]) -> list[str]:
+def write_adapter(model: nn.Module, name: str, tensors: Mapping[str, Tensor]) -> list[str]:
     """Write an adapter-only update (per layer ``<m>.lora_A.weight``, ``<m>.lora_B.weight``,
     ``<m>.lora_scaling``, Hugging Face names) into adapter ``name`` of the peft-wrapped ``model`` (the
     plain model peft injected into); returns the layers written. A layer the adapter does not have, a
