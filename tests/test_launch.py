@@ -102,6 +102,9 @@ def test_launch_runs_end_to_end(mode: str, tiny_ckpt, prompts: Path, tmp_path: P
         tmp_path,
         f"learner.total_steps={steps}",
         f"algorithm.max_staleness={max_staleness}",
+        # A name no other test runs under: the /dev/shm check below globs by it, and another test's
+        # tiny.yaml run started in the same second would otherwise share the prefix.
+        f"run.name=end-to-end-{mode}",
         "--mode",
         mode,
     )
