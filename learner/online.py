@@ -139,7 +139,7 @@ class OnlineRuntime(Runtime):
         self.ckpt_stats: dict[str, float] = {}
         # algorithm.max_staleness auto: the bound admission uses, steered by each step's policy/ess
         a = cfg.algorithm
-        self.staleness = StalenessState(a.staleness_min) if cfg.auto_staleness else None
+        self.staleness = StalenessState(a.first_staleness_bound) if cfg.auto_staleness else None
         self.staleness_target = StalenessTarget(
             a.staleness_min, a.staleness_max, a.staleness_ess_target, a.staleness_patience
         )

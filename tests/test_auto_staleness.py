@@ -120,25 +120,47 @@ def test_config_auto_reads_the_hard_limit_and_checks_the_range() -> None:
         load_config(None, raw=auto_raw(staleness_min=0, staleness_max=4, sync_interval=3))
 
 
+@pytest.mark.parametrize(
+    ("settings", "first"),
+    [
+        ({}, 1),  # [0, 4]: asynchronous from the first step
+        ({"staleness_min": 2, "staleness_max": 3}, 2),  # 1 is below the range
+        ({"staleness_min": 0, "staleness_max": 0}, 0),  # above it
+        ({"staleness_start": 0}, 0),
+        ({"staleness_start": 4}, 4),
+    ],
+)
+def test_the_first_bound_is_staleness_start_else_one_within_the_range(settings: dict, first: int) -> None:
+    assert load_config(None, raw=auto_raw(**settings)).algorithm.first_staleness_bound == first
+
+
+def test_a_start_outside_the_range_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"staleness_start \(5\) must lie in .*\[0, 4\]"):
+        load_config(None, raw=auto_raw(staleness_start=5))
+    with pytest.raises(ConfigError, match=r"staleness_start \(0\)"):
+        load_config(None, raw=auto_raw(staleness_min=1, staleness_max=3, staleness_start=0))
+
+
 def test_the_learner_publishes_each_steps_bound(tiny_ckpt, redis_client, run_id, tmp_path) -> None:
-    """PPOLearner.steer_staleness after a step: policy/ess moves the bound (patience 2, [1, 3]), rank 0
-    publishes it where admission reads it, and staleness/bound reports it."""
+    """PPOLearner.steer_staleness after a step: policy/ess moves the bound (patience 2, [1, 3], starting at
+    2), rank 0 publishes it where admission reads it, and staleness/bound reports it."""
     from learner.ppo import PPOLearner
     from tests.test_learner import raw_config
 
     raw = raw_config(tiny_ckpt, "redis://unused", run_id, tmp_path)
     raw["algorithm"].update(
-        max_staleness="auto", staleness_min=1, staleness_max=3, staleness_patience=2, staleness_ess_target=0.8
-    )
+        max_staleness="auto", staleness_min=1, staleness_max=3, staleness_start=2, staleness_patience=2,
+        staleness_ess_target=0.8,
+    )  # fmt: skip
     cfg = load_config(None, raw=raw)
     learner = PPOLearner(cfg, tmp_path)
     learner.client = redis_client
     learner.admission = Admission.from_config(redis_client, cfg, "learner")
     learner.publish_bound()
-    assert learner.admission.bound() == 1  # starts at staleness_min
+    assert learner.admission.bound() == 2  # staleness_start
     seen = [learner.steer_staleness({"policy/ess": ess})["staleness/bound"] for ess in (0.9, 0.95, 0.9, 0.5)]
-    assert seen == [1.0, 2.0, 2.0, 1.0]
-    assert learner.admission.bound() == 1
+    assert seen == [2.0, 3.0, 3.0, 2.0]
+    assert learner.admission.bound() == 2
     plain = PPOLearner(
         load_config(None, raw=raw_config(tiny_ckpt, "redis://unused", run_id, tmp_path)), tmp_path
     )

@@ -160,7 +160,12 @@ class AlgorithmConfig(Section):
         2,
         description="Largest learner version minus the oldest token version that may be trained on; 0 is on-policy. auto: admission's bound moves within [staleness_min, staleness_max] with the importance weights' effective sample size (docs/design.md §3.7); staleness_max is the hard limit.",
     )
-    staleness_min: int = Field(0, ge=0, description="max_staleness auto: the lowest bound, and the first.")
+    staleness_min: int = Field(0, ge=0, description="max_staleness auto: the lowest bound.")
+    staleness_start: int | None = Field(
+        None,
+        ge=0,
+        description="max_staleness auto: the first bound, within [staleness_min, staleness_max]; null starts at 1 (asynchronous from the first step), clamped into the range.",
+    )
     staleness_max: int = Field(
         4, ge=0, description="max_staleness auto: the highest bound; no trained token is staler."
     )
@@ -233,12 +238,29 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _auto_staleness_range(self) -> AlgorithmConfig:
-        if self.max_staleness == "auto" and self.staleness_min > self.staleness_max:
+        if self.max_staleness != "auto":
+            return self
+        if self.staleness_min > self.staleness_max:
             raise SectionCheckError(
                 f"algorithm.staleness_min ({self.staleness_min}) must be <= algorithm.staleness_max "
                 f"({self.staleness_max}) with max_staleness auto"
             )
+        start = self.staleness_start
+        if start is not None and not self.staleness_min <= start <= self.staleness_max:
+            raise SectionCheckError(
+                f"algorithm.staleness_start ({start}) must lie in [staleness_min, staleness_max] "
+                f"([{self.staleness_min}, {self.staleness_max}]) with max_staleness auto"
+            )
         return self
+
+    @property
+    def first_staleness_bound(self) -> int:
+        """``max_staleness: auto``'s bound at the first step: ``staleness_start``, else 1 clamped into
+        ``[staleness_min, staleness_max]``. Not 0 by default: a synchronous start costs the overlap of
+        its first ``staleness_patience`` steps and tells the controller nothing it would not learn at 1."""
+        if self.staleness_start is not None:
+            return self.staleness_start
+        return min(max(1, self.staleness_min), self.staleness_max)
 
     @model_validator(mode="after")
     def _turn_credit_needs_a_per_token_estimator(self) -> AlgorithmConfig:
