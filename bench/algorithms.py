@@ -1,7 +1,7 @@
 """The policy-loss, importance-weight and staleness variants on one task, same seed, same steps.
 
-    python bench/algorithms.py [--config configs/tiny.yaml] [--steps 120] [--target 0.5] [--only a,b]
-                               [--shapes base,generation-heavy,training-heavy] [key=value ...]
+    python bench/algorithms.py [--config configs/tiny.yaml] [--steps 120] [--target T] [--only a,b]
+                               [--shapes base,generation-heavy,training-heavy] [--seeds 0,1,2] [key=value ...]
 
 Runs ``launch.py`` once per variant (docs/design.md §4.9 and §3.7): the default loss (ppo, token-level
 truncated importance weights, ``max_staleness`` 1), ``algorithm.loss`` gspo and cispo, ``algorithm.importance``
@@ -9,7 +9,10 @@ masked and sequence-level, and ``max_staleness`` 0, 2, 4 and auto. For each it p
 5-step moving average of ``reward/mean`` first reaches ``--target`` (from the learner's first logged step),
 the final reward (mean of the last tenth of the steps), the mean staleness and the mean ``policy/ess``.
 ``--shapes`` repeats the variants on other workload shapes (:data:`SHAPES`) and, after each shape's table,
-prints ``staleness-auto`` against the best of the fixed bounds run. The last line is one JSON object. The
+prints ``staleness-auto`` against the best of the fixed bounds run. ``--seeds`` runs every variant once per
+``run.seed`` and compares medians (a run that never reaches the target counts as slower than any that does):
+one seed's spread between runs is as large as the gaps between bounds on the echo task (docs/benchmarks.md).
+The target is ``--target``, else the shape's own (:data:`TARGETS`). The last line is one JSON object. The
 default (echo on the tiny model, 120 steps, one shape) runs nine launches, each with its own start-up: 22
 minutes on the loaded 2-core machine of docs/benchmarks.md §7; ``--only`` picks some.
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +50,7 @@ VARIANTS: dict[str, list[str]] = {
         "algorithm.max_staleness=auto",
         "algorithm.staleness_min=0",
         "algorithm.staleness_max=4",
+        "algorithm.staleness_start=1",
         "algorithm.staleness_patience=5",
         "algorithm.staleness_ess_target=0.9",
     ],
@@ -60,10 +66,11 @@ SHAPES: dict[str, list[str]] = {
     "generation-heavy": ["rollout.max_new_tokens=32"],
     "training-heavy": ["algorithm.ppo_epochs=4"],
 }
+# The reward each shape is timed to: echo with 32 new tokens does not reach 0.5 in 200 steps.
+TARGETS: dict[str, float] = {"base": 0.5, "generation-heavy": 0.25, "training-heavy": 0.5}
 
 
-def run_variant(name: str, config: str, steps: int, out_dir: Path, overrides: list[str]) -> Path:
-    out = out_dir / name
+def run_variant(name: str, config: str, steps: int, out: Path, overrides: list[str]) -> Path:
     out.mkdir(parents=True)
     cmd = [
         sys.executable,
@@ -109,6 +116,18 @@ def figures(rows: list[dict], target: float) -> dict[str, float | None]:
     }
 
 
+def median_figures(runs: list[dict]) -> dict[str, float | None]:
+    """One variant's figures over its seeds: the median of each, a run that never reached the target
+    counting as slower than every run that did (None when the median run is such a run)."""
+    times = [math.inf if f["time_to_target_s"] is None else f["time_to_target_s"] for f in runs]
+    t = statistics.median(times)
+    out: dict[str, float | None] = {"time_to_target_s": None if math.isinf(t) else round(t, 1)}
+    for key in ("final_reward", "staleness_mean", "ess_mean", "wall_s"):
+        xs = [f[key] for f in runs if f.get(key) is not None]
+        out[key] = round(statistics.median(xs), 3) if xs else None
+    return out
+
+
 def auto_against_fixed(results: dict[str, dict]) -> dict[str, float | None]:
     """``staleness-auto`` over the best fixed bound among those run (``ppo`` is bound 1): its time to target
     over the fastest fixed one's, and its final reward over the highest fixed one's. None where either is
@@ -126,13 +145,20 @@ def auto_against_fixed(results: dict[str, dict]) -> dict[str, float | None]:
     }
 
 
-def print_table(shape: str, results: dict[str, dict]) -> None:
-    print(f"\n[{shape}]\n{'variant':<16}{'to target':>11}{'final':>8}{'staleness':>11}{'ess':>7}{'wall':>8}")
+def print_table(shape: str, target: float, results: dict[str, dict], runs: dict[str, list[dict]]) -> None:
+    """Each variant's median figures, then each seed's time to target and final reward."""
+    print(f"\n[{shape}, target {target}]")
+    print(f"{'variant':<16}{'to target':>11}{'final':>8}{'staleness':>11}{'ess':>7}{'wall':>8}   per seed")
     for name, f in results.items():
         hit = "never" if f["time_to_target_s"] is None else f"{f['time_to_target_s']:.1f}s"
         ess = "-" if f["ess_mean"] is None else f"{f['ess_mean']:.3f}"
+        seeds = " ".join(
+            f"{'never' if r['time_to_target_s'] is None else r['time_to_target_s']}/{r['final_reward']:.3f}"
+            for r in runs[name]
+        )
         print(
-            f"{name:<16}{hit:>11}{f['final_reward']:>8.3f}{f['staleness_mean']:>11.2f}{ess:>7}{f['wall_s']:>7.1f}s"
+            f"{name:<16}{hit:>11}{f['final_reward']:>8.3f}{f['staleness_mean']:>11.2f}{ess:>7}"
+            f"{f['wall_s']:>7.1f}s   {seeds}"
         )
     ratios = auto_against_fixed(results)
     if ratios["final_ratio"] is not None:
@@ -145,41 +171,48 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--target", type=float, default=0.5)
+    ap.add_argument("--target", type=float, default=None, help="reward to time (default: the shape's)")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument(
         "--shapes",
         default="base",
         help=f"comma-separated workload shapes: {', '.join(SHAPES)} (default: base)",
     )
+    ap.add_argument("--seeds", default="", help="comma-separated run.seed values (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every variant")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     shapes = [s for s in args.shapes.split(",") if s]
+    seeds: list[int | None] = [int(s) for s in args.seeds.split(",") if s] or [None]
     unknown = sorted(set(names) - set(VARIANTS)) + sorted(set(shapes) - set(SHAPES))
     if unknown:
         ap.error(f"unknown {unknown}; variants: {', '.join(VARIANTS)}; shapes: {', '.join(SHAPES)}")
-    results: dict[str, dict[str, dict]] = {}
+    targets = {shape: args.target if args.target is not None else TARGETS[shape] for shape in shapes}
+    runs: dict[str, dict[str, list[dict]]] = {shape: {n: [] for n in names} for shape in shapes}
     with tempfile.TemporaryDirectory(prefix="bench-algorithms-") as tmp:
         for shape in shapes:
-            results[shape] = {}
-            for name in names:
-                overrides = SHAPES[shape] + args.overrides
-                run_dir = run_variant(name, args.config, args.steps, Path(tmp) / shape, overrides)
-                results[shape][name] = figures(read_history(run_dir, "learner"), args.target)
-    for shape, by_variant in results.items():
-        print_table(shape, by_variant)
+            for seed in seeds:  # every variant at one seed before the next seed: drift hits them alike
+                for name in names:
+                    overrides = SHAPES[shape] + ([f"run.seed={seed}"] if seed is not None else [])
+                    out = Path(tmp) / shape / f"{name}-seed{seed}"
+                    run_dir = run_variant(name, args.config, args.steps, out, overrides + args.overrides)
+                    runs[shape][name].append(figures(read_history(run_dir, "learner"), targets[shape]))
+    results = {shape: {n: median_figures(r) for n, r in by_name.items()} for shape, by_name in runs.items()}
+    for shape in shapes:
+        print_table(shape, targets[shape], results[shape], runs[shape])
     print(
         json.dumps(
             {
                 "bench": "algorithms",
                 "config": args.config,
                 "steps": args.steps,
-                "target": args.target,
+                "seeds": seeds,
                 "shapes": {
                     shape: {
                         "overrides": SHAPES[shape],
-                        "variants": v,
+                        "target": targets[shape],
+                        "medians": v,
+                        "runs": runs[shape],
                         "auto_vs_best_fixed": auto_against_fixed(v),
                     }
                     for shape, v in results.items()
