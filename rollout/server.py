@@ -16,7 +16,8 @@ Standalone, a plain OpenAI-compatible inference server with no Redis, no learner
 Start-up fails fast (docs/design.md §6.5): Redis must answer, the engine must load and finish one tiny
 generation, and the HTTP port must be bound before the server reports ready (``{run}:ready:server-N``
 with its HTTP port). SIGTERM / SIGINT (or the run's stop key) end it cleanly: prompts it took but did not
-answer stay pending in Redis for another server.
+answer stay pending in Redis for another server. A signal while the engine still starts aborts the start
+(:func:`abort_start_on_signal`), stopping a managed vLLM or SGLang server on the way out.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import random
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.standalone:
         return serve_standalone(args, stop)
     exit_with_driver()  # started by launch.py: gone soon after it (tandem/procs.py)
-    return serve_connected(args, stop)
+    try:
+        return serve_connected(args, stop)
+    except StartAborted as e:
+        log.info("stopped by %s while the engine was starting", e)
+        return 0
+
+
+class StartAborted(Exception):
+    """A SIGTERM or SIGINT arrived while the engine was starting; its message names the signal."""
+
+
+@contextlib.contextmanager
+def abort_start_on_signal(stop: threading.Event) -> Iterator[None]:
+    """While the engine starts, SIGTERM or SIGINT set ``stop`` and raise :class:`StartAborted` in the main
+    thread. A managed vLLM or SGLang server can take minutes to answer ``/health``: without this the
+    process would sleep through that wait and be SIGKILLed at the end of its supervisor's grace period;
+    raised, the start's own cleanup stops the managed server. Outside, the handlers only set ``stop``."""
+
+    def abort(signum: int, _frame: object) -> None:
+        stop.set()
+        raise StartAborted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, abort) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if stop.is_set():  # a signal that arrived before these handlers
+            raise StartAborted("a stop before the engine started")
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
@@ -86,7 +116,7 @@ def serve_connected(args: argparse.Namespace, stop: threading.Event) -> int:
         return serve_adapter_runs(cfg, args, client, stop)
     buffer = ReplayBuffer.from_config(client, cfg, consumer=name)
     subscriber = make_subscriber(cfg, client, name, run_dir=args.run_dir)
-    engine, tokenizer = start_engine(cfg, client, sid)
+    engine, tokenizer = start_engine(cfg, client, sid, stop)
     try:
         serve_run(cfg, args, client, engine, tokenizer, buffer, subscriber, stop)
     finally:
@@ -193,7 +223,7 @@ def serve_adapter_runs(
         )
         for adapter, run in runs.items()
     }
-    engine, tokenizer = start_engine(cfg, client, args.server_index)
+    engine, tokenizer = start_engine(cfg, client, args.server_index, stop)
     assert isinstance(engine, HFEngine)
     http = start_run_http(
         cfg, engine, tokenizer, ServerMetrics(engine), args.server_index, adapters=engine.adapters
@@ -268,10 +298,13 @@ def set_up_process(cfg: Config, sid: int) -> None:
         torch.set_num_threads(thread_split(cfg)[0])
 
 
-def start_engine(cfg: Config, client: redis.Redis, sid: int) -> tuple[Engine, PreTrainedTokenizerBase]:
+def start_engine(
+    cfg: Config, client: redis.Redis, sid: int, stop: threading.Event
+) -> tuple[Engine, PreTrainedTokenizerBase]:
     """The engine, registered where the learner pushes weights into engines, and warmed up: a broken one
-    fails here, before the server reports ready."""
-    engine = make_engine(cfg, cfg.model.actor, server_index=sid)
+    fails here, before the server reports ready. A signal meanwhile aborts the start (``StartAborted``)."""
+    with abort_start_on_signal(stop):
+        engine = make_engine(cfg, cfg.model.actor, server_index=sid)
     if cfg.weight_path == "engine":
         from weightsync.engine_push import EngineEndpoint, register_engine
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -328,6 +329,66 @@ def test_server_process_end_to_end(
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# SGLang cannot run here: this stand-in for ``python -m sglang.launch_server`` notes its pid and never
+# answers /health, as a real server loading a large model does for minutes.
+SLOW_SGLANG = """
+import os, sys, time
+with open(os.environ["SLOW_ENGINE_PID"], "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_a_signal_while_the_engine_starts_ends_the_server_and_its_engine(
+    redis_server, run_id, tiny_ckpt, tmp_path
+) -> None:
+    """SIGTERM to a rollout server whose managed engine has not yet answered /health: the server exits 0 at
+    once and takes the engine server down, instead of waiting out rollout.sglang.startup_timeout_s."""
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(SLOW_SGLANG)
+    cfg = make_cfg(
+        run_id, redis_server.url, tiny_ckpt, tmp_path,
+        **{"rollout.engine": "sglang", "rollout.sglang": {"startup_timeout_s": 300}},
+        **{"run.output_dir": str(tmp_path / "out")},
+    )  # fmt: skip
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    pid_file = tmp_path / "engine.pid"
+    env = {**os.environ, "PYTHONPATH": f"{fake.parent}:{ROOT}", "SLOW_ENGINE_PID": str(pid_file)}
+    cmd = [sys.executable, "-m", "rollout.server", "--config", str(config_path), "--server-id", "0"]
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.is_file() or not pid_file.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the engine server never started"
+            time.sleep(0.1)
+        engine_pid = int(pid_file.read_text())
+        time.sleep(1.0)  # well inside the health wait
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log_path.read_text()[-3000:]
+        assert "stopped by SIGTERM while the engine was starting" in log_path.read_text()
+        assert not Path(f"/proc/{engine_pid}").exists() or process_state(engine_pid) == "Z"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of ``pid`` in /proc (``Z``: exited, not yet reaped by its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 def test_reward_model_scores_padded_batches_like_single_texts(tiny_ckpt) -> None:
