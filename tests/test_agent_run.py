@@ -64,6 +64,17 @@ async def misbehaving_agent(client, record, *, model: str) -> float:
     return {"nan": float("nan")} if how == "garbage" else 1.0
 
 
+async def retrying_agent(client, record, *, model: str) -> float:
+    """Retries a failed call every half second, up to 40 times, as an agent with its own retry loop does."""
+    for _ in range(40):
+        try:
+            await client.completions.create(model=model, prompt=record["prompt"], max_tokens=4)
+            return 1.0
+        except Exception:
+            await asyncio.sleep(0.5)
+    return 0.0
+
+
 def agent_cfg(tiny_ckpt: dict[str, Path], tmp: Path, path: str, **over: object) -> Config:
     raw = {
         "run": {"name": "agents", "device": "cpu"},
@@ -197,20 +208,24 @@ def test_a_misbehaving_agent_ends_only_its_episode(engine, tiny_ckpt, tmp_path, 
         runner.close()
 
 
-def test_an_engine_whose_process_died_ends_the_batch_of_agents(engine, tiny_ckpt, tmp_path) -> None:
+@pytest.mark.parametrize("agent", ["talk_agent", "retrying_agent"])
+def test_an_engine_whose_process_died_ends_the_batch_of_agents(engine, tiny_ckpt, tmp_path, agent) -> None:
     """A failed engine call is one episode's failure; an engine whose process died is every later one's, so
-    the runner raises it (the rollout server exits and is restarted), with every session closed."""
+    the runner raises it (the rollout server exits and is restarted), with every session closed. It does so
+    at once, not when an agent that keeps retrying gives up or agent.timeout_s (60 s) runs out."""
     from rollout.engines.base import EngineExited
 
     def dead(*args, **kwargs):
         raise EngineExited("vllm serve (server 0) exited with code -9")
 
-    cfg = agent_cfg(tiny_ckpt, tmp_path, "tests.test_agent_run:talk_agent", **{"agent.timeout_s": 60})
+    cfg = agent_cfg(tiny_ckpt, tmp_path, f"tests.test_agent_run:{agent}", **{"agent.timeout_s": 60})
     runner = make_runner(cfg, engine)
     engine.generate = dead
     try:
+        start = time.monotonic()
         with pytest.raises(EngineExited, match="code -9"):
             runner.run(episodes(engine, [{"id": "a", "prompt": "1+2="}]))
+        assert time.monotonic() - start < 15  # the retrying agents alone would hold it 20 s
         assert runner.sessions.sessions == {}
     finally:
         del engine.generate

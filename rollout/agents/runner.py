@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 # What an episode may take beyond agent.timeout_s before its thread is given up on (an agent that blocks
 # its own event loop cannot be cancelled, only abandoned: the thread is a daemon).
 JOIN_SLACK_S = 10.0
+EXIT_POLL_S = 0.1  # how often the runner looks, while agents play, whether the engine's process died
 
 
 @dataclass
@@ -257,7 +258,12 @@ class AgentRunner:
             t.start()
         deadline = time.monotonic() + self.timeout_s + JOIN_SLACK_S
         for e, t in zip(episodes, threads, strict=True):
-            t.join(max(0.0, deadline - time.monotonic()))
+            # Once the engine's process has died no call can succeed: the batch ends then, not when the
+            # last agent gives up (an agent that retries or sleeps would hold it to agent.timeout_s).
+            while t.is_alive() and self.engine.exited is None and time.monotonic() < deadline:
+                t.join(min(EXIT_POLL_S, max(0.0, deadline - time.monotonic())))
+            if self.engine.exited is not None:
+                break
             if t.is_alive():
                 e.seconds = self.timeout_s + JOIN_SLACK_S
                 e.end(
