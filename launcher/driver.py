@@ -329,6 +329,8 @@ def tick(
         with contextlib.suppress(redis.ConnectionError):  # died just now: the next tick restarts it
             feeder.top_up()
             stopping = bool(client.exists(stop_key(cfg.run.name)))
+            if stopping and cfg.learner.lora.adapters:  # {run}:stop asks every adapter's run to finish
+                client.mset({stop_key(run.run.name): "1" for run in runs_of(cfg)})
     return backend.poll(stopping=stopping)
 
 

@@ -99,3 +99,32 @@ def test_the_frozen_base_is_held_once_and_each_adapter_stays_its_own(tiny_ckpt: 
         assert torch.equal(m(input_ids=ids).logits, logits)
     assert not torch.equal(before[0], before[1])  # the adapters differ, and still do
     assert share_frozen_base(models) == 0  # shared already
+
+
+def test_the_runs_stop_key_asks_every_adapters_run_to_stop(redis_client, run_id: str) -> None:
+    """``{run}:stop`` set by hand stops a run with adapters as it stops any run: the launcher's tick passes
+    it on to each adapter's run, whose learner and rollout loops watch their own key."""
+    from launcher.driver import tick
+    from tandem.telemetry import stop_key
+
+    cfg = load_config(PRESET, [f"run.name={run_id}"])
+    polled: list[bool] = []
+
+    class Up:  # the launcher's Redis keeper, feeder and backend, as far as tick uses them
+        up = True
+
+        def tick(self) -> None:
+            return None
+
+        def top_up(self) -> None:
+            return None
+
+        def poll(self, *, stopping: bool) -> None:
+            polled.append(stopping)
+
+    adapters = [stop_key(f"{run_id}.{a.name}") for a in cfg.learner.lora.adapters]
+    tick(cfg, Up(), redis_client, Up(), Up())
+    assert redis_client.exists(*adapters) == 0 and polled == [False]
+    redis_client.set(stop_key(run_id), "1")
+    tick(cfg, Up(), redis_client, Up(), Up())
+    assert redis_client.exists(*adapters) == len(adapters) == 2 and polled == [False, True]
