@@ -200,8 +200,9 @@ def serve_run(
 def serve_adapter_runs(
     cfg: Config, args: argparse.Namespace, client: redis.Redis, stop: threading.Event
 ) -> int:
-    """``learner.lora.adapters`` (docs/stages.md §5.1): every adapter's run on one hf engine, which holds the
-    base model and every adapter (rollout/engines/hf_lora.py), until they stop.
+    """``learner.lora.adapters`` (docs/stages.md §5.1): every adapter's run on one engine, which holds the
+    base model and every adapter (hf: rollout/engines/hf_lora.py; vllm: LoRAs loaded by version), until they
+    stop.
 
     Each run gets its buffer and weight subscriber (registered before the engine loads, as for one run),
     then its rollout loop on a thread of its own (its prompts, rewards, stream, admission), driving the
@@ -210,7 +211,7 @@ def serve_adapter_runs(
     adapter's loop is; one loop that fails stops the others and fails the server, which its supervisor
     restarts."""
     from buffer.streams import ReplayBuffer
-    from rollout.engines.hf_lora import AdapterEngine
+    from rollout.engines.adapter_view import AdapterEngine
     from tandem import plugins
     from weightsync import make_subscriber
 
@@ -224,7 +225,6 @@ def serve_adapter_runs(
         for adapter, run in runs.items()
     }
     engine, tokenizer = start_engine(cfg, client, args.server_index, stop)
-    assert isinstance(engine, HFEngine)
     http = start_run_http(
         cfg, engine, tokenizer, ServerMetrics(engine), args.server_index, adapters=engine.adapters
     )

@@ -34,7 +34,6 @@ def test_each_adapter_is_a_run_of_its_own_with_its_prompts_rewards_and_learning_
 @pytest.mark.parametrize(
     ("override", "named"),
     [
-        ("rollout.engine=vllm", "rollout.engine=hf"),
         ("learner.lora.modules_to_save=[norm]", "learner.lora.modules_to_save=[]"),
         ("learner.lora.sync=merged", "learner.lora.sync=adapter"),
         ("algorithm.kl_coef=0.1", "algorithm.kl_coef=0"),
@@ -48,6 +47,12 @@ def test_what_several_adapters_do_not_run_with_is_refused_naming_it(override: st
     with pytest.raises(ConfigError, match=r"learner\.lora\.adapters") as e:
         load_config(PRESET, [override])
     assert named in str(e.value)
+
+
+def test_several_adapters_run_on_hf_and_vllm_and_not_on_sglang() -> None:
+    assert load_config(PRESET, ["rollout.engine=vllm"]).learner.lora.adapters
+    with pytest.raises(ConfigError, match=r"rollout\.engine=sglang"):
+        load_config(PRESET, ["rollout.engine=sglang"])
 
 
 def test_the_runs_line_is_the_step_every_adapter_reached_and_the_mean_of_their_rewards() -> None:

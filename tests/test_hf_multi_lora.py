@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from learner.lora import merge
+from rollout.engines.adapter_view import AdapterEngine
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
-from rollout.engines.hf_lora import AdapterEngine, check_adapter_dir, load_adapters
+from rollout.engines.hf_lora import check_adapter_dir, load_adapters
 from rollout.http.app import create_app
 from rollout.http.serve import HTTPServer
 from rollout.metrics import ServerMetrics

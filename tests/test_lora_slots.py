@@ -16,6 +16,7 @@ from weightsync.adapters import peft_adapter, write_peft_adapter
 
 def test_version_zero_is_the_base_model() -> None:
     assert lora_name(0) is None and lora_name(7) == "v7"
+    assert lora_name(0, "echo") is None and lora_name(7, "echo") == "echo-v7"  # one of several adapters' runs
     slots = AdapterSlots(keep=2)
     assert slots.acquire() == 0 and slots.release(0) == []
 

@@ -179,3 +179,40 @@ def test_the_vllm_demo_learns_echo_through_a_killed_server_and_loses_no_prompt(
     print(
         f"vLLM demo: reward {first:.3f} -> {last:.3f} over {steps} steps, {reloads} weight reloads, killed at {killed_at}"
     )
+
+
+def test_several_adapters_train_on_one_vllm_server(assets, tmp_path: Path) -> None:
+    """``configs/tiny-multilora.yaml`` with ``rollout.engine=vllm``: both adapters' runs train on one vLLM
+    server, each loading its own adapter versions (``<name>-v<N>``) and checkpointing its last step."""
+    from tandem.config import adapter_run_dir
+
+    steps = 6
+    reverse = write_prompts(tmp_path / "reverse.jsonl", make_records("reverse", 200))
+    adapters = [
+        {"name": "echo"},
+        {"name": "reverse", "prompts": str(reverse), "reward": [{"path": "toy.tasks.reverse:reward"}]},
+    ]
+    cmd = [
+        sys.executable,
+        str(ROOT / "launch.py"),
+        str(ROOT / "configs/tiny-multilora.yaml"),
+        f"model.actor={assets['actor']}",
+        f"data.prompts={assets['prompts']}",
+        "prepare=[]",
+        "rollout.engine=vllm",
+        'rollout.vllm.extra_args=["--max-model-len", "256", "--kv-cache-memory-bytes", "268435456"]',
+        "rollout.vllm.startup_timeout_s=300",
+        f"learner.lora.adapters={json.dumps(adapters)}",
+        f"learner.total_steps={steps}",
+        f"run.output_dir={tmp_path / 'out'}",
+        "--no-console",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    vllm_log = (run_dir / "logs" / "vllm-server0.log").read_text()
+    for name in ("echo", "reverse"):
+        trained = (adapter_run_dir(run_dir, name) / "trained.jsonl").read_text().splitlines()
+        assert len(trained) == steps, f"{name}: {len(trained)} steps trained"
+        assert f"{name}-v1" in vllm_log, f"vLLM never loaded {name}'s first version"
+    assert leftover_processes(run_dir) == []

@@ -35,14 +35,21 @@ SERVER_ARGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 2
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 30, 40, 41, 42]]
 
 
-def make_cfg(tmp: Path, actor: Path, run: str) -> Config:
+def make_cfg(tmp: Path, actor: Path, run: str, adapters: tuple[str, ...] = ()) -> Config:
     raw = {
         "run": {"name": run, "output_dir": str(tmp), "device": "cpu"},
         "model": {"actor": str(actor), "dtype": "float32"},
         "data": {"prompts": "/unused.jsonl"},
         "reward": {"functions": [{"path": "toy.tasks.echo:reward"}]},
         "algorithm": {"max_staleness": MAX_STALENESS},
-        "learner": {"lora": {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}},
+        "learner": {
+            "lora": {
+                "rank": 8,
+                "alpha": 16.0,
+                "target_modules": ["q_proj", "v_proj", "down_proj"],
+                "adapters": [{"name": name} for name in adapters],
+            }
+        },
         "rollout": {"engine": "vllm", "vllm": {"extra_args": SERVER_ARGS, "startup_timeout_s": 300}},
         # Every published version stays on disk: the tests load them in their own order.
         "weightsync": {"shm_dir": str(tmp / "shm"), "keep_versions": 8},
@@ -210,3 +217,69 @@ def test_versions_beyond_the_staleness_bound_are_unloaded(engine: Any, setup: di
     load(engine, setup, 4)
     assert served_adapters(engine) == {"v3", "v4"}
     assert engine._slots.loaded == [3, 4]
+
+
+# Several adapters' runs on one vLLM server (learner.lora.adapters): each adapter's versions load as
+# "<name>-v<N>". The versions reuse the module's published directories: adapter "a" takes versions 1..3 from
+# directories 1..3, adapter "b" its version 1 from directory 4 (an update's version and its directory are
+# independent).
+NAMED = ("a", "b")
+
+
+@pytest.fixture(scope="module")
+def named_engine(setup: dict[str, Any], tmp_path_factory: pytest.TempPathFactory):
+    from rollout.engines.vllm import VLLMEngine
+
+    tmp = tmp_path_factory.mktemp("vllm-named")
+    cfg = make_cfg(tmp, setup["actor"], f"named{time.monotonic_ns()}", adapters=NAMED)
+    eng = VLLMEngine(cfg, str(setup["actor"]), server_index=1, device="cpu")
+    yield eng
+    eng.close()
+
+
+def load_named(engine: Any, setup: dict[str, Any], adapter: str, version: int, directory: int) -> None:
+    from weightsync.shm import version_dir
+
+    path = version_dir(setup["root"], directory)
+    engine.update_adapter(adapter, Update(version, [], lambda: iter(()), path=str(path)))
+
+
+def test_several_adapters_runs_share_one_vllm_server(named_engine: Any, setup: dict[str, Any]) -> None:
+    """Each adapter's run, through its view of the engine (what its rollout loop drives), generates with its
+    own adapter at its own version, both at once in vLLM's batch, each matching its peft model; rows that
+    name no adapter are the base model's; each adapter keeps its own max_staleness + 1 versions."""
+    from rollout.engines.adapter_view import AdapterEngine
+
+    eng = named_engine
+    assert eng.adapters == NAMED and eng._slots is None
+    views = {name: AdapterEngine(eng, name) for name in NAMED}
+    assert {v.version for v in views.values()} == {0}  # every adapter starts as the base model (B = 0)
+    load_named(eng, setup, "a", 1, directory=1)
+    load_named(eng, setup, "b", 1, directory=4)
+    assert served_adapters(eng) == {"a-v1", "b-v1"}
+    assert (views["a"].version, views["b"].version) == (1, 1)
+
+    sampling = SamplingParams(n=2, max_new_tokens=16, temperature=1.0, seed=7)
+    out: dict[str, list[list[Completion]]] = {}
+    threads = [
+        threading.Thread(target=lambda n=name: out.__setitem__(n, views[n].generate(PROMPTS, sampling)))
+        for name in NAMED
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert set(out) == set(NAMED), "a generate call did not return"
+    assert versions(out["a"]) == versions(out["b"]) == {1}
+    assert max_error(adapter_model(setup, 1), PROMPTS, out["a"]) < ATOL
+    assert max_error(adapter_model(setup, 4), PROMPTS, out["b"]) < ATOL
+    assert max_error(adapter_model(setup, 1), PROMPTS, out["b"]) > 0.05  # b's rows did not take a's adapter
+    base = eng.generate(PROMPTS, sampling)
+    assert versions(base) == {0} and max_error(setup["base"], PROMPTS, base) < ATOL
+
+    load_named(eng, setup, "a", 2, directory=2)
+    load_named(eng, setup, "a", 3, directory=3)  # a-v1 is past max_staleness + 1 = 2 of a's versions
+    assert served_adapters(eng) == {"a-v2", "a-v3", "b-v1"}
+    assert (views["a"].version, views["b"].version) == (3, 1)
+    with pytest.raises(ValueError, match="'c': not served here"):
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=2, adapter="c"))

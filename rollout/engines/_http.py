@@ -277,6 +277,7 @@ class HttpEngine:
     """
 
     continuous_batching = True  # the server's scheduler batches concurrent requests
+    adapters: tuple[str, ...] = ()  # LoRA adapters a request may name (SamplingParams.adapter)
     weight_info_route: str  # GET route whose JSON has ``weight_version`` (the dist path)
     stat_samples: StatSamples  # where the scheduler's state is in ``GET /metrics``
     client: EngineClient
@@ -351,8 +352,11 @@ class HttpEngine:
         pending update then applies first) and ``on_token`` replays the tokens after it. ``on_prompt`` hears
         of each prompt as its reply arrives.
         """
-        if sampling.adapter is not None:  # served adapters are the hf engine's (rollout/engines/hf_lora.py)
-            raise ValueError(f"LoRA adapter {sampling.adapter!r}: only the hf engine serves named adapters")
+        if sampling.adapter is not None and sampling.adapter not in self.adapters:
+            raise ValueError(
+                f"LoRA adapter {sampling.adapter!r}: not served here (adapters: {list(self.adapters)}); an engine "
+                "server serves the adapters of learner.lora.adapters (vllm) or --lora (hf)"
+            )
         if not prompts:
             return []
         if between_steps is not None:

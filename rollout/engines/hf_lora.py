@@ -15,17 +15,15 @@ An adapter may also start empty, from a ``LoraConfig`` (peft's initial B = 0: th
 adapter-only updates of a LoRA actor (weightsync/adapters.py) later, as each adapter's run does when several
 train at once (``learner.lora.adapters``, rollout/server.py): :func:`write_adapter` writes an update's
 ``lora_A``/``lora_B``/``lora_scaling`` into the adapter's own layers, leaving the base and the others as they
-are. Each adapter's run drives the engine through :class:`AdapterEngine`, its view of it
-(rollout/server.py ``serve_adapter_runs``).
+are. Each adapter's run drives the engine through its view of it (rollout/engines/adapter_view.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +33,6 @@ from weightsync.adapters import SCALING, A, B
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-    from rollout.engines.base import Completion, EngineStats, SamplingParams
-    from rollout.engines.hf import HFEngine
-    from weightsync.base import Update
 
 BASE = "__base__"  # peft's adapter_names entry for a row that takes no adapter
 
@@ -135,32 +130,3 @@ def prefix_seed(adapter: str | None, served: Sequence[str]) -> int:
     """The first prefix hash of a row of ``adapter`` (0 for the base model): distinct per served adapter, so
     the prefix cache never hands one adapter's KV to another's row."""
     return 0 if adapter is None else 1 + list(served).index(adapter)
-
-
-class AdapterEngine:
-    """One adapter's view of the shared hf engine, what its run's rollout loop drives."""
-
-    continuous_batching = True
-    supports_sleep = False  # the base is shared: no adapter's run may free it
-    vision = None
-
-    def __init__(self, engine: HFEngine, adapter: str) -> None:
-        self.engine, self.adapter = engine, adapter
-
-    @property
-    def version(self) -> int:
-        return self.engine.adapter_version(self.adapter)
-
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, **kw: Any
-    ) -> list[list[Completion]]:
-        return self.engine.generate(prompts, dataclasses.replace(sampling, adapter=self.adapter), **kw)
-
-    def update_weights(self, update: Update) -> None:
-        self.engine.update_adapter(self.adapter, update)
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
-
-    def close(self) -> None:
-        """Nothing: the server closes the shared engine once every run's loop has ended."""

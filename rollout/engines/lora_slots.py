@@ -13,9 +13,13 @@ from __future__ import annotations
 import threading
 
 
-def lora_name(version: int) -> str | None:
-    """The ``model`` a request for ``version`` names: ``v<N>``, or None (the base model) for version 0."""
-    return f"v{version}" if version > 0 else None
+def lora_name(version: int, adapter: str | None = None) -> str | None:
+    """The ``model`` a request for ``version`` names: ``v<N>``, or ``<adapter>-v<N>`` for one of several
+    adapters' runs (``learner.lora.adapters``); None (the base model) for version 0, which is every adapter
+    before its first update (B = 0)."""
+    if version == 0:
+        return None
+    return f"v{version}" if adapter is None else f"{adapter}-v{version}"
 
 
 class AdapterSlots:

@@ -34,6 +34,10 @@ pausing, and later requests name it as their ``model``. The base weights never c
 weight label stays 0 and each completion is stamped with the version of the adapter its request named: a
 request in flight during a load finishes on the adapter it started with. The newest ``max_staleness + 1``
 adapters stay loaded; older ones are unloaded once no request uses them (``rollout/engines/lora_slots.py``).
+With several adapters' runs on the server (``learner.lora.adapters``, rollout/server.py), each adapter keeps
+its own versions, loaded as ``<name>-v<N>`` (:meth:`VLLMEngine.update_adapter`), and a request whose
+``SamplingParams.adapter`` names it takes that adapter's current version; vLLM batches the adapters' rows
+together.
 
 The RL routes (``/pause``, weight transfer, ``/collective_rpc``) exist only with ``VLLM_SERVER_DEV_MODE=1``,
 which we set; bind the server to loopback (the default) unless a learner on another host must reach it.
@@ -336,8 +340,8 @@ def serve_argv(cfg: Config, model_path: str, host: str, port: int, *, cpu: bool 
         ]  # fmt: skip
         if sleeps(cfg):  # the CPU build refuses it: "Sleep mode is not supported on current platform"
             argv.append("--enable-sleep-mode")
-    if (keep := adapter_versions(cfg)) is not None:
-        argv += lora_flags(cfg.learner.lora.rank, keep)
+    if (keep := adapter_versions(cfg)) is not None:  # each of several adapters keeps as many versions
+        argv += lora_flags(cfg.learner.lora.rank, keep * max(1, len(cfg.learner.lora.adapters)))
     if cfg.algorithm.routing_replay == "rollout":  # each choice carries its routing (parse_generate)
         argv.append("--enable-return-routed-experts")
     return argv + shared_flags(cfg, v) + list(v.extra_args)
@@ -468,7 +472,10 @@ class VLLMEngine(HttpEngine):
         self.supports_sleep = sleeps(cfg) and not cpu_build()
         env = {"VLLM_SERVER_DEV_MODE": "1", **device_env(device, v.tensor_parallel_size)}
         keep = adapter_versions(cfg)
-        self._slots = AdapterSlots(keep) if keep is not None else None
+        # Adapter-only sync: the run's one adapter, or with learner.lora.adapters each adapter's run's own.
+        self.adapters: tuple[str, ...] = tuple(a.name for a in cfg.learner.lora.adapters)
+        self._slots = AdapterSlots(keep) if keep is not None and not self.adapters else None
+        self._named = {name: AdapterSlots(keep) for name in self.adapters} if keep is not None else {}
         if keep is not None:  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if cfg.algorithm.routing_replay == "rollout":
@@ -508,12 +515,18 @@ class VLLMEngine(HttpEngine):
     ) -> Iterator[tuple[int, list[Completion]]]:
         """One request per prompt, all in flight together, each yielded as its reply arrives. A seed gives
         prompt ``i`` the seed ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``)."""
+        if sampling.adapter is not None:
+            return self._each_lora_reply(prompts, sampling, self._named[sampling.adapter], sampling.adapter)
         if self._slots is None:
             return self._each_reply(GENERATE_ROUTE, prompts, sampling, generate_body, parse_generate)
         return self._each_lora_reply(prompts, sampling, self._slots)
 
     def _each_lora_reply(
-        self, prompts: list[list[int]], sampling: SamplingParams, slots: AdapterSlots
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        slots: AdapterSlots,
+        adapter: str | None = None,
     ) -> Iterator[tuple[int, list[Completion]]]:
         """As ``_each_reply``, each request naming the adapter current when it is sent and holding it loaded
         until its reply is in; its tokens are stamped with that adapter's version."""
@@ -522,12 +535,13 @@ class VLLMEngine(HttpEngine):
         def one(i: int) -> list[Completion]:
             seed = None if sampling.seed is None else sampling.seed + i * sampling.n
             version = slots.acquire()
+            name = lora_name(version, adapter)
             try:
-                body = replace(generate_body(prompts[i], sampling, seed), model=lora_name(version))
+                body = replace(generate_body(prompts[i], sampling, seed), model=name)
                 reply = self.client.post(GENERATE_ROUTE, to_json(body), resend=True)
             finally:
-                self._unload(slots.release(version))
-            return parse_generate(reply, sampling.n, f"{where} (prompt {i}, adapter v{version})", version)
+                self._unload(slots.release(version), adapter)
+            return parse_generate(reply, sampling.n, f"{where} (prompt {i}, adapter {name})", version)
 
         replies = {self._requests.submit(one, i): i for i in range(len(prompts))}
         for reply in as_completed(replies):
@@ -538,32 +552,42 @@ class VLLMEngine(HttpEngine):
         keep theirs); else as ``HttpEngine.update_weights``."""
         if self._slots is None:
             return super().update_weights(update)
-        if update.version == self._slots.current:  # the held version announced again (a joiner's re-publish)
+        self._load_adapter(self._slots, update)
+        self._version = update.version
+
+    def adapter_version(self, adapter: str) -> int:
+        """The version of ``adapter``'s run its new requests take (0 until its first update: the base)."""
+        return self._named[adapter].current
+
+    def update_adapter(self, adapter: str, update: Update) -> None:
+        """One of several adapters' runs published ``update``: load it as ``<adapter>-v<N>``."""
+        self._load_adapter(self._named[adapter], update, adapter)
+
+    def _load_adapter(self, slots: AdapterSlots, update: Update, adapter: str | None = None) -> None:
+        if update.version == slots.current:  # the held version announced again (a joiner's re-publish)
             return
+        name = lora_name(update.version, adapter)
         if update.path is None:
-            raise EngineHTTPError(
-                f"{self.client.label} {self.url}: adapter v{update.version} came without a directory"
-            )
+            raise EngineHTTPError(f"{self.client.label} {self.url}: adapter {name} came without a directory")
         path = Path(update.path) / PEFT_DIR
         if not (path / "adapter_config.json").is_file():
             raise EngineHTTPError(
                 f"{self.client.label} {self.url}: weight version {update.version} has no peft adapter in {path} "
                 "(was it published with learner.lora.sync=adapter for rollout.engine=vllm?)"
             )
-        name = lora_name(update.version)
         self.client.post(
             "/v1/load_lora_adapter",
             to_json(LoadLoRABody(str(name), str(path))),
             timeout=self.settings.update_timeout_s,
-            context=f"adapter v{update.version}",
+            context=f"adapter {name}",
         )
-        self._unload(self._slots.loaded_as(update.version))
-        self._version = update.version
+        self._unload(slots.loaded_as(update.version), adapter)
 
-    def _unload(self, versions: list[int]) -> None:
+    def _unload(self, versions: list[int], adapter: str | None = None) -> None:
         for v in versions:
+            name = str(lora_name(v, adapter))
             self.client.post(
-                "/v1/unload_lora_adapter", to_json(UnloadLoRABody(str(lora_name(v)))), context=f"adapter v{v}"
+                "/v1/unload_lora_adapter", to_json(UnloadLoRABody(name)), context=f"adapter {name}"
             )
 
     def _load_weights(self, update: Update, *, asleep: bool) -> None:

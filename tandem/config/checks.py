@@ -218,9 +218,10 @@ def token_sum_norm_bounds_the_response(cfg: Config) -> None:
 
 
 def several_adapters_are_runnable(cfg: Config) -> None:
-    """``learner.lora.adapters``: adapter-only updates into the hf engine's served adapters, whose rows
-    share the running batch (rollout/engines/hf_lora.py), from one learner rank running a ppo learner per
-    adapter (learner/adapter_runs.py). What is not built with it is refused here, by name."""
+    """``learner.lora.adapters``: adapter-only updates into the engine's served adapters, whose rows share
+    the running batch (hf: rollout/engines/hf_lora.py; vllm: one LoRA per adapter and version), from one
+    learner rank running a ppo learner per adapter (learner/adapter_runs.py). What is not built with it is
+    refused here, by name."""
     lora = cfg.learner.lora
     if not lora.adapters:
         return
@@ -231,7 +232,7 @@ def several_adapters_are_runnable(cfg: Config) -> None:
         "learner.lora.rank > 0": lora.rank > 0,
         "learner.lora.sync=adapter": lora.sync == "adapter",
         "learner.lora.modules_to_save=[] (whole modules would be shared by every adapter's rows)": not lora.modules_to_save,
-        "rollout.engine=hf": cfg.rollout.engine == "hf",
+        "rollout.engine=hf or vllm": cfg.rollout.engine in ("hf", "vllm"),
         "learner.num_ranks=1": cfg.learner.num_ranks == 1,
         "placement.mode=separate": cfg.placement_mode == "separate" and cfg.placement.mode != "auto",
         "no critic (a group advantage: grpo, rloo, ...)": cfg.model.critic is None,
