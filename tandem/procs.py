@@ -19,6 +19,10 @@ vLLM 0.32 catches SIGTERM while it starts and goes on starting, and its engine c
 its API server (both seen on 2026-11-29). So a third line covers engines: the server's process group is
 recorded in a file (:func:`record_group`), and :func:`reap_group` kills what is left of it before the
 next server of the same name starts, and when launch.py stops the run.
+
+A child that will not stop says why first: on ``STACKS_SIGNAL`` a child of launch.py writes every thread's
+stack to its log (``faulthandler``), and the driver sends it before it SIGKILLs a child that outlived its
+grace (launcher/backends/local.py), so a hang at shutdown leaves the place it hung in the log.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -48,6 +53,7 @@ except OSError:  # not Linux: sessions, explicit stops and the driver watch stil
 
 DRIVER_PID_ENV = "TANDEM_DRIVER_PID"
 ORPHAN_GRACE_S = 3.0  # after the driver died: time for a clean stop before a hard exit
+STACKS_SIGNAL = signal.SIGUSR1  # a child of launch.py writes its threads' stacks to its log
 WATCH_POLL_S = 0.5
 
 
@@ -161,11 +167,13 @@ def alive(pid: int) -> bool:
 
 
 def exit_with_driver(grace_s: float = ORPHAN_GRACE_S) -> threading.Thread | None:
-    """In a child of launch.py: a daemon thread that ends this process soon after the driver is gone.
-    Nothing (None) outside launch.py, where ``TANDEM_DRIVER_PID`` is unset."""
+    """In a child of launch.py: a daemon thread that ends this process soon after the driver is gone, and
+    every thread's stack written to stderr (the child's log) on ``STACKS_SIGNAL``. Nothing (None) outside
+    launch.py, where ``TANDEM_DRIVER_PID`` is unset."""
     raw = os.environ.get(DRIVER_PID_ENV)
     if not raw or not raw.isdigit() or int(raw) == os.getpid():
         return None
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     thread = threading.Thread(
         target=_watch, args=(int(raw), os.getppid(), grace_s), name="driver-watch", daemon=True
     )

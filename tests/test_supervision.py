@@ -333,3 +333,29 @@ def test_a_child_whose_driver_died_exits_by_itself_even_when_its_clean_stop_hang
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_child_that_will_not_stop_leaves_its_stacks_in_its_log_before_sigkill(tmp_path: Path) -> None:
+    """The stop ladder's last rung: a child still running after its grace (here one that ignores SIGTERM)
+    is asked for its threads' stacks, which reach its log, and is then SIGKILLed."""
+    from launcher.backends.local import Child, LocalBackend
+    from launcher.run_plan import Role
+    from tandem.procs import driver_env
+
+    role = Role("server-0", "tests.stuck_child", (), processes=1, threads=1, gpus=0)
+    log = tmp_path / "server-0.log"
+    child = Child(
+        role, {**os.environ, **driver_env()}, log, Restarts("server-0", RestartPolicy(3, 60.0, 1.0, 1.0))
+    )
+    backend = LocalBackend()
+    backend.children = [child]
+    child.start()
+    deadline = time.monotonic() + 60
+    while "stuck child: ready" not in log.read_text():
+        assert child.running and time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.1)
+    backend.stop(1.0, ask=signal.SIGTERM)
+    assert not child.running and child.proc.returncode == -signal.SIGKILL
+    text = log.read_text()
+    assert "Current thread" in text or "Thread 0x" in text, text[-2000:]
+    assert "in stuck_here" in text  # where it hung

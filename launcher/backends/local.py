@@ -34,13 +34,14 @@ from launcher.supervision import (
 )
 from tandem.config import Config, ConfigError
 from tandem.net import free_port
-from tandem.procs import driver_env, popen
+from tandem.procs import STACKS_SIGNAL, driver_env, popen
 from tandem.telemetry import ready_key
 
 log = logging.getLogger("launch")
 ROOT = Path(__file__).resolve().parents[2]
 TERM_S = 15.0  # after SIGTERM: a process exits (a learner may be mid-checkpoint) before SIGKILL
 KILL_S = 5.0  # after SIGKILL: the kernel reaps it
+STACKS_WAIT_S = 1.0  # for a child's stacks to reach its log before SIGKILL
 
 
 @dataclass
@@ -214,6 +215,8 @@ class LocalBackend:
         if ask == signal.SIGTERM:
             del ladder[1]  # asked with SIGTERM already: the next rung is SIGKILL
         for sig, wait in ladder:
+            if sig == signal.SIGKILL:
+                self.dump_stacks()
             if sig is not None:
                 for c in self.children:
                     c.signal(sig)
@@ -222,6 +225,18 @@ class LocalBackend:
                 time.sleep(0.2)
             if not any(c.running for c in self.children):
                 return
+
+    def dump_stacks(self) -> None:
+        """Before SIGKILL: each child still running writes its threads' stacks to its log (tandem/procs.py
+        ``STACKS_SIGNAL``), so a hang at shutdown leaves where it hung."""
+        if stuck := [c for c in self.children if c.running]:
+            print(
+                f"[{self.label}] {', '.join(c.name for c in stuck)} did not stop: their stacks go to their logs"
+            )
+            for c in stuck:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c.proc.pid, STACKS_SIGNAL)  # the child alone, not the rest of its group
+            time.sleep(STACKS_WAIT_S)
 
     def close(self) -> None:
         pass

@@ -1,0 +1,18 @@
+"""A child of launch.py that will not stop: it ignores SIGTERM and waits for ever in ``stuck_here``
+(tests/test_supervision.py: the driver asks for its stacks before it SIGKILLs it)."""
+
+import signal
+import threading
+
+from tandem.procs import exit_with_driver
+
+
+def stuck_here() -> None:
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    exit_with_driver()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("stuck child: ready", flush=True)
+    stuck_here()
