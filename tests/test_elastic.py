@@ -338,7 +338,8 @@ def test_servers_join_and_leave_a_running_run(tiny_ckpt, prompts, tmp_path: Path
     assert sizes[0] == 1 and 3 in sizes and 1 in sizes[sizes.index(3) :], summary["fleet"]
     for s in (1, 2):
         assert history_path(run_dir, f"server-{s}").exists()
-    assert "handed back" in logs[2].read_text() or "stopped after" in logs[2].read_text()
+    left = logs[2].read_text()  # a server that hung while leaving ends with its threads' stacks
+    assert "handed back" in left or "stopped after" in left, left[-6000:]
     assert leftover_processes(run_dir) == []
 
     trained = {}
