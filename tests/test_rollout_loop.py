@@ -30,6 +30,7 @@ from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HFEngine
 from rollout.loop import RolloutLoop
 from tandem.config import Config, load_config
+from tandem.procs import alive
 from tandem.rewards import RewardFunctions
 from tandem.telemetry import Telemetry, ready_key, stop_key
 from toy.tasks import make_records
@@ -376,19 +377,11 @@ def test_a_signal_while_the_engine_starts_ends_the_server_and_its_engine(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log_path.read_text()[-3000:]
         assert "stopped by SIGTERM while the engine was starting" in log_path.read_text()
-        assert not Path(f"/proc/{engine_pid}").exists() or process_state(engine_pid) == "Z"
+        assert not alive(engine_pid)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state of ``pid`` in /proc (``Z``: exited, not yet reaped by its parent)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_reward_model_scores_padded_batches_like_single_texts(tiny_ckpt) -> None:
