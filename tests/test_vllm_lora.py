@@ -179,7 +179,7 @@ def test_a_request_in_flight_during_loads_keeps_its_adapter(
     Each request's return is held at the engine's release of its version until both loads are done: how fast
     vLLM decodes (and when the tiny model samples its end token) then cannot finish every request first."""
     assert engine.version == 1
-    slots = engine._slots
+    slots = engine._slots[None]  # the run's one adapter
     loads_done = threading.Event()
     release = slots.release
 
@@ -216,7 +216,7 @@ def test_a_request_in_flight_during_loads_keeps_its_adapter(
 def test_versions_beyond_the_staleness_bound_are_unloaded(engine: Any, setup: dict[str, Any]) -> None:
     load(engine, setup, 4)
     assert served_adapters(engine) == {"v3", "v4"}
-    assert engine._slots.loaded == [3, 4]
+    assert engine._slots[None].loaded == [3, 4]
 
 
 # Several adapters' runs on one vLLM server (learner.lora.adapters): each adapter's versions load as
@@ -251,7 +251,7 @@ def test_several_adapters_runs_share_one_vllm_server(named_engine: Any, setup: d
     from rollout.engines.adapter_view import AdapterEngine
 
     eng = named_engine
-    assert eng.adapters == NAMED and eng._slots is None
+    assert eng.adapters == NAMED and set(eng._slots) == set(NAMED)  # no run-level adapter
     views = {name: AdapterEngine(eng, name) for name in NAMED}
     assert {v.version for v in views.values()} == {0}  # every adapter starts as the base model (B = 0)
     load_named(eng, setup, "a", 1, directory=1)

@@ -472,10 +472,12 @@ class VLLMEngine(HttpEngine):
         self.supports_sleep = sleeps(cfg) and not cpu_build()
         env = {"VLLM_SERVER_DEV_MODE": "1", **device_env(device, v.tensor_parallel_size)}
         keep = adapter_versions(cfg)
-        # Adapter-only sync: the run's one adapter, or with learner.lora.adapters each adapter's run's own.
+        # Adapter-only sync: the loaded versions of the run's one adapter (key None), or with
+        # learner.lora.adapters of each adapter's run (by name); none without it.
         self.adapters: tuple[str, ...] = tuple(a.name for a in cfg.learner.lora.adapters)
-        self._slots = AdapterSlots(keep) if keep is not None and not self.adapters else None
-        self._named = {name: AdapterSlots(keep) for name in self.adapters} if keep is not None else {}
+        self._slots: dict[str | None, AdapterSlots] = (
+            {} if keep is None else {name: AdapterSlots(keep) for name in self.adapters or (None,)}
+        )
         if keep is not None:  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if cfg.algorithm.routing_replay == "rollout":
@@ -515,22 +517,17 @@ class VLLMEngine(HttpEngine):
     ) -> Iterator[tuple[int, list[Completion]]]:
         """One request per prompt, all in flight together, each yielded as its reply arrives. A seed gives
         prompt ``i`` the seed ``seed + i * n`` (vLLM seeds sample ``j`` of a request with ``seed + j``)."""
-        if sampling.adapter is not None:
-            return self._each_lora_reply(prompts, sampling, self._named[sampling.adapter], sampling.adapter)
-        if self._slots is None:
+        if sampling.adapter not in self._slots:  # the base model (rows of no adapter's run)
             return self._each_reply(GENERATE_ROUTE, prompts, sampling, generate_body, parse_generate)
-        return self._each_lora_reply(prompts, sampling, self._slots)
+        return self._each_lora_reply(prompts, sampling, sampling.adapter)
 
     def _each_lora_reply(
-        self,
-        prompts: list[list[int]],
-        sampling: SamplingParams,
-        slots: AdapterSlots,
-        adapter: str | None = None,
+        self, prompts: list[list[int]], sampling: SamplingParams, adapter: str | None
     ) -> Iterator[tuple[int, list[Completion]]]:
         """As ``_each_reply``, each request naming the adapter current when it is sent and holding it loaded
         until its reply is in; its tokens are stamped with that adapter's version."""
         where = f"{self.client.label} {self.url} {GENERATE_ROUTE}"
+        slots = self._slots[adapter]
 
         def one(i: int) -> list[Completion]:
             seed = None if sampling.seed is None else sampling.seed + i * sampling.n
@@ -550,20 +547,21 @@ class VLLMEngine(HttpEngine):
     def update_weights(self, update: Update) -> None:
         """Adapter-only sync: load the version's adapter beside the others (no pause: requests in flight
         keep theirs); else as ``HttpEngine.update_weights``."""
-        if self._slots is None:
+        if None not in self._slots:
             return super().update_weights(update)
-        self._load_adapter(self._slots, update)
+        self._load_adapter(None, update)
         self._version = update.version
 
     def adapter_version(self, adapter: str) -> int:
         """The version of ``adapter``'s run its new requests take (0 until its first update: the base)."""
-        return self._named[adapter].current
+        return self._slots[adapter].current
 
     def update_adapter(self, adapter: str, update: Update) -> None:
         """One of several adapters' runs published ``update``: load it as ``<adapter>-v<N>``."""
-        self._load_adapter(self._named[adapter], update, adapter)
+        self._load_adapter(adapter, update)
 
-    def _load_adapter(self, slots: AdapterSlots, update: Update, adapter: str | None = None) -> None:
+    def _load_adapter(self, adapter: str | None, update: Update) -> None:
+        slots = self._slots[adapter]
         if update.version == slots.current:  # the held version announced again (a joiner's re-publish)
             return
         name = lora_name(update.version, adapter)
