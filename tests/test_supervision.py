@@ -359,3 +359,37 @@ def test_a_child_that_will_not_stop_leaves_its_stacks_in_its_log_before_sigkill(
     text = log.read_text()
     assert "Current thread" in text or "Thread 0x" in text, text[-2000:]
     assert "in stuck_here" in text  # where it hung
+
+
+class ExitsOnSecondLook:
+    """A stand-in for the learner's ``Popen``: still running at the first ``poll``, exited 0 from the
+    second on, so the exit falls between two looks of one supervision tick (a race a real child hits
+    rarely, seen once in 48 launches of bench/algorithms.py on 2026-11-30)."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+        self.looks = 0
+
+    def poll(self) -> int | None:
+        self.looks += 1
+        if self.looks >= 2:
+            self.returncode = 0
+        return self.returncode
+
+
+def test_a_learner_that_exits_during_a_tick_finishes_the_run_and_is_never_restarted(tmp_path: Path) -> None:
+    from launcher.backends.local import Child, LocalBackend
+    from launcher.run_plan import Role
+
+    role = Role("learner", "learner.online", (), processes=1, threads=1, gpus=0)
+    # A zero backoff: a learner taken for crashed would be restarted within this very tick.
+    learner = Child(role, {}, tmp_path / "learner.log", Restarts("learner", RestartPolicy(3, 60.0, 0.0, 0.0)))
+    learner.proc = ExitsOnSecondLook()  # type: ignore[assignment]
+    backend = LocalBackend()
+    backend.children = [learner]
+    restarted: list[str] = []
+    backend._restart = lambda c: restarted.append(c.name)  # type: ignore[method-assign]
+    outcomes = [backend.poll(stopping=False) for _ in range(3)]
+    assert restarted == [] and learner.restarts.total == 0
+    finished = [o for o in outcomes if o is not None]
+    assert finished and finished[0].ok and finished[0].message == "learner finished"

@@ -173,11 +173,14 @@ class LocalBackend:
         """The learner's clean exit ends the run; any other exit (before or after ready, a server's clean
         one included) is restarted per policy. Without a learner (``--attach``) only the latter applies."""
         learner = next((c for c in self.children if c.role.is_learner), None)
-        if learner is not None and learner.proc.poll() == 0:
+        # One look at each child: a learner that exits between two looks is seen as finished, never as
+        # crashed with code 0 (which would be restarted, at once under a zero backoff).
+        down = [c for c in self.children if not c.running]
+        if learner in down and learner.proc.returncode == 0:
             return Outcome(True, "learner finished")
         now = time.monotonic()
-        for c in self.children:
-            if c.running or (stopping and c is not learner):
+        for c in down:
+            if stopping and c is not learner:
                 continue
             if stopping:  # asked to stop, and the learner crashed instead of checkpointing: no restart
                 return Outcome(
