@@ -54,6 +54,7 @@ except OSError:  # not Linux: sessions, explicit stops and the driver watch stil
 DRIVER_PID_ENV = "TANDEM_DRIVER_PID"
 ORPHAN_GRACE_S = 3.0  # after the driver died: time for a clean stop before a hard exit
 STACKS_SIGNAL = signal.SIGUSR1  # a child of launch.py writes its threads' stacks to its log
+STACKS_WAIT_S = 1.0  # for a child's stacks to reach its log before it is killed
 WATCH_POLL_S = 0.5
 
 

@@ -380,3 +380,40 @@ def test_the_two_node_preset_runs_on_its_node_labels(
     rows = read_history(run_dir, "learner")
     assert [int(r["learner/version"]) for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
     assert leftover_processes(run_dir) == []
+
+
+def test_a_process_that_will_not_stop_leaves_its_stacks_in_its_log_before_the_kill(
+    cluster, tmp_path: Path
+) -> None:
+    """``RayBackend.stop``'s last look: a process on a rollout node still running after the grace is asked
+    for its threads' stacks by a task placed on its node; they reach its log before its actor is killed."""
+    from launcher.backends.ray import Process, RayBackend
+    from launcher.run_plan import Role
+
+    ray.init(
+        address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False
+    )
+    try:
+        actor = Process.options(resources=ROLLOUT).remote("server-0")
+        where = ray.get(actor.where.remote(), timeout=120)
+        assert KIND[where["node_id"]] == ROLLOUT  # another Ray node than this driver's
+        log = tmp_path / "server-0.log"
+        role = Role("server-0", "tests.stuck_child", (), processes=1, threads=1, gpus=0)
+        backend = RayBackend(address=cluster.address)
+        config = (ROOT / "configs/tiny.yaml").read_text()  # Process.run loads it before the role runs
+        backend.actors, backend.where = {"server-0": actor}, {"server-0": where}
+        backend.refs = {
+            "server-0": actor.run.remote(role, config, str(tmp_path / "server-0.yaml"), str(log), {})
+        }
+        deadline = time.monotonic() + 120
+        while not log.exists() or "stuck child: ready" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:] if log.exists() else "no log"
+            time.sleep(0.2)
+        backend.stop(1.0)
+        text = log.read_text()
+        assert "Current thread" in text or "Thread 0x" in text, text[-2000:]
+        assert "in stuck_here" in text  # where it hung
+        with pytest.raises(ray.exceptions.RayActorError):  # and it was killed after
+            ray.get(backend.refs["server-0"], timeout=60)
+    finally:
+        ray.shutdown()

@@ -34,14 +34,13 @@ from launcher.supervision import (
 )
 from tandem.config import Config, ConfigError
 from tandem.net import free_port
-from tandem.procs import STACKS_SIGNAL, driver_env, popen
+from tandem.procs import STACKS_SIGNAL, STACKS_WAIT_S, driver_env, popen
 from tandem.telemetry import ready_key
 
 log = logging.getLogger("launch")
 ROOT = Path(__file__).resolve().parents[2]
 TERM_S = 15.0  # after SIGTERM: a process exits (a learner may be mid-checkpoint) before SIGKILL
 KILL_S = 5.0  # after SIGKILL: the kernel reaps it
-STACKS_WAIT_S = 1.0  # for a child's stacks to reach its log before SIGKILL
 
 
 @dataclass

@@ -17,6 +17,8 @@
   §11.1).
 - **Nothing shared on disk**: every actor writes its own copy of the per-process config (0600) and its
   log under the run directory's path on its node.
+- **Stop**: after ``{run}:stop`` and its grace, a process still running writes its threads' stacks to its
+  log (``STACKS_SIGNAL``, sent by a task on its node), then every actor is killed.
 - **Checks before anything runs**: the plan must fit the cluster's resources (the shortfall is named);
   with ``weightsync.transport=shm`` every server must sit on the learner's node.
 """
@@ -24,6 +26,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import json
 import logging
@@ -39,13 +42,14 @@ import ray
 import redis
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from launcher.backends import Outcome, StartError
 from launcher.run_plan import Role, RunPlan, server_tp
 from launcher.supervision import RestartPolicy, Restarts
 from tandem.config import Config, ConfigError, dump_config, load_config, write_private
 from tandem.net import free_port
+from tandem.procs import STACKS_SIGNAL, STACKS_WAIT_S
 from tandem.telemetry import ready_key
 
 log = logging.getLogger("launch")
@@ -91,8 +95,19 @@ class Process:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)  # asked for by stop before the kill
         code = importlib.import_module(role.module).main(list(role.argv))
         return int(code or 0)
+
+
+@ray.remote(num_cpus=0)
+def send_signal(pid: int, sig: int) -> bool:
+    """``kill(pid, sig)`` on the node this task is placed on; False when the process is gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def shm_refusal(name: str, node: str, learner: str) -> str:
@@ -473,13 +488,32 @@ class RayBackend:
         """``{run}:stop`` is set: the learner checkpoints and servers exit; then every actor is killed."""
         refs = list(self.refs.values())
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+            _, running = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+            self.dump_stacks([n for n, r in self.refs.items() if r in set(running)])
         for actor in [*self.ranks, *self.actors.values()]:
             with contextlib.suppress(RayError):
                 ray.kill(actor, no_restart=True)
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+    def dump_stacks(self, names: list[str]) -> None:
+        """Before the kill: each process still running writes its threads' stacks to its log (tandem/procs.py
+        ``STACKS_SIGNAL``). The signal is sent by a task placed on the process's node, so a process on
+        another host is reached too."""
+        stuck = [n for n in names if n in self.where]
+        if not stuck:
+            return
+        log.warning("%s did not stop: their stacks go to their logs", ", ".join(stuck))
+        sent = [
+            send_signal.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self.where[n]["node_id"], soft=False)
+            ).remote(self.where[n]["pid"], STACKS_SIGNAL)
+            for n in stuck
+        ]
+        with contextlib.suppress(RayError):  # a node gone meanwhile: nothing to ask there
+            ray.get(sent, timeout=STACKS_WAIT_S * 10)
+        time.sleep(STACKS_WAIT_S)
 
     def close(self) -> None:
         if ray.is_initialized():
