@@ -10,8 +10,9 @@ masked and sequence-level, and ``max_staleness`` 0, 2, 4 and auto. For each it p
 the final reward (mean of the last tenth of the steps), the mean staleness and the mean ``policy/ess``.
 ``--shapes`` repeats the variants on other workload shapes (:data:`SHAPES`) and, after each shape's table,
 prints ``staleness-auto`` against the best of the fixed bounds run. ``--seeds`` runs every variant once per
-``run.seed`` and compares medians (a run that never reaches the target counts as slower than any that does):
-one seed's spread between runs is as large as the gaps between bounds on the echo task (docs/benchmarks.md).
+``run.seed`` and compares medians (a run that never reaches the target counts as slower than any that does),
+with a 90% bootstrap interval of each ratio over the seeds: one seed's spread between runs is as large as
+the gaps between bounds on the echo task (docs/benchmarks.md).
 The target is ``--target``, else the shape's own (:data:`TARGETS`). The last line is one JSON object. The
 default (echo on the tiny model, 120 steps, one shape) runs nine launches, each with its own start-up: 22
 minutes on the loaded 2-core machine of docs/benchmarks.md §7; ``--only`` picks some.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import subprocess
 import sys
@@ -145,6 +147,35 @@ def auto_against_fixed(results: dict[str, dict]) -> dict[str, float | None]:
     }
 
 
+def resampled_ratios(
+    runs: dict[str, list[dict]], draws: int = 2000, seed: int = 0
+) -> dict[str, list[float] | None]:
+    """A 90% bootstrap interval of each ratio of :func:`auto_against_fixed`: every variant's seeds drawn
+    again with replacement, ``draws`` times, its medians and the ratios taken anew each time. A draw where
+    ``auto``'s median run never reached the target counts as an infinite time ratio. None without
+    ``staleness-auto`` and a fixed bound, or with one seed (nothing to resample)."""
+    if "staleness-auto" not in runs or not set(runs) & set(FIXED_BOUNDS) or len(runs["staleness-auto"]) < 2:
+        return {"time_ratio": None, "final_ratio": None}
+    rng = random.Random(seed)
+    drawn: dict[str, list[float]] = {"time_ratio": [], "final_ratio": []}
+    for _ in range(draws):
+        medians = {n: median_figures([rng.choice(rs) for _ in rs]) for n, rs in runs.items()}
+        ratios = auto_against_fixed(medians)
+        if ratios["time_ratio"] is None and medians["staleness-auto"]["time_to_target_s"] is None:
+            ratios["time_ratio"] = math.inf
+        for key, value in ratios.items():
+            if value is not None:
+                drawn[key].append(value)
+
+    def interval(xs: list[float]) -> list[float] | None:
+        if not xs:
+            return None
+        xs = sorted(xs)
+        return [xs[int(0.05 * (len(xs) - 1))], xs[int(0.95 * (len(xs) - 1))]]
+
+    return {key: interval(xs) for key, xs in drawn.items()}
+
+
 def print_table(shape: str, target: float, results: dict[str, dict], runs: dict[str, list[dict]]) -> None:
     """Each variant's median figures, then each seed's time to target and final reward."""
     print(f"\n[{shape}, target {target}]")
@@ -165,6 +196,12 @@ def print_table(shape: str, target: float, results: dict[str, dict], runs: dict[
         print(
             f"auto / best fixed bound: time to target {ratios['time_ratio']}, final reward {ratios['final_ratio']}"
         )
+        spread = resampled_ratios(runs)
+        if spread["final_ratio"] is not None:
+            print(
+                f"  90% bootstrap interval over the seeds: time to target {spread['time_ratio']}, "
+                f"final reward {spread['final_ratio']}"
+            )
 
 
 def main() -> None:
@@ -214,6 +251,7 @@ def main() -> None:
                         "medians": v,
                         "runs": runs[shape],
                         "auto_vs_best_fixed": auto_against_fixed(v),
+                        "auto_vs_best_fixed_90": resampled_ratios(runs[shape]),
                     }
                     for shape, v in results.items()
                 },
