@@ -149,7 +149,7 @@ def auto_against_fixed(results: dict[str, dict]) -> dict[str, float | None]:
 
 def resampled_ratios(
     runs: dict[str, list[dict]], draws: int = 2000, seed: int = 0
-) -> dict[str, list[float] | None]:
+) -> dict[str, list[float | None] | None]:
     """A 90% bootstrap interval of each ratio of :func:`auto_against_fixed`: every variant's seeds drawn
     again with replacement, ``draws`` times, its medians and the ratios taken anew each time. A draw where
     ``auto``'s median run never reached the target counts as an infinite time ratio. None without
@@ -171,7 +171,8 @@ def resampled_ratios(
         if not xs:
             return None
         xs = sorted(xs)
-        return [xs[int(0.05 * (len(xs) - 1))], xs[int(0.95 * (len(xs) - 1))]]
+        ends = (xs[int(0.05 * (len(xs) - 1))], xs[int(0.95 * (len(xs) - 1))])
+        return [x if math.isfinite(x) else None for x in ends]  # None: no bound (JSON has no infinity)
 
     return {key: interval(xs) for key, xs in drawn.items()}
 
