@@ -489,7 +489,8 @@ class RayBackend:
         refs = list(self.refs.values())
         if refs:
             _, running = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-            self.dump_stacks([n for n, r in self.refs.items() if r in set(running)])
+            still = set(running)
+            self.dump_stacks([n for n, r in self.refs.items() if r in still])
         for actor in [*self.ranks, *self.actors.values()]:
             with contextlib.suppress(RayError):
                 ray.kill(actor, no_restart=True)
