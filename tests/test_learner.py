@@ -27,6 +27,7 @@ from learner.batch import decode_batch, encode_batch, make_batch
 from learner.losses import logprobs_from_logits
 from learner.models import load_models
 from learner.ppo import PPOLearner as Learner
+from learner.ppo import unreported_grad_norm
 from tandem.config import Config, load_config
 from tandem.net import free_port
 from tandem.telemetry import history_key, ready_key, stop_key
@@ -114,6 +115,20 @@ def test_forward_layouts_equal_one_sequence_at_a_time(grpo_learner: Learner, lay
             assert torch.all(prox_logp[i, r:] == 0)
 
 
+def test_the_grad_norm_deepspeed_keeps_no_copy_of_is_taken_before_the_step(grpo_learner: Learner) -> None:
+    """fp32 at ZeRO stage 0: DeepSpeed clips by the gradient's norm but reports none, so the learner takes it
+    before ``step()``; it equals a naive loop over the parameters."""
+    engine = grpo_learner.models.actor
+    assert engine.get_global_grad_norm() is None  # what the learner would have logged without it
+    ids = torch.tensor([[5, 9, 12, 7, 30, 4]])
+    engine.module(input_ids=ids, labels=ids).loss.backward()
+    naive = sum(float((p.grad.double() ** 2).sum()) for p in engine.module.parameters() if p.grad is not None)
+    try:
+        assert unreported_grad_norm(engine) == pytest.approx(naive**0.5, rel=1e-5)
+    finally:
+        engine.module.zero_grad(set_to_none=True)
+
+
 def test_batch_wire_round_trip() -> None:
     trajs = group(3, 4)
     back = decode_batch(encode_batch(trajs))
@@ -155,7 +170,16 @@ def test_learner_trains_on_fixed_trajectories(
     # every token is of version 0, so step v trains on tokens v - 1 stale: one bucket, s0 to s3 (3 or more)
     buckets = [sorted(k for k in r if k.startswith("mismatch/kl_k3/")) for r in rows]
     assert buckets == [[f"mismatch/kl_k3/s{min(v - 1, 3)}"] for v in range(1, steps + 1)]
-    for key in ("loss/kl", "policy/kl", "policy/clipfrac", "policy/entropy", "reward/mean", "time/train"):
+    grad_norms = ["actor/grad_norm"] + (["critic/grad_norm"] if advantage == "gae" else [])
+    for key in (
+        "loss/kl",
+        "policy/kl",
+        "policy/clipfrac",
+        "policy/entropy",
+        "reward/mean",
+        "time/train",
+        *grad_norms,
+    ):
         assert all(np.isfinite(r[key]) for r in rows), key
     assert int(redis_client.get(f"{run_id}:version")) == steps
     assert (tmp_path / "weights" / f"v{steps:08d}" / "config.json").exists()  # the last published version
