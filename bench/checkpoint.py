@@ -98,7 +98,7 @@ def bench_size(hidden: int, layers: int, n: int, zero: int) -> dict[str, float]:
     rows: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_CKPT_DIR")) as tmp:
         sync_dir, async_dir = Path(tmp) / "sync", Path(tmp) / "async"
-        writer = AsyncCheckpointer(async_dir)
+        writer = AsyncCheckpointer(async_dir, timeout_s=3600)
         for version in range(n + 1):  # version 0: the untimed warm-up of each
             train_step(engine)
             s = sync_stall(engine, sync_dir, version)

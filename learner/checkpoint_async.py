@@ -39,9 +39,8 @@ from learner.checkpoint import LearnerState
 
 # Seconds the writer sleeps before writing: tests use it to kill a learner in the middle of a write.
 WRITE_DELAY_ENV = "TANDEM_CHECKPOINT_WRITE_DELAY_S"
-# A write still going after this long is taken as hung (a dead network mount): the learner stops with an
-# error naming the folder, rather than waiting for ever. Progress is logged every PROGRESS_S meanwhile.
-WRITE_TIMEOUT_S = 6 * 3600.0
+# While the learner waits for a write, progress is logged this often; a write still going after ``timeout_s``
+# (learner.checkpoint_timeout_s) is taken as hung, and the learner stops with an error naming the folder.
 PROGRESS_S = 60.0
 
 log = logging.getLogger(__name__)
@@ -141,9 +140,7 @@ class Written:
 class AsyncCheckpointer:
     """Snapshot now, write on a thread, commit at a later step boundary; one write in flight at a time."""
 
-    def __init__(
-        self, ckpt_dir: Path, *, keep: int = 2, group: Any = None, timeout_s: float = WRITE_TIMEOUT_S
-    ) -> None:
+    def __init__(self, ckpt_dir: Path, *, timeout_s: float, keep: int = 2, group: Any = None) -> None:
         self.ckpt_dir, self.keep, self.group, self.timeout_s = ckpt_dir, keep, group, timeout_s
         self.in_flight: Written | None = None
         self.engine_names: list[str] = []

@@ -134,7 +134,9 @@ class OnlineRuntime(Runtime):
         self.score_waits: dict[str, float] = {}  # time/<role>_wait: the last batch's wait for each worker
         # learner.checkpoint_async: the write in flight, and checkpoint/stall_s, checkpoint/wait_s of a step
         self.writer = (
-            AsyncCheckpointer(self.ckpt_dir, group=self.ctrl) if cfg.learner.checkpoint_async else None
+            AsyncCheckpointer(self.ckpt_dir, group=self.ctrl, timeout_s=cfg.learner.checkpoint_timeout_s)
+            if cfg.learner.checkpoint_async
+            else None
         )
         self.ckpt_stats: dict[str, float] = {}
         # algorithm.max_staleness auto: the bound admission uses, steered by each step's policy/ess

@@ -21,6 +21,7 @@ from learner import checkpoint, checkpoint_async
 from learner.checkpoint import LearnerState
 from learner.checkpoint_async import AsyncCheckpointer, to_host
 from learner.models import init_distributed
+from learner.ppo import PPOLearner as Learner
 from tandem.config import load_config
 from tests.test_learner import (
     REPO,
@@ -99,7 +100,7 @@ def test_snapshot_is_the_state_at_snapshot_time(tmp_path, zero_stage: int) -> No
     e = engine(zero_stage)
     train_step(e, 1)
     at_snapshot = params(e)
-    writer = AsyncCheckpointer(tmp_path)
+    writer = AsyncCheckpointer(tmp_path, timeout_s=60)
     writer.write_delay_s = 0.3
     writer.snapshot({"actor": e}, LearnerState(1, ["1-0"]))
     train_step(e, 2)  # trains on while the writer writes
@@ -137,7 +138,7 @@ def test_commit_only_after_the_files_are_durable(tmp_path, monkeypatch) -> None:
     )
     e = engine(0)
     checkpoint.save(tmp_path, {"actor": e}, LearnerState(1, []))
-    writer = AsyncCheckpointer(tmp_path)
+    writer = AsyncCheckpointer(tmp_path, timeout_s=60)
     writer.write_delay_s = 0.5
     writer.snapshot({"actor": e}, LearnerState(2, ["2-0"]))
     assert writer.poll() is None  # still writing: nothing committed, latest.json names the previous one
@@ -156,7 +157,7 @@ def test_old_checkpoints_are_pruned_off_the_training_thread_and_never_the_commit
     """keep=1: after each commit only the committed folder is left (the prune runs on its own thread), and
     a write in flight is never counted among those kept, so pruning cannot remove the committed one."""
     e = engine(0)
-    writer = AsyncCheckpointer(tmp_path, keep=1)
+    writer = AsyncCheckpointer(tmp_path, timeout_s=60, keep=1)
     for version in (1, 2, 3):
         writer.snapshot({"actor": e}, LearnerState(version, []))
         writer.wait()
@@ -175,7 +176,7 @@ def test_old_checkpoints_are_pruned_off_the_training_thread_and_never_the_commit
 
 def test_one_write_in_flight_and_the_wait_is_counted(tmp_path) -> None:
     e = engine(0)
-    writer = AsyncCheckpointer(tmp_path)
+    writer = AsyncCheckpointer(tmp_path, timeout_s=60)
     writer.write_delay_s = 0.4
     writer.snapshot({"actor": e}, LearnerState(1, []))
     with pytest.raises(RuntimeError, match="still in flight"):
@@ -196,10 +197,28 @@ def test_a_hung_write_stops_the_wait_with_the_folder_named(tmp_path) -> None:
     assert json.loads((tmp_path / "latest.json").read_text())["version"] == 1
 
 
+def test_the_learner_stops_on_a_write_past_its_configured_timeout(
+    tiny_ckpt, redis_server, redis_client, run_id, tmp_path, monkeypatch
+) -> None:
+    """``learner.checkpoint_timeout_s`` reaches the writer: a write held 3 s against a timeout of 0.3 s stops
+    the learner at the next checkpoint with the folder named, and nothing is committed."""
+    monkeypatch.setenv(checkpoint_async.WRITE_DELAY_ENV, "3.0")
+    learner = {"total_steps": 3, "checkpoint_interval": 1, "checkpoint_async": True, "save_hf_final": False}
+    learner["checkpoint_timeout_s"] = 0.3
+    cfg = load_config(None, raw=raw_config(tiny_ckpt, redis_server.url, run_id, tmp_path, learner=learner))
+    buffer = ReplayBuffer.from_config(redis_client, cfg, "test-producer")
+    for g in range(6):
+        buffer.put(group(g, 4))
+    run_dir = tmp_path / "run"
+    with pytest.raises(TimeoutError, match=f"checkpoint v1: still writing to {run_dir / 'checkpoints'}"):
+        Learner(cfg, run_dir).run()
+    assert not (run_dir / "checkpoints" / "latest.json").exists()
+
+
 def test_a_failed_write_is_never_committed(tmp_path, monkeypatch) -> None:
     e = engine(0)
     checkpoint.save(tmp_path, {"actor": e}, LearnerState(1, []))
-    writer = AsyncCheckpointer(tmp_path)
+    writer = AsyncCheckpointer(tmp_path, timeout_s=60)
 
     def full_disk(*_a, **_k) -> None:
         raise OSError(28, "No space left on device")

@@ -123,6 +123,11 @@ class LearnerConfig(Section):
         False,
         description="Online learner: copy the checkpoint to host memory and write it on a thread while training goes on; acks wait until it is durable. Off by default: the copy holds a second full training state (weights and optimizer) in host memory per rank (docs/design.md §6.2).",
     )
+    checkpoint_timeout_s: float = Field(
+        6 * 3600.0,
+        gt=0,
+        description="learner.checkpoint_async: a write still going after this many seconds is taken as hung (a dead network mount); the learner stops with an error naming the folder, and the previous committed checkpoint stays the one to resume from.",
+    )
     save_hf_final: bool = Field(
         True, description="Write the final actor as a Hugging Face directory for serving."
     )
