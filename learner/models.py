@@ -57,6 +57,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import clip_grad_norm_
 from torch import Tensor, nn
 from transformers import (
     AutoModelForCausalLM,
@@ -177,7 +178,21 @@ def make_engine(model: nn.Module, cfg: Config, dtype: torch.dtype, lr: float) ->
         # learner.sequence_parallel: gradients summed over a group's shards (learner/sequence_parallel.py)
         mpu=mpu() if cfg.learner.sequence_parallel > 1 else None,
     )
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
+        keep_clip_norm(engine)
     return engine
+
+
+def keep_clip_norm(engine: deepspeed.DeepSpeedEngine) -> None:
+    """fp32 at ZeRO stage 0, DeepSpeed's ``step`` clips by the gradient's norm (``clip_fp32_gradients``, after
+    the ranks' all-reduce) but drops the norm, so ``get_global_grad_norm`` stays None. The same call, with the
+    norm kept where the other stages' optimizers leave theirs."""
+
+    def clip_and_keep() -> None:
+        norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip_and_keep
 
 
 class ValueModel(nn.Module):

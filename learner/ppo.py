@@ -504,9 +504,8 @@ class PPOLearner(OnlineRuntime):
                             units,
                             teacher_logp=teacher_logp,
                         )
-                    norm = unreported_grad_norm(m.actor)
                     m.actor.step()
-                grad_norm(m.actor, "actor", actor_stats, norm)
+                grad_norm(m.actor, "actor", actor_stats)
 
         def critic() -> None:
             m.critic.train()
@@ -515,9 +514,8 @@ class PPOLearner(OnlineRuntime):
                 with self.timers("time/critic_train"):
                     for mb in self.micro(batch, rows):
                         self.critic_backward(mb, batch, old_values, returns, num_tokens, critic_stats)
-                    norm = unreported_grad_norm(m.critic)
                     m.critic.step()
-                grad_norm(m.critic, "critic", critic_stats, norm)
+                grad_norm(m.critic, "critic", critic_stats)
 
         if m.critic is None:
             actor()
@@ -683,19 +681,9 @@ class PPOLearner(OnlineRuntime):
         self.models.critic.backward(a.vf_coef * loss * self.dp_world)
 
 
-def unreported_grad_norm(engine: Any) -> float | None:
-    """The gradient's norm, taken before ``engine.step()`` where DeepSpeed computes it only to clip and keeps no
-    copy: fp32 at ZeRO stage 0 (its ``clip_fp32_gradients``). None elsewhere, where the optimizer reports it.
-    The gradients are the ones the step clips: the ranks' all-reduce ran in the last backward."""
-    if engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization():
-        return None
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
-
-
-def grad_norm(engine: Any, role: str, stats: Stats, unreported: float | None = None) -> None:
-    """``<role>/grad_norm``: the norm of the last step's gradient before clipping, as DeepSpeed's optimizer
-    reports it (ZeRO stages 1-3, and fp16/bf16), else as :func:`unreported_grad_norm` took it."""
-    norm = engine.get_global_grad_norm() if unreported is None else unreported
+def grad_norm(engine: Any, role: str, stats: Stats) -> None:
+    """``<role>/grad_norm``: the norm of the last step's gradient before clipping, as DeepSpeed reports it
+    (at fp32 ZeRO stage 0 once :func:`learner.models.keep_clip_norm` has kept it)."""
+    norm = engine.get_global_grad_norm()
     if norm is not None:
         stats.add(f"{role}/grad_norm", torch.as_tensor(float(norm)), torch.ones(()))

@@ -27,7 +27,6 @@ from learner.batch import decode_batch, encode_batch, make_batch
 from learner.losses import logprobs_from_logits
 from learner.models import load_models
 from learner.ppo import PPOLearner as Learner
-from learner.ppo import unreported_grad_norm
 from tandem.config import Config, load_config
 from tandem.net import free_port
 from tandem.telemetry import history_key, ready_key, stop_key
@@ -115,18 +114,18 @@ def test_forward_layouts_equal_one_sequence_at_a_time(grpo_learner: Learner, lay
             assert torch.all(prox_logp[i, r:] == 0)
 
 
-def test_the_grad_norm_deepspeed_keeps_no_copy_of_is_taken_before_the_step(grpo_learner: Learner) -> None:
-    """fp32 at ZeRO stage 0: DeepSpeed clips by the gradient's norm but reports none, so the learner takes it
-    before ``step()``; it equals a naive loop over the parameters."""
+def test_the_grad_norm_deepspeed_clips_by_at_zero_stage_0_is_reported(grpo_learner: Learner) -> None:
+    """fp32 at ZeRO stage 0: DeepSpeed clips by the gradient's norm but would report none; the learner's
+    engine keeps it. It equals a naive loop over the parameters before the step: the norm before clipping."""
     engine = grpo_learner.models.actor
-    assert engine.get_global_grad_norm() is None  # what the learner would have logged without it
+    assert engine.get_global_grad_norm() is None  # no step yet
     ids = torch.tensor([[5, 9, 12, 7, 30, 4]])
-    engine.module(input_ids=ids, labels=ids).loss.backward()
-    naive = sum(float((p.grad.double() ** 2).sum()) for p in engine.module.parameters() if p.grad is not None)
-    try:
-        assert unreported_grad_norm(engine) == pytest.approx(naive**0.5, rel=1e-5)
-    finally:
-        engine.module.zero_grad(set_to_none=True)
+    engine.backward(engine.module(input_ids=ids, labels=ids).loss * 100)  # far above the clip of 1
+    grads = [p.grad.double() for p in engine.module.parameters() if p.grad is not None]
+    naive = sum(float((g**2).sum()) for g in grads) ** 0.5
+    engine.step()
+    assert engine.get_global_grad_norm() == pytest.approx(naive, rel=1e-5)
+    assert naive > 10 * engine.gradient_clipping()
 
 
 def test_batch_wire_round_trip() -> None:
@@ -472,7 +471,7 @@ def test_sigkill_and_resume_trains_every_trajectory_once(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
 def test_two_ranks_on_cpu(tiny_ckpt, redis_server, redis_client, run_id, tmp_path, zero_stage: int) -> None:
     steps = 2
     raw = raw_config(
@@ -503,7 +502,8 @@ def test_two_ranks_on_cpu(tiny_ckpt, redis_server, redis_client, run_id, tmp_pat
     for g in range(2 * steps):
         buffer.put(group(g, 4))
     Learner(single_cfg, tmp_path / "one").run()
-    for key in ("loss/policy", "loss/value", "policy/entropy"):
+    # the gradient's norm too: the ranks' mean gradient's, as DeepSpeed clips by it at every stage
+    for key in ("loss/policy", "loss/value", "policy/entropy", "actor/grad_norm", "critic/grad_norm"):
         one = [r[key] for r in history(redis_client, f"{run_id}-one")]
         np.testing.assert_allclose([r[key] for r in rows], one, rtol=1e-4, atol=1e-6, err_msg=key)
 
