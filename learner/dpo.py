@@ -24,7 +24,7 @@ from learner.batch import Batch, MicroBatch, make_batch
 from learner.examples import Pair, as_trajectory, load_pairs
 from learner.models import load_frozen, load_policy, make_engine, resolve_dtype
 from learner.offline_runtime import OfflineRuntime
-from learner.runtime import Stats
+from learner.runtime import Stats, grad_norm
 
 
 def dpo_loss(
@@ -122,6 +122,7 @@ class DPOTrainer(OfflineRuntime):
             stats.add_sums("dpo", metrics, n)
             self.actor.backward(loss / len(examples) * self.dp_world)  # a mean over the batch's pairs
         self.actor.step()
+        grad_norm(self.actor, "actor", stats)
         return stats.reduce()
 
     @torch.no_grad()

@@ -59,7 +59,7 @@ from learner.models import Models, load_models, output_head, policy_logits, poli
 from learner.online import OnlineRuntime, peak_memory_gb
 from learner.passes import Pass, beside, run_passes
 from learner.routing_replay import RoutingReplay
-from learner.runtime import Stats, log
+from learner.runtime import Stats, grad_norm, log
 from learner.sequence_parallel import check_models
 from placement.configured import critic_threads
 from tandem.config import Config
@@ -679,11 +679,3 @@ class PPOLearner(OnlineRuntime):
         stats.add("loss/value", loss * num_tokens, mask.sum())
         stats.add_means(metrics, mask.sum())
         self.models.critic.backward(a.vf_coef * loss * self.dp_world)
-
-
-def grad_norm(engine: Any, role: str, stats: Stats) -> None:
-    """``<role>/grad_norm``: the norm of the last step's gradient before clipping, as DeepSpeed reports it
-    (at fp32 ZeRO stage 0 once :func:`learner.models.keep_clip_norm` has kept it)."""
-    norm = engine.get_global_grad_norm()
-    if norm is not None:
-        stats.add(f"{role}/grad_norm", torch.as_tensor(float(norm)), torch.ones(()))

@@ -23,7 +23,7 @@ from learner.batch import Batch, MicroBatch, make_batch
 from learner.examples import Pair, as_trajectory, load_pairs
 from learner.models import load_scalar_head, make_engine, resolve_dtype, values
 from learner.offline_runtime import OfflineRuntime
-from learner.runtime import Stats
+from learner.runtime import Stats, grad_norm
 
 
 def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -97,6 +97,7 @@ class RewardModelTrainer(OfflineRuntime):
             stats.add_sums("rm", metrics, n)
             self.model.backward(loss / len(examples) * self.dp_world)  # a mean over the batch's pairs
         self.model.step()
+        grad_norm(self.model, "reward_model", stats)
         return stats.reduce()
 
     @torch.no_grad()

@@ -94,6 +94,14 @@ class Stats:
         return {k: s / w for k, (s, w) in zip(keys, packed.tolist(), strict=True) if w > 0}
 
 
+def grad_norm(engine: Any, role: str, stats: Stats) -> None:
+    """``<role>/grad_norm``: the norm of the last step's gradient before clipping, as DeepSpeed reports it
+    (at fp32 ZeRO stage 0 once :func:`learner.models.keep_clip_norm` has kept it)."""
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        stats.add(f"{role}/grad_norm", torch.as_tensor(float(norm)), torch.ones(()))
+
+
 class Runtime:
     """One learner rank of any recipe: device, process group, telemetry, signals."""
 

@@ -24,7 +24,7 @@ from learner.batch import Batch, Layout, MicroBatch, make_batch, with_row_vision
 from learner.examples import Demonstration, as_trajectory, load_demonstrations
 from learner.models import load_policy, make_engine, resolve_dtype
 from learner.offline_runtime import OfflineRuntime
-from learner.runtime import Stats
+from learner.runtime import Stats, grad_norm
 from tandem.config import Config
 from tandem.vision import VisionProcessor, is_vision_checkpoint
 
@@ -94,6 +94,7 @@ class SFTTrainer(OfflineRuntime):
             # A token mean over the whole batch; DeepSpeed averages gradients over ranks.
             self.actor.backward(nll / num_tokens * self.dp_world)
         self.actor.step()
+        grad_norm(self.actor, "actor", stats)
         return stats.reduce()
 
     @torch.no_grad()

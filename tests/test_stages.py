@@ -54,6 +54,15 @@ def echo_data(tmp_path_factory) -> dict[str, Path]:
 # ------------------------------------------------------------------------------------------------- math
 
 
+def assert_grad_norms(run_dir: Path, role: str) -> None:
+    """Every logged training step of an offline run has ``<role>/grad_norm`` (at fp32 ZeRO stage 0, the
+    norm DeepSpeed clipped by), positive and finite."""
+    rows = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if any(k.startswith("loss/") for k in r)]
+    assert trained and all(f"{role}/grad_norm" in r for r in trained), trained[:1]
+    assert all(0 < r[f"{role}/grad_norm"] < math.inf for r in trained)
+
+
 def test_bradley_terry_hand_values() -> None:
     chosen, rejected = torch.tensor([2.0, 0.0, -1.0]), torch.tensor([0.0, 0.0, 1.0])
     loss, m = bradley_terry_loss(chosen, rejected)
@@ -140,6 +149,7 @@ def test_sft_lowers_held_out_loss_and_resumes_exactly(tiny_ckpt, echo_data, tmp_
     summary = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary["steps"] == 6
     assert summary["after"]["eval/loss"] < summary["before"]["eval/loss"] - 1.0, summary
+    assert_grad_norms(tmp_path / "whole", "actor")
 
     # Interrupted after 3 steps (its final checkpoint), then resumed to 6: the same weights bit for bit.
     raw["learner"]["total_steps"] = 3
@@ -163,6 +173,7 @@ def test_reward_model_learns_pairs_and_scores_as_the_server_does(tiny_ckpt, echo
     summary = json.loads((tmp_path / "rm" / "summary.json").read_text())
     assert summary["before"]["eval/accuracy"] == 0.0  # a zero head ties every pair
     assert summary["after"]["eval/accuracy"] >= 0.85, summary
+    assert_grad_norms(tmp_path / "rm", "reward_model")
 
     from rollout.reward_model import RewardModel
 
@@ -190,6 +201,7 @@ def test_dpo_raises_held_out_preference_accuracy(tiny_ckpt, echo_data, tmp_path)
     before, after = summary["before"], summary["after"]
     assert before["eval/loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference at step 0
     assert after["eval/reward_accuracy"] >= 0.9 and after["eval/loss"] < before["eval/loss"] - 0.2, summary
+    assert_grad_norms(tmp_path / "dpo", "actor")
 
     # The reference log-probabilities computed once equal a plain forward of the initial model.
     ref = AutoModelForCausalLM.from_pretrained(tiny_ckpt["actor"])
