@@ -51,6 +51,7 @@ from learner.losses import (
     distill_reverse_kl,
     distill_rewards,
     entropy_from_logits,
+    kl_k3,
     logprobs_from_logits,
     policy_loss,
     value_loss,
@@ -486,7 +487,12 @@ class PPOLearner(OnlineRuntime):
 
         def actor() -> None:
             m.actor.train()
-            for rows in minibatches:
+            trained = len(minibatches)
+            for i, rows in enumerate(minibatches):
+                # Before the first optimizer step the current policy is the proximal one: nothing to measure.
+                if i and a.stop_kl is not None and self.update_kl(batch, rows, prox_logp) > a.stop_kl:
+                    trained = i
+                    break
                 num_tokens = batch.mask[rows].sum()  # the whole minibatch's, on all ranks
                 # what the policy loss averages over: the same tokens (token-mean) or the sequences
                 units = aggregation_units(batch.mask[rows], a.loss_agg)
@@ -506,6 +512,9 @@ class PPOLearner(OnlineRuntime):
                         )
                     m.actor.step()
                 grad_norm(m.actor, "actor", actor_stats)
+            if a.stop_kl is not None:
+                skipped = torch.tensor(1.0 - trained / len(minibatches))
+                actor_stats.add("policy/kl_skipped_frac", skipped, torch.ones(()))
 
         def critic() -> None:
             m.critic.train()
@@ -526,6 +535,18 @@ class PPOLearner(OnlineRuntime):
             critic()
         actor_stats.extend(critic_stats)
         return actor_stats.reduce()
+
+    @torch.no_grad()
+    def update_kl(self, batch: Batch, rows: Tensor, prox_logp: Tensor) -> float:
+        """KL(proximal ‖ current) over minibatch ``rows``: the k3 token mean of ``policy/approx_kl``, by a
+        no-grad forward of the actor as it now is, over every rank's rows (the same on all ranks)."""
+        stats = Stats()
+        for mb in self.micro(batch, rows):
+            mask = batch.mask[mb.rows]
+            with self.replaying(mb):
+                logp = self.logprobs(self.models.actor, mb, mask)[0]
+            stats.add("kl", (kl_k3(prox_logp[mb.rows], logp) * mask).sum(), mask.sum())
+        return stats.reduce().get("kl", 0.0)
 
     def actor_threads(self) -> int:
         """The actor's share of the learner's threads when the critic has its own."""

@@ -128,6 +128,28 @@ def test_the_grad_norm_deepspeed_clips_by_at_zero_stage_0_is_reported(grpo_learn
     assert naive > 10 * engine.gradient_clipping()
 
 
+def test_update_kl_is_the_k3_token_mean_of_a_plain_forward(grpo_learner: Learner) -> None:
+    """``algorithm.stop_kl``'s measure against a naive loop: one sequence at a time through the module, k3 of
+    KL(proximal ‖ current) = exp(cur − prox) − (cur − prox) − 1 per response token, mean over the rows."""
+    trajs = [t for g in range(3) for t in group(g, 4, seed=2)]
+    batch = make_batch(trajs, 0)
+    grpo_learner.layout = "pack"
+    current, _, _ = grpo_learner.score(batch)
+    prox = current + 0.3 * torch.randn(current.shape, generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([1, 4, 6, 7, 10])
+    module, terms = grpo_learner.models.actor.module, []
+    for i in rows.tolist():
+        t = trajs[i]
+        ids = torch.tensor(np.concatenate([t.prompt_tokens, t.response_tokens]), dtype=torch.long)[None]
+        with torch.no_grad():
+            logits = module(input_ids=ids).logits[0, len(t.prompt_tokens) - 1 : -1]
+        cur = logprobs_from_logits(logits[None], torch.from_numpy(t.response_tokens)[None])[0]
+        for c, q in zip(cur.tolist(), prox[i, : len(cur)].tolist(), strict=True):
+            terms.append(np.exp(c - q) - (c - q) - 1)
+    assert grpo_learner.update_kl(batch, rows, prox) == pytest.approx(np.mean(terms), rel=1e-4)
+    assert grpo_learner.update_kl(batch, rows, current) == pytest.approx(0.0, abs=1e-9)
+
+
 def test_batch_wire_round_trip() -> None:
     trajs = group(3, 4)
     back = decode_batch(encode_batch(trajs))
@@ -359,6 +381,42 @@ def test_async_at_staleness_zero_equals_sync(
     losses = {mode: [(r["loss/policy"], r["policy/entropy"]) for r in rows] for mode, rows in runs.items()}
     assert losses["async"] == losses["sync"]
     assert len({p for p, _ in losses["sync"]}) == 4  # the steps differ: the comparison is not vacuous
+
+
+def test_stop_kl_skips_the_rest_of_a_step_once_the_update_passes_it(
+    tiny_ckpt, redis_server, redis_client, tmp_path
+) -> None:
+    """Three epochs of one minibatch per step. stop_kl far below any update's KL: every step trains its first
+    minibatch only, so the actor ends as a one-epoch run's; far above: as a run without stop_kl."""
+
+    def run(name: str, epochs: int, stop_kl: float | None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        run_id = f"stop-{name}-{os.getpid()}-{time.monotonic_ns()}"
+        algorithm = {"ppo_epochs": epochs, "stop_kl": stop_kl}
+        learner = {"total_steps": 3, "save_hf_final": False}
+        raw = raw_config(
+            tiny_ckpt, redis_server.url, run_id, tmp_path / name, algorithm=algorithm, learner=learner
+        )
+        cfg = load_config(None, raw=raw)
+        buffer = ReplayBuffer.from_config(redis_client, cfg, "test-producer")
+        for g in range(6):
+            buffer.put(group(g, 4, seed=3))
+        trained = Learner(cfg, tmp_path / name / "run")
+        trained.run()
+        weights = {n: p.detach().clone() for n, p in trained.models.actor.module.named_parameters()}
+        return history(redis_client, run_id), weights
+
+    tight, tight_w = run("tight", 3, 1e-9)
+    one_w = run("one", 1, None)[1]
+    loose, loose_w = run("loose", 3, 1e9)
+    full_w = run("full", 3, None)[1]
+    assert [r["policy/kl_skipped_frac"] for r in tight] == pytest.approx([2 / 3] * 3)
+    assert [r["policy/kl_skipped_frac"] for r in loose] == [0.0] * 3
+    for name, p in one_w.items():
+        torch.testing.assert_close(tight_w[name], p, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(loose_w[name], full_w[name], rtol=0, atol=0, msg=name)
+    assert any(
+        not torch.allclose(full_w[n], p) for n, p in one_w.items()
+    )  # the epochs after the first matter
 
 
 # -------------------------------------------------------------------------------------------- subprocesses

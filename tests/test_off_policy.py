@@ -354,6 +354,8 @@ def test_importance_weights_match_the_tis_and_icepop_formulas():
         (["algorithm.loss_agg_norm=512"], r"algorithm\.loss_agg_norm .*algorithm\.loss_agg=token-mean"),
         (["algorithm.loss_agg=seq-mean-token-sum-norm", "algorithm.loss_agg_norm=0"], r"algorithm\.loss_agg_norm: .*greater than 0"),
         (["algorithm.loss=reinforce"], r"algorithm\.loss: "),
+        (["algorithm.stop_kl=0.05"], r"algorithm\.stop_kl .*algorithm\.ppo_epochs=1 and algorithm\.minibatch_size"),
+        (["algorithm.stop_kl=0", "algorithm.ppo_epochs=2"], r"algorithm\.stop_kl: .*greater than 0"),
     ],
 )  # fmt: skip
 def test_each_refusal_names_its_fields(overrides: list[str], named: str):

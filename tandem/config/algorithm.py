@@ -185,6 +185,15 @@ class AlgorithmConfig(Section):
     )
     minibatch_size: int = Field(16, ge=1, description="Trajectories per optimizer step within a PPO epoch.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
+    stop_kl: float | None = Field(
+        None,
+        gt=0,
+        description="Early stopping of a step's update (the target_kl of Spinning Up and Stable-Baselines3, "
+        "there 1.5 x target_kl): before each actor minibatch after the step's first, a no-grad forward "
+        "measures KL(proximal || current) (k3, the minibatch's token mean); above this, the step's remaining "
+        "actor minibatches are skipped (policy/kl_skipped_frac). One forward more per minibatch; null "
+        "runs them all. Needs more than one optimizer step per batch.",
+    )
     sync_interval: int = Field(1, ge=1, description="Publish actor weights every this many learner steps.")
     normalize_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
     dynamic_sampling: bool = Field(
@@ -221,8 +230,13 @@ class AlgorithmConfig(Section):
         """Whether a step runs the actor's no-grad proximal forward. Not when the batch gets one optimizer
         step, which starts from the proximal policy (its forward with gradient computes the same numbers),
         unless the KL is folded into the reward and needed before the first backward."""
-        one_step = self.ppo_epochs == 1 and self.minibatch_size == self.batch_size
-        return not (self.prox_forward == "auto" and one_step and not (self.kl_in_reward and self.kl_coef > 0))
+        auto = self.prox_forward == "auto"
+        return not (auto and self.one_optimizer_step and not (self.kl_in_reward and self.kl_coef > 0))
+
+    @property
+    def one_optimizer_step(self) -> bool:
+        """Whether a learner step makes a single optimizer step of the actor: one epoch of one minibatch."""
+        return self.ppo_epochs == 1 and self.minibatch_size == self.batch_size
 
     @field_validator("max_staleness", mode="before")
     @classmethod
@@ -282,6 +296,12 @@ class AlgorithmConfig(Section):
             raise SectionCheckError(
                 "algorithm.loss=gspo weighs whole sequences, but algorithm.importance.level=token would weigh "
                 "its tokens one by one: set algorithm.importance.level=sequence"
+            )
+        if self.stop_kl is not None and self.one_optimizer_step:
+            raise SectionCheckError(
+                "algorithm.stop_kl skips the minibatches after the first of a step, but with "
+                f"algorithm.ppo_epochs=1 and algorithm.minibatch_size=batch_size ({self.batch_size}) a step has "
+                "only one: raise ppo_epochs or lower minibatch_size, or set stop_kl=null"
             )
         if self.loss_agg_norm is not None and self.loss_agg != "seq-mean-token-sum-norm":
             raise SectionCheckError(
