@@ -5,7 +5,7 @@
 
 Runs ``launch.py`` once per variant (docs/design.md §4.9 and §3.7): the default loss (ppo, token-level
 truncated importance weights, ``max_staleness`` 1), ``algorithm.loss`` gspo and cispo, ``algorithm.importance``
-masked and sequence-level, and ``max_staleness`` 0, 2, 4 and auto. For each it prints the wall time until the
+masked and sequence-level, and ``max_staleness`` 0, 2, 4 and auto (and, asked for, ``algorithm.stop_kl``). For each it prints the wall time until the
 5-step moving average of ``reward/mean`` first reaches ``--target`` (from the learner's first logged step),
 the final reward (mean of the last tenth of the steps), the mean staleness and the mean ``policy/ess``.
 ``--shapes`` repeats the variants on other workload shapes (:data:`SHAPES`) and, after each shape's table,
@@ -56,7 +56,11 @@ VARIANTS: dict[str, list[str]] = {
         "algorithm.staleness_patience=5",
         "algorithm.staleness_ess_target=0.9",
     ],
+    # PPO's early stopping (docs/design.md §4.1): only a shape of several optimizer steps per batch has a
+    # minibatch to skip, so it is run when asked for (--only) on such a shape (training-heavy).
+    "stop-kl": ["algorithm.stop_kl=0.1"],
 }
+ASKED_ONLY = {"stop-kl"}
 
 # The variants that fix the admission bound: "ppo" is the base config's bound of 1.
 FIXED_BOUNDS = ("staleness-0", "ppo", "staleness-2", "staleness-4")
@@ -219,12 +223,15 @@ def main() -> None:
     ap.add_argument("--seeds", default="", help="comma-separated run.seed values (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every variant")
     args = ap.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
+    names = [n for n in args.only.split(",") if n] or [n for n in VARIANTS if n not in ASKED_ONLY]
     shapes = [s for s in args.shapes.split(",") if s]
     seeds: list[int | None] = [int(s) for s in args.seeds.split(",") if s] or [None]
     unknown = sorted(set(names) - set(VARIANTS)) + sorted(set(shapes) - set(SHAPES))
     if unknown:
         ap.error(f"unknown {unknown}; variants: {', '.join(VARIANTS)}; shapes: {', '.join(SHAPES)}")
+    one_step = [s for s in shapes if not any(o.startswith("algorithm.ppo_epochs=") for o in SHAPES[s])]
+    if "stop-kl" in names and one_step:
+        ap.error(f"stop-kl needs several optimizer steps per batch, which shapes {one_step} do not make")
     targets = {shape: args.target if args.target is not None else TARGETS[shape] for shape in shapes}
     runs: dict[str, dict[str, list[dict]]] = {shape: {n: [] for n in names} for shape in shapes}
     with tempfile.TemporaryDirectory(prefix="bench-algorithms-") as tmp:
