@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tandem.config import ConfigError, load_config
 from tandem.telemetry import read_history
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,9 +230,12 @@ def main() -> None:
     unknown = sorted(set(names) - set(VARIANTS)) + sorted(set(shapes) - set(SHAPES))
     if unknown:
         ap.error(f"unknown {unknown}; variants: {', '.join(VARIANTS)}; shapes: {', '.join(SHAPES)}")
-    one_step = [s for s in shapes if not any(o.startswith("algorithm.ppo_epochs=") for o in SHAPES[s])]
-    if "stop-kl" in names and one_step:
-        ap.error(f"stop-kl needs several optimizer steps per batch, which shapes {one_step} do not make")
+    for shape in shapes:  # a variant the config refuses on a shape fails here, before any launch
+        for name in names:
+            try:
+                load_config(args.config, [*VARIANTS[name], *SHAPES[shape], *args.overrides])
+            except ConfigError as e:
+                ap.error(f"variant {name} on shape {shape}: {e}")
     targets = {shape: args.target if args.target is not None else TARGETS[shape] for shape in shapes}
     runs: dict[str, dict[str, list[dict]]] = {shape: {n: [] for n in names} for shape in shapes}
     with tempfile.TemporaryDirectory(prefix="bench-algorithms-") as tmp:
