@@ -529,9 +529,13 @@ def test_a_measured_step_is_priced_from_the_phases_of_the_same_steps() -> None:
     sim.run(plan, 0, 5)
     measured = step_time(sim.ends, warmup=0)
     paired = observed_ratio(plan, GRPO, measured, within(sim.samples, sim.ends[0], sim.ends[-1]), WORK)
-    assert paired == pytest.approx(1.0, abs=0.05)
+    # The samples hold each phase's real sleep; what a loaded machine adds between phases only lengthens
+    # the measured step (1.01 idle here, 1.055 once under CI's two workers).
+    assert 0.98 < paired < 1.15
     assert len(within(sim.samples, sim.ends[0], sim.ends[-1])) == 4 * 5  # four steps of five phases
-    assert observed_ratio(plan, GRPO, measured, sim.samples, WORK) < 0.93
+    # Both ratios share the measured step, so theirs is the two predictions' alone: 0.884 here, run to run.
+    unpaired = observed_ratio(plan, GRPO, measured, sim.samples, WORK)
+    assert unpaired / paired < 0.93
 
 
 # ------------------------------------------------------------------------------------------ config and CLI
