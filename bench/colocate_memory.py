@@ -188,7 +188,11 @@ def run(release: bool, model: Path, out: Path, args: argparse.Namespace) -> dict
     finally:
         if proc.poll() is None:
             proc.terminate()
-        proc.wait()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a launch that ignores SIGTERM must not hold the bench
+            proc.kill()
+            proc.wait()
         log.close()
         shutil.rmtree(shm, ignore_errors=True)
     if proc.returncode != 0:
