@@ -513,7 +513,8 @@ def test_auto_probes_judge_a_separated_plan_by_its_steady_steps() -> None:
     # Read on its drain the ratio is 0.6. A loaded machine can cost the separated plan its overlap (a step
     # of 7 phases, 1.4), never make it faster than its laws.
     assert 0.9 <= separated <= 1.5
-    assert colocated == pytest.approx(1.0, rel=0.1)  # colocated phases add, as the formula says
+    # Colocated phases add, as the formula says; a loaded machine's gaps between phases only lengthen it.
+    assert 0.95 < colocated < 1.15
 
 
 def test_a_measured_step_is_priced_from_the_phases_of_the_same_steps() -> None:
